@@ -1,0 +1,529 @@
+//! The TOML configuration a user writes, and its validation.
+//!
+//! The structs here are the reference for the file format: every field's doc comment says what it
+//! means and what it defaults to. [`Config::from_toml`] parses and validates in one step, so a
+//! [`Config`] that exists is a config the gateway can run; every error names the field at fault.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode, Uri};
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+/// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Io {
+        /// The path given on the command line.
+        path: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse, or a field has the wrong type or an unknown name.
+    #[error("invalid config: {0}")]
+    Parse(String),
+    /// A field parsed but its value is not allowed.
+    #[error("invalid config: {field}: {reason}")]
+    Invalid {
+        /// The dotted path of the field, e.g. `routes[0].ttl`.
+        field: String,
+        /// Why the value is refused.
+        reason: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl fmt::Debug for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(s.trim())
+            .map(HumanDuration)
+            .map_err(|e| de::Error::custom(format!("{s:?} is not a duration like \"30s\" ({e})")))
+    }
+}
+
+/// A size written as a human string: `"64KiB"`, `"1MiB"`, or a plain number of bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HumanSize(pub u64);
+
+impl fmt::Debug for HumanSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", bytesize::ByteSize(self.0).display().iec())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(HumanSize(n)),
+            Raw::Str(s) => bytesize::ByteSize::from_str(s.trim())
+                .map(|b| HumanSize(b.as_u64()))
+                .map_err(|e| de::Error::custom(format!("{s:?} is not a size like \"1MiB\" ({e})"))),
+        }
+    }
+}
+
+/// What to do with a keyed request whose key is in flight (issue 3 adds `"wait"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnInFlight {
+    /// Answer 409 problem+json with `Retry-After` at once.
+    #[default]
+    Reject,
+}
+
+/// The file as written. Unknown fields are errors, so a typo never silently does nothing.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    /// Address the gateway listens on. Default `127.0.0.1:8080`.
+    listen: Option<String>,
+    /// Base URL of the one upstream, `http://host:port`. Required.
+    upstream: Option<String>,
+    #[serde(default)]
+    store: RawStore,
+    #[serde(default)]
+    defaults: RawPolicy,
+    #[serde(default)]
+    routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    backend: Option<String>,
+    url: Option<String>,
+    prefix: Option<String>,
+}
+
+/// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
+/// route overrides only what it names.
+#[derive(Debug, Deserialize, Default, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    methods: Option<Vec<String>>,
+    ttl: Option<HumanDuration>,
+    lock_ttl: Option<HumanDuration>,
+    require_key: Option<bool>,
+    max_body: Option<HumanSize>,
+    key_max_len: Option<usize>,
+    scope_headers: Option<Vec<String>>,
+    mismatch_status: Option<u16>,
+    cache_server_errors: Option<bool>,
+    upstream_timeout: Option<HumanDuration>,
+    on_in_flight: Option<OnInFlight>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    path: Option<String>,
+    #[serde(flatten)]
+    policy: RawPolicy,
+}
+
+/// Which store keeps the records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// The embedded in-process store: zero setup, one gateway process, lost on restart.
+    Memory,
+    /// Redis: shared by every gateway replica and durable as far as Redis is.
+    Redis {
+        /// `redis://` or `rediss://` URL; may carry a password, so never log it whole.
+        url: String,
+    },
+}
+
+/// The `[store]` table, validated.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The backend to use.
+    pub backend: StoreBackend,
+    /// Prefix of every key the gateway writes, so one Redis can serve several deployments.
+    pub prefix: String,
+}
+
+/// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
+/// then the route's own fields merged over that.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Where this policy came from: `"defaults"` or the route's path; used in logs and metrics.
+    pub route: String,
+    /// Methods where idempotency applies; others pass through untouched.
+    pub methods: Vec<Method>,
+    /// How long a completed response is replayed.
+    pub ttl: Duration,
+    /// Lease of an in-flight claim.
+    pub lock_ttl: Duration,
+    /// Whether a request without a key is refused with 400.
+    pub require_key: bool,
+    /// Largest keyed request body accepted and largest response recorded for replay.
+    pub max_body: u64,
+    /// Longest key accepted.
+    pub key_max_len: usize,
+    /// Request headers whose values scope the key (lower-case names).
+    pub scope_headers: Vec<HeaderName>,
+    /// Status for a key reused with a different request (409 or 422).
+    pub mismatch_status: StatusCode,
+    /// Store 5xx responses too (Stripe's behaviour) instead of releasing the key.
+    pub cache_server_errors: bool,
+    /// How long to wait for the upstream's full response.
+    pub upstream_timeout: Duration,
+    /// What a duplicate of an in-flight request gets.
+    pub on_in_flight: OnInFlight,
+}
+
+impl Policy {
+    fn builtin() -> Self {
+        Policy {
+            route: "defaults".into(),
+            methods: vec![Method::POST, Method::PATCH],
+            ttl: Duration::from_secs(24 * 3600),
+            lock_ttl: Duration::from_secs(30),
+            require_key: false,
+            max_body: 1024 * 1024,
+            key_max_len: 255,
+            scope_headers: vec![http::header::AUTHORIZATION],
+            mismatch_status: StatusCode::CONFLICT,
+            cache_server_errors: false,
+            upstream_timeout: Duration::from_secs(30),
+            on_in_flight: OnInFlight::Reject,
+        }
+    }
+
+    /// Whether idempotency applies to `method` on this route.
+    pub fn applies_to(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    /// Overlay the fields `raw` sets, validating each; `at` is the table's name for errors.
+    fn overlay(mut self, raw: &RawPolicy, at: &str) -> Result<Self, ConfigError> {
+        if let Some(methods) = &raw.methods {
+            if methods.is_empty() {
+                return Err(invalid(
+                    format!("{at}.methods"),
+                    "must name at least one method",
+                ));
+            }
+            self.methods = methods
+                .iter()
+                .map(|m| {
+                    let upper = m.trim().to_ascii_uppercase();
+                    match Method::from_bytes(upper.as_bytes()) {
+                        Ok(method) if !upper.is_empty() => Ok(method),
+                        _ => Err(invalid(
+                            format!("{at}.methods"),
+                            format!("{m:?} is not an HTTP method"),
+                        )),
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        let positive =
+            |d: Option<HumanDuration>, name: &str| -> Result<Option<Duration>, ConfigError> {
+                match d {
+                    Some(HumanDuration(d)) if d.is_zero() => {
+                        Err(invalid(format!("{at}.{name}"), "must be greater than zero"))
+                    }
+                    Some(HumanDuration(d)) => Ok(Some(d)),
+                    None => Ok(None),
+                }
+            };
+        if let Some(d) = positive(raw.ttl, "ttl")? {
+            self.ttl = d;
+        }
+        if let Some(d) = positive(raw.lock_ttl, "lock_ttl")? {
+            self.lock_ttl = d;
+        }
+        if let Some(d) = positive(raw.upstream_timeout, "upstream_timeout")? {
+            self.upstream_timeout = d;
+        }
+        if let Some(b) = raw.require_key {
+            self.require_key = b;
+        }
+        if let Some(HumanSize(n)) = raw.max_body {
+            if n == 0 {
+                return Err(invalid(
+                    format!("{at}.max_body"),
+                    "must be greater than zero",
+                ));
+            }
+            self.max_body = n;
+        }
+        if let Some(n) = raw.key_max_len {
+            if n == 0 || n > 8192 {
+                return Err(invalid(
+                    format!("{at}.key_max_len"),
+                    "must be between 1 and 8192",
+                ));
+            }
+            self.key_max_len = n;
+        }
+        if let Some(names) = &raw.scope_headers {
+            self.scope_headers = names
+                .iter()
+                .map(|n| {
+                    HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes()).map_err(|_| {
+                        invalid(
+                            format!("{at}.scope_headers"),
+                            format!("{n:?} is not a header name"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(s) = raw.mismatch_status {
+            if s != 409 && s != 422 {
+                return Err(invalid(
+                    format!("{at}.mismatch_status"),
+                    "must be 409 or 422",
+                ));
+            }
+            self.mismatch_status = StatusCode::from_u16(s).expect("409 and 422 are valid");
+        }
+        if let Some(b) = raw.cache_server_errors {
+            self.cache_server_errors = b;
+        }
+        if let Some(o) = raw.on_in_flight {
+            self.on_in_flight = o;
+        }
+        Ok(self)
+    }
+}
+
+/// One `[[routes]]` entry, resolved.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The path pattern in axum/matchit syntax (`/v1/payments/{id}`, `/v1/{*rest}`).
+    pub path: String,
+    /// The effective policy.
+    pub policy: Arc<Policy>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Base URL of the upstream (scheme `http`, with authority, optional path prefix).
+    pub upstream: Uri,
+    /// The store.
+    pub store: StoreConfig,
+    /// The policy for requests that match no route.
+    pub defaults: Arc<Policy>,
+    /// The routes, in file order.
+    pub routes: Vec<Route>,
+}
+
+impl Config {
+    /// Read and validate a TOML file.
+    pub fn load(path: &str) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_string(),
+            source,
+        })?;
+        Self::from_toml(&text)
+    }
+
+    /// Parse and validate TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+
+        let listen = raw.listen.as_deref().unwrap_or("127.0.0.1:8080");
+        let listen: SocketAddr = listen.parse().map_err(|_| {
+            invalid(
+                "listen",
+                format!("{listen:?} is not an address like \"127.0.0.1:8080\""),
+            )
+        })?;
+
+        let upstream = raw
+            .upstream
+            .ok_or_else(|| invalid("upstream", "is required"))?;
+        let upstream = parse_upstream(&upstream)?;
+
+        let prefix = raw.store.prefix.unwrap_or_else(|| "idemgate:".to_string());
+        let backend = match raw.store.backend.as_deref().unwrap_or("memory") {
+            "memory" => StoreBackend::Memory,
+            "redis" => {
+                let url = raw.store.url.ok_or_else(|| {
+                    invalid("store.url", "is required when store.backend = \"redis\"")
+                })?;
+                if !(url.starts_with("redis://")
+                    || url.starts_with("rediss://")
+                    || url.starts_with("unix://"))
+                {
+                    return Err(invalid(
+                        "store.url",
+                        "must start with redis://, rediss:// or unix://",
+                    ));
+                }
+                StoreBackend::Redis { url }
+            }
+            other => {
+                return Err(invalid(
+                    "store.backend",
+                    format!("{other:?} is not a backend; use \"memory\" or \"redis\""),
+                ))
+            }
+        };
+
+        let defaults = Arc::new(Policy::builtin().overlay(&raw.defaults, "defaults")?);
+        let mut matcher = matchit::Router::new();
+        let mut routes = Vec::with_capacity(raw.routes.len());
+        for (i, r) in raw.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            let path = r
+                .path
+                .clone()
+                .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
+            if !path.starts_with('/') {
+                return Err(invalid(format!("{at}.path"), "must start with '/'"));
+            }
+            matcher
+                .insert(path.clone(), i)
+                .map_err(|e| invalid(format!("{at}.path"), e.to_string()))?;
+            let mut policy = (*defaults).clone().overlay(&r.policy, &at)?;
+            policy.route = path.clone();
+            routes.push(Route {
+                path,
+                policy: Arc::new(policy),
+            });
+        }
+
+        Ok(Config {
+            listen,
+            upstream,
+            store: StoreConfig { backend, prefix },
+            defaults,
+            routes,
+        })
+    }
+}
+
+fn parse_upstream(s: &str) -> Result<Uri, ConfigError> {
+    let uri: Uri = s.parse().map_err(|_| {
+        invalid(
+            "upstream",
+            format!("{s:?} is not a URL like \"http://127.0.0.1:9000\""),
+        )
+    })?;
+    if uri.scheme_str() != Some("http") {
+        return Err(invalid(
+            "upstream",
+            "must be an http:// URL (TLS to the upstream is not supported yet)",
+        ));
+    }
+    if uri.authority().is_none() {
+        return Err(invalid(
+            "upstream",
+            "must name a host, like \"http://127.0.0.1:9000\"",
+        ));
+    }
+    if uri.query().is_some() {
+        return Err(invalid("upstream", "must not carry a query string"));
+    }
+    Ok(uri)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        Config::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_config_uses_builtin_defaults() {
+        let c = Config::from_toml("upstream = \"http://127.0.0.1:9000\"").unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.store.backend, StoreBackend::Memory);
+        assert_eq!(c.defaults.methods, vec![Method::POST, Method::PATCH]);
+        assert_eq!(c.defaults.ttl, Duration::from_secs(86400));
+        assert_eq!(c.defaults.max_body, 1 << 20);
+    }
+
+    #[test]
+    fn routes_override_only_what_they_name() {
+        let c = Config::from_toml(
+            r#"
+            upstream = "http://127.0.0.1:9000"
+            [defaults]
+            lock_ttl = "5s"
+            [[routes]]
+            path = "/v1/payments/{id}/capture"
+            methods = ["post"]
+            ttl = "7d"
+            require_key = true
+            max_body = "64KiB"
+            "#,
+        )
+        .unwrap();
+        let p = &c.routes[0].policy;
+        assert_eq!(p.ttl, Duration::from_secs(7 * 86400));
+        assert_eq!(p.lock_ttl, Duration::from_secs(5));
+        assert_eq!(p.methods, vec![Method::POST]);
+        assert!(p.require_key);
+        assert_eq!(p.max_body, 64 * 1024);
+        assert_eq!(p.route, "/v1/payments/{id}/capture");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert!(err("").contains("upstream"));
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        assert!(err(&format!("{base}[defaults]\nttl = \"0s\"")).contains("defaults.ttl"));
+        assert!(err(&format!("{base}[defaults]\nttl = \"-1s\"")).contains("ttl"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a\"\nlock_ttl = \"0ms\""
+        ))
+        .contains("routes[0].lock_ttl"));
+        assert!(err(&format!("{base}[defaults]\nmax_body = \"lots\"")).contains("max_body"));
+        assert!(err(&format!("{base}[defaults]\nmismatch_status = 400"))
+            .contains("defaults.mismatch_status"));
+        assert!(err(&format!("{base}[store]\nbackend = \"redis\"")).contains("store.url"));
+        assert!(err(&format!("{base}[store]\nbackend = \"etcd\"")).contains("store.backend"));
+        assert!(err(&format!("{base}[defaults]\nttll = \"1s\"")).contains("ttll"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a/{{id}}\"\n[[routes]]\npath = \"/a/{{other}}\""
+        ))
+        .contains("routes[1].path"));
+        assert!(err("upstream = \"https://x\"").contains("upstream"));
+    }
+
+    #[test]
+    fn very_large_ttl_is_accepted() {
+        let c =
+            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"").unwrap();
+        assert_eq!(c.defaults.ttl, Duration::from_secs(3650 * 86400));
+    }
+}

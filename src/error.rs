@@ -1,0 +1,131 @@
+//! What the client sees when the gateway itself answers: RFC 9457 `application/problem+json`
+//! with a stable `type` per kind. Internal details go to the log, not to the client.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{header, HeaderValue, Response, StatusCode};
+
+/// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// 400: the `Idempotency-Key` header is malformed, empty, too long or repeated.
+    #[error("{0}")]
+    InvalidKey(String),
+    /// 400: the route requires an `Idempotency-Key` and the request has none.
+    #[error("this endpoint requires an Idempotency-Key header")]
+    MissingKey,
+    /// 400: the request body could not be read.
+    #[error("the request body could not be read")]
+    InvalidBody,
+    /// 413: a keyed request's body is larger than the route's `max_body`.
+    #[error("the request body is larger than {limit} bytes, the limit for idempotent requests")]
+    BodyTooLarge {
+        /// The route's `max_body`.
+        limit: u64,
+    },
+    /// 409 or 422 (`mismatch_status`): the key was used before for a different request.
+    #[error("this Idempotency-Key was already used with a different request (method, path, query, content-type or body)")]
+    Mismatch {
+        /// The route's `mismatch_status`.
+        status: StatusCode,
+    },
+    /// 409 with `Retry-After`: a request with this key is still being processed.
+    #[error("a request with this Idempotency-Key is still being processed; retry later")]
+    InFlight {
+        /// What `Retry-After` says.
+        retry_after: Duration,
+    },
+    /// 409: the first response was too large to store; it was delivered once and is not replayed.
+    #[error("the request with this Idempotency-Key completed, but its response was too large to be stored for replay")]
+    NotReplayable,
+    /// 502: the upstream could not be reached (nothing was sent), or it failed mid-response.
+    #[error("the upstream could not be reached or failed")]
+    Upstream,
+    /// 504: the upstream did not answer within `upstream_timeout`.
+    #[error("the upstream did not answer in time")]
+    UpstreamTimeout,
+    /// 503 with `Retry-After`: the idempotency store is unavailable; nothing was forwarded.
+    #[error("the idempotency store is unavailable; nothing was forwarded, retry later")]
+    StoreUnavailable,
+}
+
+impl GatewayError {
+    /// The HTTP status of this answer.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidKey(_) | Self::MissingKey | Self::InvalidBody => StatusCode::BAD_REQUEST,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Mismatch { status } => *status,
+            Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
+            Self::Upstream => StatusCode::BAD_GATEWAY,
+            Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The stable problem type (the last part of the `type` URI), also the metrics outcome label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidKey(_) => "invalid-key",
+            Self::MissingKey => "missing-key",
+            Self::InvalidBody => "invalid-body",
+            Self::BodyTooLarge { .. } => "body-too-large",
+            Self::Mismatch { .. } => "mismatch",
+            Self::InFlight { .. } => "in-flight",
+            Self::NotReplayable => "not-replayable",
+            Self::Upstream => "upstream-unavailable",
+            Self::UpstreamTimeout => "upstream-timeout",
+            Self::StoreUnavailable => "store-unavailable",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::InvalidKey(_) => "Invalid Idempotency-Key",
+            Self::MissingKey => "Idempotency-Key required",
+            Self::InvalidBody => "Unreadable request body",
+            Self::BodyTooLarge { .. } => "Request body too large",
+            Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
+            Self::InFlight { .. } => "Request in flight",
+            Self::NotReplayable => "Response not replayable",
+            Self::Upstream => "Bad gateway",
+            Self::UpstreamTimeout => "Gateway timeout",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::InFlight { retry_after } => Some(*retry_after),
+            Self::StoreUnavailable => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    /// The problem+json response.
+    pub fn into_response(self) -> Response<Body> {
+        let status = self.status();
+        let body = serde_json::json!({
+            "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind()),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.to_string(),
+        });
+        let mut resp = Response::new(Body::from(body.to_string()));
+        *resp.status_mut() = status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(d) = self.retry_after() {
+            let secs = d.as_secs_f64().ceil().max(1.0) as u64;
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+/// The prefix of every problem `type`: `urn:idemgate:problem:mismatch`, `...:in-flight`, etc.
+pub const PROBLEM_TYPE_BASE: &str = "urn:idemgate:problem:";

@@ -1,0 +1,237 @@
+//! What the store keeps per key, and its compact binary encoding.
+//!
+//! Layout of an encoded entry (all integers big-endian), version 1:
+//!
+//! ```text
+//! [0]      format version (1)
+//! [1]      state: b'P' in flight, b'C' completed (response follows), b'N' completed, not replayable
+//! [2..34]  request fingerprint (SHA-256)
+//! [34..50] claim token (fences completion and release against a newer holder)
+//! -- only for b'C':
+//! u16      status
+//! u16      header count, then per header: u16 name length, name, u32 value length, value
+//! rest     body bytes
+//! ```
+//!
+//! The Redis Lua scripts read bytes 1, 2..34 and 34..50 directly (`string.sub(v, 2, 2)` etc.), so
+//! those offsets are part of the format. A later version keeps byte 0 as the version so that old
+//! records stay readable.
+
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, StatusCode};
+
+use super::fingerprint::Fingerprint;
+
+/// The encoding version written by this build.
+pub const FORMAT_VERSION: u8 = 1;
+/// Offset of the state byte.
+pub const STATE_AT: usize = 1;
+/// Offset of the token.
+pub const TOKEN_AT: usize = 34;
+/// Length of the fixed header before the response.
+pub const HEADER_LEN: usize = 50;
+
+/// The random token of one claim. Whoever completes or releases a key must present the token of
+/// the claim it holds, so a holder whose lease expired cannot clobber a newer holder's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token(pub [u8; 16]);
+
+impl Token {
+    /// A fresh random token.
+    pub fn random() -> Self {
+        Token(rand::random())
+    }
+}
+
+/// A response as stored for replay: status, end-to-end headers, and the whole body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The upstream's status code.
+    pub status: StatusCode,
+    /// End-to-end headers in the upstream's order (hop-by-hop ones already removed).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The body, byte for byte.
+    pub body: Bytes,
+}
+
+/// Where a key stands.
+#[derive(Debug, Clone)]
+pub enum EntryState {
+    /// Claimed by a request that is still running.
+    InFlight,
+    /// Completed, with the response to replay.
+    Completed(Arc<StoredResponse>),
+    /// Completed, but the response was too large to keep: never run again, never replayed.
+    NotReplayable,
+}
+
+/// A stored entry: the state and the fingerprint of the request that claimed the key.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// The fingerprint of the request that owns this key.
+    pub fingerprint: Fingerprint,
+    /// Its state.
+    pub state: EntryState,
+}
+
+/// Why bytes from the store could not be read as an entry.
+#[derive(Debug, thiserror::Error)]
+#[error("corrupt or unknown record encoding: {0}")]
+pub struct DecodeError(&'static str);
+
+/// Encode an entry (with its token) for the store.
+pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
+    let (tag, resp) = match state {
+        EntryState::InFlight => (b'P', None),
+        EntryState::Completed(r) => (b'C', Some(r)),
+        EntryState::NotReplayable => (b'N', None),
+    };
+    let size = HEADER_LEN
+        + resp.map_or(0, |r| {
+            4 + r
+                .headers
+                .iter()
+                .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                .sum::<usize>()
+                + r.body.len()
+        });
+    let mut out = BytesMut::with_capacity(size);
+    out.put_u8(FORMAT_VERSION);
+    out.put_u8(tag);
+    out.put_slice(&fingerprint.0);
+    out.put_slice(&token.0);
+    if let Some(r) = resp {
+        out.put_u16(r.status.as_u16());
+        out.put_u16(r.headers.len() as u16);
+        for (n, v) in &r.headers {
+            out.put_u16(n.as_str().len() as u16);
+            out.put_slice(n.as_str().as_bytes());
+            out.put_u32(v.len() as u32);
+            out.put_slice(v.as_bytes());
+        }
+        out.put_slice(&r.body);
+    }
+    out.freeze()
+}
+
+/// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
+pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
+    if raw.len() < HEADER_LEN {
+        return Err(DecodeError("too short"));
+    }
+    if raw[0] != FORMAT_VERSION {
+        return Err(DecodeError("unknown version"));
+    }
+    let fingerprint = Fingerprint(raw[2..34].try_into().expect("32 bytes"));
+    let token = Token(raw[TOKEN_AT..HEADER_LEN].try_into().expect("16 bytes"));
+    let state = match raw[STATE_AT] {
+        b'P' => EntryState::InFlight,
+        b'N' => EntryState::NotReplayable,
+        b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(HEADER_LEN..))?)),
+        _ => return Err(DecodeError("unknown state")),
+    };
+    Ok((Entry { fingerprint, state }, token))
+}
+
+fn decode_response(mut buf: Bytes) -> Result<StoredResponse, DecodeError> {
+    let need = |buf: &Bytes, n: usize| {
+        if buf.remaining() < n {
+            Err(DecodeError("truncated"))
+        } else {
+            Ok(())
+        }
+    };
+    need(&buf, 4)?;
+    let status = StatusCode::from_u16(buf.get_u16()).map_err(|_| DecodeError("bad status"))?;
+    let count = buf.get_u16() as usize;
+    let mut headers = Vec::with_capacity(count);
+    for _ in 0..count {
+        need(&buf, 2)?;
+        let n = buf.get_u16() as usize;
+        need(&buf, n + 4)?;
+        let name =
+            HeaderName::from_bytes(&buf.split_to(n)).map_err(|_| DecodeError("bad header name"))?;
+        let v = buf.get_u32() as usize;
+        need(&buf, v)?;
+        let value = HeaderValue::from_maybe_shared(buf.split_to(v))
+            .map_err(|_| DecodeError("bad header value"))?;
+        headers.push((name, value));
+    }
+    Ok(StoredResponse {
+        status,
+        headers,
+        body: buf,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_binary_bodies_and_headers() {
+        let body: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let resp = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (
+                    HeaderName::from_static("content-type"),
+                    HeaderValue::from_static("application/octet-stream"),
+                ),
+                (
+                    HeaderName::from_static("set-cookie"),
+                    HeaderValue::from_static("a=1"),
+                ),
+                (
+                    HeaderName::from_static("set-cookie"),
+                    HeaderValue::from_static("b=2"),
+                ),
+            ],
+            body: Bytes::from(body),
+        };
+        let fp = Fingerprint([7; 32]);
+        let tok = Token::random();
+        let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
+        // 50 fixed + 4 (status, count) + 3 headers (6 bytes of lengths each + name + value) + body.
+        assert_eq!(
+            raw.len(),
+            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 1000
+        );
+        let (entry, tok2) = decode(raw).unwrap();
+        assert_eq!(tok2, tok);
+        assert_eq!(entry.fingerprint, fp);
+        match entry.state {
+            EntryState::Completed(r) => assert_eq!(*r, resp),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn in_flight_and_truncated() {
+        let raw = encode(
+            &Fingerprint([1; 32]),
+            &Token([2; 16]),
+            &EntryState::InFlight,
+        );
+        assert_eq!(raw.len(), HEADER_LEN);
+        assert!(matches!(
+            decode(raw.clone()).unwrap().0.state,
+            EntryState::InFlight
+        ));
+        assert!(decode(raw.slice(..10)).is_err());
+        let mut c = encode(
+            &Fingerprint([1; 32]),
+            &Token([2; 16]),
+            &EntryState::Completed(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: vec![(HeaderName::from_static("x"), HeaderValue::from_static("y"))],
+                body: Bytes::new(),
+            })),
+        )
+        .to_vec();
+        c.truncate(c.len() - 1);
+        assert!(decode(Bytes::from(c)).is_err());
+    }
+}

@@ -1,0 +1,482 @@
+//! The tower service that runs the state machine of one request. Read [`Inner::keyed`] and
+//! [`Inner::run_claimed`] top to bottom: they are the whole protocol.
+//!
+//! ```text
+//!  keyed request ──► buffer body (413) ──► fingerprint ──► claim ─┬─ Existing, other fingerprint ──► mismatch (409/422)
+//!                                                                  ├─ Existing, in flight ─────────► 409 in flight
+//!                                                                  ├─ Existing, not replayable ────► 409 not replayable
+//!                                                                  ├─ Existing, completed ─────────► replay
+//!                                                                  └─ Claimed ──► run_claimed (spawned: survives client aborts)
+//!  run_claimed: forward while renewing the lease ─┬─ not sent (connect error) ─► release, 502
+//!                                                 ├─ timeout / failed after send ─► keep claim until lease ends, 504/502
+//!                                                 ├─ 5xx, 408, 429 ──────────────► release, pass response on
+//!                                                 ├─ body ≤ max_body ─────────────► complete (replayable), respond
+//!                                                 └─ body > max_body ─────────────► complete (not replayable), stream once
+//! ```
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::header::{self, HeaderName, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, BodyStream, Limited};
+use hyper::body::Incoming;
+use tracing::{debug, error, field, info_span, warn, Instrument, Span};
+
+use super::fingerprint::Fingerprint;
+use super::key::{IdempotencyKey, ScopedKey};
+use super::record::{Entry, EntryState, StoredResponse, Token};
+use crate::config::{Config, Policy};
+use crate::error::GatewayError;
+use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream};
+use crate::store::{Claim, Store};
+
+/// The header that marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// How long a duplicate of an in-flight request is told to wait (`Retry-After`).
+const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The gateway as a tower service: cheap to clone, all clones share one state.
+pub struct Gateway<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for Gateway<S> {
+    fn clone(&self) -> Self {
+        Gateway {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+struct Inner<S> {
+    // Where records live.
+    store: S,
+    // The pooled client to the one upstream.
+    upstream: Upstream,
+    // Route patterns to their resolved policies; the most specific pattern wins (matchit).
+    routes: matchit::Router<Arc<Policy>>,
+    // The policy of requests that match no route.
+    defaults: Arc<Policy>,
+}
+
+impl<S: Store> Gateway<S> {
+    /// Build the gateway for a validated config over `store`.
+    pub fn new(config: &Config, store: S) -> Self {
+        let mut routes = matchit::Router::new();
+        for r in &config.routes {
+            routes
+                .insert(r.path.clone(), r.policy.clone())
+                .expect("route paths were validated by Config");
+        }
+        Gateway {
+            inner: Arc::new(Inner {
+                store,
+                upstream: Upstream::new(&config.upstream),
+                routes,
+                defaults: config.defaults.clone(),
+            }),
+        }
+    }
+}
+
+impl<S: Store> tower::Service<Request<Body>> for Gateway<S> {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        Box::pin(async move { Ok(inner.handle(req).await) })
+    }
+}
+
+/// What came back from the upstream for a claimed request.
+enum UpstreamResult {
+    /// Nothing was sent (connection refused): safe to run again.
+    NotSent,
+    /// The request may have reached the upstream, but no usable response came back.
+    Failed,
+    /// A response that must not be stored (5xx, 408, 429): passed on, key released.
+    Transient(http::response::Parts, Incoming),
+    /// A storable response whose whole body fits in `max_body`.
+    Whole(http::response::Parts, Bytes),
+    /// A storable response larger than `max_body`: the chunks read so far and the rest.
+    TooLarge(http::response::Parts, Vec<Bytes>, Incoming),
+}
+
+impl<S: Store> Inner<S> {
+    fn policy_for(&self, path: &str) -> &Arc<Policy> {
+        self.routes
+            .at(path)
+            .map(|m| m.value)
+            .unwrap_or(&self.defaults)
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
+        let policy = self.policy_for(req.uri().path()).clone();
+        if !policy.applies_to(req.method()) {
+            return self.pass_through(req, &policy).await;
+        }
+        let key = match IdempotencyKey::from_headers(req.headers(), policy.key_max_len) {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.require_key => return reject(GatewayError::MissingKey),
+            Ok(None) => return self.pass_through(req, &policy).await,
+            Err(e) => return reject(e),
+        };
+        let span = info_span!(
+            "idempotent_request",
+            method = %req.method(),
+            route = %policy.route,
+            key = %key.short_hash(),
+            outcome = field::Empty,
+        );
+        let result = self
+            .clone()
+            .keyed(policy, key, req)
+            .instrument(span.clone())
+            .await;
+        match result {
+            Ok((outcome, resp)) => {
+                span.record("outcome", outcome);
+                debug!(parent: &span, status = resp.status().as_u16(), "done");
+                resp
+            }
+            Err(e) => {
+                span.record("outcome", e.kind());
+                debug!(parent: &span, status = e.status().as_u16(), "refused");
+                e.into_response()
+            }
+        }
+    }
+
+    /// The state machine of a keyed request, up to the claim.
+    async fn keyed(
+        self: Arc<Self>,
+        policy: Arc<Policy>,
+        key: IdempotencyKey,
+        req: Request<Body>,
+    ) -> Result<(&'static str, Response<Body>), GatewayError> {
+        let (parts, body) = req.into_parts();
+        let body = buffer_request(&parts, body, policy.max_body).await?;
+        let fingerprint = Fingerprint::of(&parts, &body);
+        let scoped = key.scoped(&parts.headers, &policy.scope_headers);
+        let token = Token::random();
+
+        let claim = self
+            .store
+            .claim(&scoped, &fingerprint, &token, policy.lock_ttl)
+            .await
+            .map_err(|e| {
+                error!(error = %e, "store unavailable; refusing the keyed request");
+                GatewayError::StoreUnavailable
+            })?;
+        match claim {
+            Claim::Existing(Entry {
+                fingerprint: other, ..
+            }) if other != fingerprint => Err(GatewayError::Mismatch {
+                status: policy.mismatch_status,
+            }),
+            Claim::Existing(Entry {
+                state: EntryState::InFlight,
+                ..
+            }) => Err(GatewayError::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }),
+            Claim::Existing(Entry {
+                state: EntryState::NotReplayable,
+                ..
+            }) => Err(GatewayError::NotReplayable),
+            Claim::Existing(Entry {
+                state: EntryState::Completed(stored),
+                ..
+            }) => Ok(("replayed", respond(&stored, true))),
+            Claim::Claimed => {
+                // The claimed work runs in its own task so that a client that disconnects does not
+                // cancel it: the upstream call completes and its response is stored for the retry.
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let work = async move {
+                    let result = self
+                        .run_claimed(&policy, &scoped, &fingerprint, &token, parts, body)
+                        .await;
+                    if tx.send(result).is_err() {
+                        debug!("client went away; the response was recorded for its retry");
+                    }
+                };
+                tokio::spawn(work.instrument(Span::current()));
+                let resp = rx.await.unwrap_or(Err(GatewayError::Upstream))?;
+                Ok(("miss", resp))
+            }
+        }
+    }
+
+    /// The state machine of a claimed key: forward while holding the lease, then record.
+    async fn run_claimed(
+        &self,
+        policy: &Policy,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        parts: Parts,
+        body: Bytes,
+    ) -> Result<Response<Body>, GatewayError> {
+        let req = Request::from_parts(parts, Body::from(body));
+        let call = tokio::time::timeout(policy.upstream_timeout, self.call_upstream(req, policy));
+        let result = tokio::select! {
+            result = call => result,
+            never = self.hold_lease(key, token, policy.lock_ttl) => match never {},
+        };
+        // From here on the lease is no longer renewed.
+        match result {
+            Err(_elapsed) => {
+                // The upstream may still be executing: keep the claim until its lease ends.
+                warn!(timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
+                Err(GatewayError::UpstreamTimeout)
+            }
+            Ok(UpstreamResult::NotSent) => {
+                self.release(key, token).await;
+                Err(GatewayError::Upstream)
+            }
+            Ok(UpstreamResult::Failed) => Err(GatewayError::Upstream),
+            Ok(UpstreamResult::Transient(head, body)) => {
+                self.release(key, token).await;
+                Ok(Response::from_parts(head, Body::new(body)))
+            }
+            Ok(UpstreamResult::Whole(head, body)) => {
+                let stored = Arc::new(StoredResponse {
+                    status: head.status,
+                    headers: head
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.clone(), v.clone()))
+                        .collect(),
+                    body,
+                });
+                let state = EntryState::Completed(stored.clone());
+                self.complete(key, fingerprint, token, &state, policy.ttl)
+                    .await;
+                Ok(respond(&stored, false))
+            }
+            Ok(UpstreamResult::TooLarge(head, read, rest)) => {
+                self.complete(
+                    key,
+                    fingerprint,
+                    token,
+                    &EntryState::NotReplayable,
+                    policy.ttl,
+                )
+                .await;
+                let read = futures_util::stream::iter(read.into_iter().map(Ok::<_, hyper::Error>));
+                let rest = BodyStream::new(rest).filter_map(|f| async move {
+                    match f {
+                        Ok(frame) => frame.into_data().ok().map(Ok),
+                        Err(e) => Some(Err(e)),
+                    }
+                });
+                Ok(Response::from_parts(
+                    head,
+                    Body::from_stream(read.chain(rest)),
+                ))
+            }
+        }
+    }
+
+    /// Send the request and read as much of the response as the decision needs.
+    async fn call_upstream(&self, req: Request<Body>, policy: &Policy) -> UpstreamResult {
+        let resp = match self.upstream.forward(req).await {
+            Ok(resp) => resp,
+            Err(e @ ForwardError::Connect(_)) => {
+                warn!(error = %e, "upstream unreachable; nothing was sent");
+                return UpstreamResult::NotSent;
+            }
+            Err(e @ ForwardError::Other(_)) => {
+                warn!(error = %e, "upstream failed after the request may have been sent");
+                return UpstreamResult::Failed;
+            }
+        };
+        let (mut head, mut body) = resp.into_parts();
+        strip_hop_by_hop(&mut head.headers);
+        if !is_storable(head.status, policy.cache_server_errors) {
+            return UpstreamResult::Transient(head, body);
+        }
+        let declared = head
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > policy.max_body) {
+            return UpstreamResult::TooLarge(head, Vec::new(), body);
+        }
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut total = 0u64;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else {
+                warn!("upstream response body failed midway");
+                return UpstreamResult::Failed;
+            };
+            if let Ok(data) = frame.into_data() {
+                total += data.len() as u64;
+                chunks.push(data);
+                if total > policy.max_body {
+                    return UpstreamResult::TooLarge(head, chunks, body);
+                }
+            }
+        }
+        let body = match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.pop().expect("one chunk"),
+            _ => {
+                let mut buf = BytesMut::with_capacity(total as usize);
+                chunks.iter().for_each(|c| buf.extend_from_slice(c));
+                buf.freeze()
+            }
+        };
+        UpstreamResult::Whole(head, body)
+    }
+
+    /// Renew the lease every third of its length for as long as this future is polled. Never
+    /// returns: when the lease is lost (a newer claim exists), renewing stops and fencing makes
+    /// sure this holder's completion is refused.
+    async fn hold_lease(&self, key: &ScopedKey, token: &Token, lease: Duration) -> Infallible {
+        let every = (lease / 3).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(every).await;
+            match self.store.renew(key, token, lease).await {
+                Ok(true) => debug!("lease renewed"),
+                Ok(false) => {
+                    warn!("lease lost while the upstream was running; this holder's result will not be stored");
+                    return std::future::pending().await;
+                }
+                Err(e) => warn!(error = %e, "lease renewal failed; retrying"),
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) {
+        match self
+            .store
+            .complete(key, fingerprint, token, state, ttl)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                warn!("lease was lost before completion; response delivered but not recorded")
+            }
+            Err(e) => {
+                error!(error = %e, "store failed to record the response; delivered anyway, key stays in flight until its lease ends")
+            }
+        }
+    }
+
+    async fn release(&self, key: &ScopedKey, token: &Token) {
+        match self.store.release(key, token).await {
+            Ok(_) => {}
+            Err(e) => {
+                warn!(error = %e, "store failed to release the key; it stays claimed until its lease ends")
+            }
+        }
+    }
+
+    /// Forward a request that idempotency does not apply to, streaming both ways.
+    async fn pass_through(&self, req: Request<Body>, policy: &Policy) -> Response<Body> {
+        match tokio::time::timeout(policy.upstream_timeout, self.upstream.forward(req)).await {
+            Ok(Ok(resp)) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Body::new(body))
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "pass-through request failed");
+                GatewayError::Upstream.into_response()
+            }
+            Err(_) => GatewayError::UpstreamTimeout.into_response(),
+        }
+    }
+}
+
+fn reject(e: GatewayError) -> Response<Body> {
+    debug!(outcome = e.kind(), "rejected");
+    e.into_response()
+}
+
+/// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:
+/// answers that say "try again" (5xx, 408 Request Timeout, 429 Too Many Requests).
+fn is_storable(status: StatusCode, cache_server_errors: bool) -> bool {
+    match status.as_u16() {
+        408 | 429 => false,
+        200..=499 => true,
+        500..=599 => cache_server_errors,
+        _ => false,
+    }
+}
+
+/// Buffer a keyed request's body, refusing more than `limit` bytes with 413.
+async fn buffer_request(parts: &Parts, body: Body, limit: u64) -> Result<Bytes, GatewayError> {
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit as usize).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(GatewayError::BodyTooLarge { limit })
+        }
+        Err(_) => Err(GatewayError::InvalidBody),
+    }
+}
+
+/// Build the client's response from a stored one; `replayed` adds `Idempotent-Replayed: true`.
+fn respond(stored: &StoredResponse, replayed: bool) -> Response<Body> {
+    let mut resp = Response::new(Body::from(stored.body.clone()));
+    *resp.status_mut() = stored.status;
+    let headers = resp.headers_mut();
+    headers.reserve(stored.headers.len() + 1);
+    for (n, v) in &stored.headers {
+        headers.append(n.clone(), v.clone());
+    }
+    if replayed {
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storable_statuses() {
+        for s in [200, 201, 204, 301, 400, 404, 409, 422] {
+            assert!(is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
+        }
+        for s in [408, 429, 500, 502, 503] {
+            assert!(!is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
+        }
+        assert!(is_storable(StatusCode::INTERNAL_SERVER_ERROR, true));
+        assert!(!is_storable(StatusCode::TOO_MANY_REQUESTS, true));
+    }
+}

@@ -1,0 +1,9 @@
+-- Claim a key as in flight, or return what it holds. One round trip.
+-- KEYS[1] record key; ARGV[1] encoded in-flight entry; ARGV[2] lease in ms.
+-- Returns nil when claimed, else the stored entry's bytes.
+local v = redis.call('GET', KEYS[1])
+if v then
+  return v
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false

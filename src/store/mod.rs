@@ -1,0 +1,76 @@
+//! The store of idempotency records, behind one small async trait.
+//!
+//! Every method is one atomic step (one Redis round trip): a claim checks and sets in one go, and
+//! completing, releasing and renewing are fenced by the claim's [`Token`], so a holder whose lease
+//! ran out cannot overwrite or delete what a newer holder wrote.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::ScopedKey;
+use crate::idempotency::record::{Entry, EntryState, Token};
+
+pub mod memory;
+pub mod redis;
+
+pub use self::memory::MemoryStore;
+pub use self::redis::RedisStore;
+
+/// The answer to a claim.
+#[derive(Debug, Clone)]
+pub enum Claim {
+    /// The key was free and is now ours, in flight, for the lease.
+    Claimed,
+    /// The key already exists; here is what it holds.
+    Existing(Entry),
+}
+
+/// A store failure (unreachable, timed out, or returned something unreadable).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis answered with an error or the connection failed.
+    #[error("redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    /// A stored record could not be decoded.
+    #[error(transparent)]
+    Decode(#[from] crate::idempotency::record::DecodeError),
+}
+
+/// The operations the state machine needs. Implementations must make each one atomic.
+pub trait Store: Send + Sync + 'static {
+    /// Claim `key` as in flight for `lease` if it is free; otherwise return what it holds.
+    fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Replace our in-flight claim with a completed entry kept for `ttl`. Returns `false` (and
+    /// writes nothing) when the key is no longer claimed with `token`.
+    fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Delete our in-flight claim so that a retry runs again. `false` when it is not ours.
+    fn release(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Extend our in-flight claim's lease. `false` when it is not ours any more.
+    fn renew(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
