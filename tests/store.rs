@@ -1,0 +1,185 @@
+//! The store contract, run against the embedded store and a real redis-server: atomic claims and
+//! token fencing (a holder whose lease ran out can neither overwrite nor delete a newer claim).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Backend, RedisServer};
+use http::StatusCode;
+use idemgate::idempotency::fingerprint::Fingerprint;
+use idemgate::idempotency::key::ScopedKey;
+use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
+use idemgate::store::{Claim, MemoryStore, RedisStore, Store};
+
+/// Run `f` against a fresh store of `backend` (the redis-server lives as long as the test).
+async fn with_store<F, Fut>(backend: Backend, f: F)
+where
+    F: FnOnce(StoreUnderTest) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    match backend {
+        Backend::Memory => f(StoreUnderTest::Memory(MemoryStore::new())).await,
+        Backend::Redis => {
+            let server = RedisServer::start().await;
+            let store = RedisStore::connect(&server.url(), "t:").await.unwrap();
+            f(StoreUnderTest::Redis(store)).await;
+            drop(server);
+        }
+    }
+}
+
+enum StoreUnderTest {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+macro_rules! dispatch {
+    ($s:expr, $st:ident => $e:expr) => {
+        match $s {
+            StoreUnderTest::Memory($st) => $e,
+            StoreUnderTest::Redis($st) => $e,
+        }
+    };
+}
+
+impl StoreUnderTest {
+    async fn claim(&self, k: &ScopedKey, fp: &Fingerprint, t: &Token, lease: Duration) -> Claim {
+        dispatch!(self, s => s.claim(k, fp, t, lease).await.unwrap())
+    }
+    async fn complete(
+        &self,
+        k: &ScopedKey,
+        fp: &Fingerprint,
+        t: &Token,
+        st: &EntryState,
+        ttl: Duration,
+    ) -> bool {
+        dispatch!(self, s => s.complete(k, fp, t, st, ttl).await.unwrap())
+    }
+    async fn release(&self, k: &ScopedKey, t: &Token) -> bool {
+        dispatch!(self, s => s.release(k, t).await.unwrap())
+    }
+    async fn renew(&self, k: &ScopedKey, t: &Token, lease: Duration) -> bool {
+        dispatch!(self, s => s.renew(k, t, lease).await.unwrap())
+    }
+}
+
+fn response(body: &'static str) -> EntryState {
+    EntryState::Completed(Arc::new(StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from_static(body.as_bytes()),
+    }))
+}
+
+fn completed_body(c: Claim) -> Option<Bytes> {
+    match c {
+        Claim::Existing(e) => match e.state {
+            EntryState::Completed(r) => Some(r.body.clone()),
+            _ => None,
+        },
+        Claim::Claimed => None,
+    }
+}
+
+on_both_backends!(
+    claim_is_exclusive,
+    stale_holder_is_fenced,
+    renew_extends_only_own_lease
+);
+
+async fn claim_is_exclusive(b: Backend) {
+    with_store(b, |s| async move {
+        let (k, fp) = (ScopedKey([1; 32]), Fingerprint([2; 32]));
+        let (a, other) = (Token::random(), Token::random());
+        assert!(matches!(
+            s.claim(&k, &fp, &a, Duration::from_secs(5)).await,
+            Claim::Claimed
+        ));
+        match s.claim(&k, &fp, &other, Duration::from_secs(5)).await {
+            Claim::Existing(e) => {
+                assert!(matches!(e.state, EntryState::InFlight));
+                assert_eq!(e.fingerprint, fp);
+            }
+            Claim::Claimed => panic!("second claim must not succeed"),
+        }
+        assert!(
+            s.complete(&k, &fp, &a, &response("done"), Duration::from_secs(60))
+                .await
+        );
+        let again = s.claim(&k, &fp, &other, Duration::from_secs(5)).await;
+        assert_eq!(completed_body(again).as_deref(), Some(&b"done"[..]));
+        // A completed record is not released by anyone, its writer included.
+        assert!(!s.release(&k, &a).await);
+    })
+    .await
+}
+
+async fn stale_holder_is_fenced(b: Backend) {
+    with_store(b, |s| async move {
+        let (k, fp) = (ScopedKey([3; 32]), Fingerprint([4; 32]));
+        let (stale, fresh) = (Token::random(), Token::random());
+        assert!(matches!(
+            s.claim(&k, &fp, &stale, Duration::from_millis(150)).await,
+            Claim::Claimed
+        ));
+        // The stale holder stalls past its lease; a retry claims the key anew.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(matches!(
+            s.claim(&k, &fp, &fresh, Duration::from_secs(5)).await,
+            Claim::Claimed
+        ));
+        // The stale holder wakes up: it can neither complete, renew nor release the new claim.
+        assert!(
+            !s.complete(&k, &fp, &stale, &response("stale"), Duration::from_secs(60))
+                .await
+        );
+        assert!(!s.renew(&k, &stale, Duration::from_secs(60)).await);
+        assert!(!s.release(&k, &stale).await);
+        // The fresh holder completes; the stale one still cannot overwrite it.
+        assert!(
+            s.complete(&k, &fp, &fresh, &response("fresh"), Duration::from_secs(60))
+                .await
+        );
+        assert!(
+            !s.complete(&k, &fp, &stale, &response("stale"), Duration::from_secs(60))
+                .await
+        );
+        let seen = s
+            .claim(&k, &fp, &Token::random(), Duration::from_secs(5))
+            .await;
+        assert_eq!(completed_body(seen).as_deref(), Some(&b"fresh"[..]));
+    })
+    .await
+}
+
+async fn renew_extends_only_own_lease(b: Backend) {
+    with_store(b, |s| async move {
+        let (k, fp) = (ScopedKey([5; 32]), Fingerprint([6; 32]));
+        let t = Token::random();
+        assert!(matches!(
+            s.claim(&k, &fp, &t, Duration::from_millis(300)).await,
+            Claim::Claimed
+        ));
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            assert!(s.renew(&k, &t, Duration::from_millis(300)).await);
+        }
+        // 600 ms after a 300 ms lease, still ours thanks to renewal.
+        assert!(matches!(
+            s.claim(&k, &fp, &Token::random(), Duration::from_secs(1))
+                .await,
+            Claim::Existing(_)
+        ));
+        assert!(s.release(&k, &t).await);
+        assert!(matches!(
+            s.claim(&k, &fp, &Token::random(), Duration::from_secs(1))
+                .await,
+            Claim::Claimed
+        ));
+    })
+    .await
+}
