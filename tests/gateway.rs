@@ -46,7 +46,10 @@ async fn first_request_then_replay(b: Backend) {
     assert!(again.replayed());
     assert_eq!(again.status, first.status);
     assert_eq!(again.body, first.body);
-    assert_eq!(again.headers_without_marker(), first.headers_without_marker());
+    assert_eq!(
+        again.headers_without_marker(),
+        first.headers_without_marker()
+    );
     assert_eq!(again.headers.get_all("set-cookie").iter().count(), 2);
     // The key reached the upstream: a second line of defence for upstreams that dedupe.
     assert_eq!(env.upstream.last_headers()["idempotency-key"], "k1");
@@ -57,7 +60,9 @@ async fn concurrent_duplicates_run_the_upstream_once(b: Backend) {
     let env = TestEnv::start_with(b, upstream, "").await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let req = env.post_keyed("/v1/payments", "storm").body("{\"amount\":5}");
+        let req = env
+            .post_keyed("/v1/payments", "storm")
+            .body("{\"amount\":5}");
         tasks.push(tokio::spawn(send(req)));
     }
     let mut executed = 0;
@@ -81,19 +86,37 @@ async fn concurrent_duplicates_run_the_upstream_once(b: Backend) {
     assert_eq!(executed + conflicts + replays, 50);
     assert!(conflicts > 0);
     // Once it completed, a retry is a replay.
-    let after = send(env.post_keyed("/v1/payments", "storm").body("{\"amount\":5}")).await;
+    let after = send(
+        env.post_keyed("/v1/payments", "storm")
+            .body("{\"amount\":5}"),
+    )
+    .await;
     assert!(after.replayed());
     assert_eq!(env.upstream.calls(), 1);
 }
 
 async fn different_request_with_same_key_is_a_mismatch(b: Backend) {
     let env = TestEnv::start(b, "").await;
-    assert_eq!(send(env.post_keyed("/v1/a", "k").body("one")).await.status, 201);
+    assert_eq!(
+        send(env.post_keyed("/v1/a", "k").body("one")).await.status,
+        201
+    );
     let body = send(env.post_keyed("/v1/a", "k").body("two")).await;
     let path = send(env.post_keyed("/v1/b", "k").body("one")).await;
     let query = send(env.post_keyed("/v1/a?x=1", "k").body("one")).await;
-    let method = send(env.client.patch(env.url("/v1/a")).header("idempotency-key", "k").body("one")).await;
-    let ctype = send(env.post_keyed("/v1/a", "k").header("content-type", "application/json").body("one")).await;
+    let method = send(
+        env.client
+            .patch(env.url("/v1/a"))
+            .header("idempotency-key", "k")
+            .body("one"),
+    )
+    .await;
+    let ctype = send(
+        env.post_keyed("/v1/a", "k")
+            .header("content-type", "application/json")
+            .body("one"),
+    )
+    .await;
     for seen in [body, path, query, method, ctype] {
         assert_eq!(seen.status, 409, "{seen:?}");
         assert_eq!(seen.problem_type(), MISMATCH);
@@ -111,13 +134,28 @@ async fn mismatch_status_can_be_422(b: Backend) {
 
 async fn different_authorization_is_a_different_caller(b: Backend) {
     let env = TestEnv::start(b, "").await;
-    let alice = send(env.post_keyed("/v1/p", "shared").bearer_auth("alice").body("x")).await;
-    let bob = send(env.post_keyed("/v1/p", "shared").bearer_auth("bob").body("x")).await;
+    let alice = send(
+        env.post_keyed("/v1/p", "shared")
+            .bearer_auth("alice")
+            .body("x"),
+    )
+    .await;
+    let bob = send(
+        env.post_keyed("/v1/p", "shared")
+            .bearer_auth("bob")
+            .body("x"),
+    )
+    .await;
     assert_eq!((alice.status, bob.status), (201, 201));
     assert!(!bob.replayed(), "bob must never get alice's response");
     assert_ne!(alice.body, bob.body);
     assert_eq!(env.upstream.calls(), 2);
-    let alice2 = send(env.post_keyed("/v1/p", "shared").bearer_auth("alice").body("x")).await;
+    let alice2 = send(
+        env.post_keyed("/v1/p", "shared")
+            .bearer_auth("alice")
+            .body("x"),
+    )
+    .await;
     assert!(alice2.replayed());
     assert_eq!(alice2.body, alice.body);
     // No Authorization at all is a third caller.
@@ -165,7 +203,9 @@ async fn client_errors_are_stored_but_not_429(b: Backend) {
 async fn ttl_expiry_lets_the_key_run_again(b: Backend) {
     let env = TestEnv::start(b, "[defaults]\nttl = \"1s\"").await;
     send(env.post_keyed("/v1/p", "k").body("x")).await;
-    assert!(send(env.post_keyed("/v1/p", "k").body("x")).await.replayed());
+    assert!(send(env.post_keyed("/v1/p", "k").body("x"))
+        .await
+        .replayed());
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let after = send(env.post_keyed("/v1/p", "k").body("x")).await;
     assert_eq!(after.status, 201);
@@ -189,14 +229,21 @@ async fn invalid_keys_are_refused(b: Backend) {
         assert_eq!(seen.status, 400, "{seen:?}");
         assert_eq!(seen.problem_type(), INVALID_KEY);
     }
-    assert_eq!(send(env.post_keyed("/v1/p", "12345678").body("x")).await.status, 201);
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "12345678").body("x"))
+            .await
+            .status,
+        201
+    );
     assert_eq!(env.upstream.calls(), 1);
 }
 
 async fn quoted_key_is_the_same_key(b: Backend) {
     let env = TestEnv::start(b, "").await;
     send(env.post_keyed("/v1/p", "abc").body("x")).await;
-    assert!(send(env.post_keyed("/v1/p", "\"abc\"").body("x")).await.replayed());
+    assert!(send(env.post_keyed("/v1/p", "\"abc\"").body("x"))
+        .await
+        .replayed());
     assert_eq!(env.upstream.calls(), 1);
 }
 
@@ -214,15 +261,28 @@ async fn oversized_body_is_refused(b: Backend) {
     let env = TestEnv::start(b, "[defaults]\nmax_body = \"1KiB\"").await;
     let declared = send(env.post_keyed("/v1/p", "k").body(vec![b'a'; 1025])).await;
     assert_eq!(declared.status, 413);
-    assert_eq!(declared.problem_type(), "urn:idemgate:problem:body-too-large");
+    assert_eq!(
+        declared.problem_type(),
+        "urn:idemgate:problem:body-too-large"
+    );
     // Without Content-Length (chunked), the limit holds while reading.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = vec![Ok(vec![b'a'; 600]), Ok(vec![b'a'; 600])];
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        vec![Ok(vec![b'a'; 600]), Ok(vec![b'a'; 600])];
     let stream = futures_util::stream::iter(chunks);
-    let chunked = send(env.post_keyed("/v1/p", "k2").body(reqwest::Body::wrap_stream(stream))).await;
+    let chunked = send(
+        env.post_keyed("/v1/p", "k2")
+            .body(reqwest::Body::wrap_stream(stream)),
+    )
+    .await;
     assert_eq!(chunked.status, 413);
     assert_eq!(env.upstream.calls(), 0);
     // Exactly at the limit is fine; the refused key was never claimed.
-    assert_eq!(send(env.post_keyed("/v1/p", "k").body(vec![b'a'; 1024])).await.status, 201);
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "k").body(vec![b'a'; 1024]))
+            .await
+            .status,
+        201
+    );
 }
 
 async fn binary_body_replays_byte_exact(b: Backend) {
@@ -240,9 +300,20 @@ async fn unkeyed_and_other_methods_pass_through(b: Backend) {
     let env = TestEnv::start(b, "").await;
     for _ in 0..2 {
         assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
-        let get = send(env.client.get(env.url("/v1/p")).header("idempotency-key", "g")).await;
+        let get = send(
+            env.client
+                .get(env.url("/v1/p"))
+                .header("idempotency-key", "g"),
+        )
+        .await;
         assert!(!get.replayed());
-        let put = send(env.client.put(env.url("/v1/p")).header("idempotency-key", "g").body("y")).await;
+        let put = send(
+            env.client
+                .put(env.url("/v1/p"))
+                .header("idempotency-key", "g")
+                .body("y"),
+        )
+        .await;
         assert!(!put.replayed());
     }
     assert_eq!(env.upstream.calls(), 6);
@@ -253,7 +324,11 @@ async fn oversized_response_is_delivered_once_and_not_replayed(b: Backend) {
     let first = send(env.post_keyed("/big?bytes=300000", "big").body("x")).await;
     assert_eq!(first.status, 201);
     assert_eq!(first.body.len(), 300_000);
-    assert!(first.body.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    assert!(first
+        .body
+        .iter()
+        .enumerate()
+        .all(|(i, b)| *b == (i % 251) as u8));
     let retry = send(env.post_keyed("/big?bytes=300000", "big").body("x")).await;
     assert_eq!(retry.status, 409);
     assert_eq!(retry.problem_type(), "urn:idemgate:problem:not-replayable");
@@ -290,7 +365,10 @@ async fn unreachable_upstream_releases_the_key(b: Backend) {
     let url = format!("http://{}/v1/p", gateway.addr);
     let down = send(client.post(&url).header("idempotency-key", "k").body("x")).await;
     assert_eq!(down.status, 502);
-    assert_eq!(down.problem_type(), "urn:idemgate:problem:upstream-unavailable");
+    assert_eq!(
+        down.problem_type(),
+        "urn:idemgate:problem:upstream-unavailable"
+    );
     // Nothing was sent, so the key was released: once the upstream is up, the retry runs.
     let upstream = Upstream::start_on_port(port).await;
     let up = send(client.post(&url).header("idempotency-key", "k").body("x")).await;
@@ -300,7 +378,11 @@ async fn unreachable_upstream_releases_the_key(b: Backend) {
 }
 
 async fn upstream_timeout_keeps_the_key_claimed(b: Backend) {
-    let env = TestEnv::start(b, "[defaults]\nupstream_timeout = \"300ms\"\nlock_ttl = \"2s\"").await;
+    let env = TestEnv::start(
+        b,
+        "[defaults]\nupstream_timeout = \"300ms\"\nlock_ttl = \"2s\"",
+    )
+    .await;
     let slow = send(env.post_keyed("/v1/p?delay_ms=1000", "slow").body("x")).await;
     assert_eq!(slow.status, 504);
     assert_eq!(slow.problem_type(), "urn:idemgate:problem:upstream-timeout");
@@ -313,13 +395,18 @@ async fn upstream_timeout_keeps_the_key_claimed(b: Backend) {
     let later = send(env.post_keyed("/v1/p?delay_ms=10", "slow2").body("x")).await;
     assert_eq!(later.status, 201);
     let retried = send(env.post_keyed("/v1/p?delay_ms=1000", "slow").body("x")).await;
-    assert_eq!(retried.status, 504, "the lease ended, so the retry ran the upstream again");
+    assert_eq!(
+        retried.status, 504,
+        "the lease ended, so the retry ran the upstream again"
+    );
     assert_eq!(env.upstream.calls(), 3);
 }
 
 async fn lease_is_renewed_while_the_upstream_runs(b: Backend) {
     let env = TestEnv::start(b, "[defaults]\nlock_ttl = \"1s\"").await;
-    let first = tokio::spawn(send(env.post_keyed("/v1/p?delay_ms=3000", "long").body("x")));
+    let first = tokio::spawn(send(
+        env.post_keyed("/v1/p?delay_ms=3000", "long").body("x"),
+    ));
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let retry = send(env.post_keyed("/v1/p?delay_ms=3000", "long").body("x")).await;
@@ -328,7 +415,11 @@ async fn lease_is_renewed_while_the_upstream_runs(b: Backend) {
     }
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
-    assert!(send(env.post_keyed("/v1/p?delay_ms=3000", "long").body("x")).await.replayed());
+    assert!(
+        send(env.post_keyed("/v1/p?delay_ms=3000", "long").body("x"))
+            .await
+            .replayed()
+    );
     assert_eq!(env.upstream.calls(), 1);
 }
 
@@ -348,15 +439,31 @@ methods = ["PUT"]
     // Specific route: key required.
     assert_eq!(send(env.post("/v1/payments/p1/capture")).await.status, 400);
     // Subtree route: PUT is idempotent there, POST is not.
-    send(env.client.put(env.url("/v1/things")).header("idempotency-key", "k").body("x")).await;
-    let put = send(env.client.put(env.url("/v1/things")).header("idempotency-key", "k").body("x")).await;
+    send(
+        env.client
+            .put(env.url("/v1/things"))
+            .header("idempotency-key", "k")
+            .body("x"),
+    )
+    .await;
+    let put = send(
+        env.client
+            .put(env.url("/v1/things"))
+            .header("idempotency-key", "k")
+            .body("x"),
+    )
+    .await;
     assert!(put.replayed());
     let post = send(env.post_keyed("/v1/things", "k2").body("x")).await;
     assert!(!post.replayed());
-    assert!(!send(env.post_keyed("/v1/things", "k2").body("x")).await.replayed());
+    assert!(!send(env.post_keyed("/v1/things", "k2").body("x"))
+        .await
+        .replayed());
     // No route: defaults (POST keyed).
     send(env.post_keyed("/other", "k3").body("x")).await;
-    assert!(send(env.post_keyed("/other", "k3").body("x")).await.replayed());
+    assert!(send(env.post_keyed("/other", "k3").body("x"))
+        .await
+        .replayed());
     assert_eq!(env.upstream.calls(), 4);
 }
 
@@ -378,7 +485,10 @@ async fn two_gateways_on_one_redis_share_keys() {
     let env = TestEnv::start(Backend::Redis, "").await;
     let upstream = Upstream::start().await.delay(Duration::from_millis(500));
     let config = common::config_for(Backend::Redis, env.redis.as_ref(), &upstream.url(), "");
-    let (a, b) = (common::Gateway::spawn(&config).await, common::Gateway::spawn(&config).await);
+    let (a, b) = (
+        common::Gateway::spawn(&config).await,
+        common::Gateway::spawn(&config).await,
+    );
     let mut tasks = Vec::new();
     for i in 0..20 {
         let addr = if i % 2 == 0 { a.addr } else { b.addr };
@@ -389,9 +499,19 @@ async fn two_gateways_on_one_redis_share_keys() {
             .body("x");
         tasks.push(tokio::spawn(send(req)));
     }
-    let results: Vec<Seen> = futures_util::future::join_all(tasks).await.into_iter().map(Result::unwrap).collect();
+    let results: Vec<Seen> = futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     assert_eq!(upstream.calls(), 1);
-    assert_eq!(results.iter().filter(|s| s.status == 201 && !s.replayed()).count(), 1);
+    assert_eq!(
+        results
+            .iter()
+            .filter(|s| s.status == 201 && !s.replayed())
+            .count(),
+        1
+    );
     let replay = send(
         env.client
             .post(format!("http://{}/v1/p", b.addr))
@@ -408,12 +528,36 @@ async fn redis_record_is_compact_and_expires() {
     let payload = vec![7u8; 10_000];
     let first = send(env.post_keyed("/echo", "compact").body(payload)).await;
     let mut conn = env.redis.as_ref().unwrap().connection().await;
-    let keys: Vec<String> = redis::cmd("KEYS").arg("test:*").query_async(&mut conn).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("test:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     assert_eq!(keys.len(), 1);
-    assert_eq!(keys[0].len(), "test:".len() + 64, "prefix + hex SHA-256, never the raw key");
-    let value: Vec<u8> = redis::cmd("GET").arg(&keys[0]).query_async(&mut conn).await.unwrap();
-    let headers: usize = first.headers.iter().map(|(n, v)| n.as_str().len() + v.len()).sum();
-    assert!(value.len() <= first.body.len() + headers + 256, "{} bytes stored", value.len());
-    let ttl: i64 = redis::cmd("PTTL").arg(&keys[0]).query_async(&mut conn).await.unwrap();
+    assert_eq!(
+        keys[0].len(),
+        "test:".len() + 64,
+        "prefix + hex SHA-256, never the raw key"
+    );
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&keys[0])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let headers: usize = first
+        .headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum();
+    assert!(
+        value.len() <= first.body.len() + headers + 256,
+        "{} bytes stored",
+        value.len()
+    );
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&keys[0])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     assert!(ttl > 3_500_000 && ttl <= 3_600_000, "ttl {ttl}");
 }

@@ -50,7 +50,11 @@ macro_rules! on_both_backends {
 
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 // === redis-server ===
@@ -112,13 +116,18 @@ impl RedisServer {
         loop {
             if let Ok(client) = redis::Client::open(self.url()) {
                 if let Ok(mut c) = client.get_multiplexed_async_connection().await {
-                    let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut c).await;
+                    let pong: redis::RedisResult<String> =
+                        redis::cmd("PING").query_async(&mut c).await;
                     if pong.is_ok() {
                         return;
                     }
                 }
             }
-            assert!(Instant::now() < deadline, "redis-server did not start on port {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start on port {}",
+                self.port
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -190,7 +199,9 @@ impl Upstream {
 
     async fn start_on(listener: TcpListener) -> Self {
         let state = Arc::new(UpstreamState::default());
-        let app = axum::Router::new().fallback(handle).with_state(state.clone());
+        let app = axum::Router::new()
+            .fallback(handle)
+            .with_state(state.clone());
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await });
         Upstream { addr, state }
@@ -209,7 +220,12 @@ impl Upstream {
 
     /// The headers of the last request that reached the upstream.
     pub fn last_headers(&self) -> HeaderMap {
-        self.state.last_headers.lock().unwrap().clone().expect("no request reached the upstream")
+        self.state
+            .last_headers
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("no request reached the upstream")
     }
 
     pub fn url(&self) -> String {
@@ -224,11 +240,17 @@ struct Knobs {
     bytes: Option<usize>,
 }
 
-async fn handle(State(state): State<Arc<UpstreamState>>, Query(knobs): Query<Knobs>, req: Request) -> Response {
+async fn handle(
+    State(state): State<Arc<UpstreamState>>,
+    Query(knobs): Query<Knobs>,
+    req: Request,
+) -> Response {
     let n = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
     let (parts, body) = req.into_parts();
     *state.last_headers.lock().unwrap() = Some(parts.headers.clone());
-    let body: Bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+    let body: Bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
     let delay = knobs
         .delay_ms
         .map(Duration::from_millis)
@@ -239,13 +261,24 @@ async fn handle(State(state): State<Arc<UpstreamState>>, Query(knobs): Query<Kno
     let status = StatusCode::from_u16(knobs.status.unwrap_or(201)).unwrap();
     let call = [("x-call", n.to_string())];
     match parts.uri.path() {
-        "/echo" => (status, call, [("content-type", "application/octet-stream")], body).into_response(),
+        "/echo" => (
+            status,
+            call,
+            [("content-type", "application/octet-stream")],
+            body,
+        )
+            .into_response(),
         "/big" => {
-            let bytes: Vec<u8> = (0..knobs.bytes.unwrap_or(0)).map(|i| (i % 251) as u8).collect();
+            let bytes: Vec<u8> = (0..knobs.bytes.unwrap_or(0))
+                .map(|i| (i % 251) as u8)
+                .collect();
             (status, call, bytes).into_response()
         }
         path => {
-            let key = parts.headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+            let key = parts
+                .headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok());
             let json = serde_json::json!({
                 "call": n,
                 "method": parts.method.as_str(),
@@ -254,8 +287,10 @@ async fn handle(State(state): State<Arc<UpstreamState>>, Query(knobs): Query<Kno
                 "body_len": body.len(),
             });
             let mut resp = (status, call, axum::Json(json)).into_response();
-            resp.headers_mut().append("set-cookie", "a=1".parse().unwrap());
-            resp.headers_mut().append("set-cookie", "b=2".parse().unwrap());
+            resp.headers_mut()
+                .append("set-cookie", "a=1".parse().unwrap());
+            resp.headers_mut()
+                .append("set-cookie", "b=2".parse().unwrap());
             resp
         }
     }
@@ -324,12 +359,22 @@ pub struct TestEnv {
 }
 
 /// The base config for `backend`, pointing at `upstream_url`, followed by `extra` tables.
-pub fn config_for(backend: Backend, redis: Option<&RedisServer>, upstream_url: &str, extra: &str) -> String {
+pub fn config_for(
+    backend: Backend,
+    redis: Option<&RedisServer>,
+    upstream_url: &str,
+    extra: &str,
+) -> String {
     let store = match (backend, redis) {
-        (Backend::Redis, Some(r)) => format!("backend = \"redis\"\nurl = \"{}\"\nprefix = \"test:\"", r.url()),
+        (Backend::Redis, Some(r)) => format!(
+            "backend = \"redis\"\nurl = \"{}\"\nprefix = \"test:\"",
+            r.url()
+        ),
         _ => "backend = \"memory\"".to_string(),
     };
-    format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream_url}\"\n\n[store]\n{store}\n\n{extra}\n")
+    format!(
+        "listen = \"127.0.0.1:0\"\nupstream = \"{upstream_url}\"\n\n[store]\n{store}\n\n{extra}\n"
+    )
 }
 
 pub fn client() -> reqwest::Client {
@@ -348,7 +393,8 @@ impl TestEnv {
             Backend::Redis => Some(RedisServer::start().await),
             Backend::Memory => None,
         };
-        let gateway = Gateway::spawn(&config_for(backend, redis.as_ref(), &upstream.url(), extra)).await;
+        let gateway =
+            Gateway::spawn(&config_for(backend, redis.as_ref(), &upstream.url(), extra)).await;
         TestEnv {
             backend,
             upstream,
@@ -361,7 +407,12 @@ impl TestEnv {
 
     /// Stop the gateway and start a new one with the same config and store.
     pub async fn restart_gateway(&mut self) {
-        let config = config_for(self.backend, self.redis.as_ref(), &self.upstream.url(), &self.extra);
+        let config = config_for(
+            self.backend,
+            self.redis.as_ref(),
+            &self.upstream.url(),
+            &self.extra,
+        );
         let old = std::mem::replace(&mut self.gateway, Gateway::spawn(&config).await);
         old.stop().await;
     }
@@ -408,7 +459,11 @@ impl Seen {
 
     /// The `type` of a problem+json body (panics when the body is not one).
     pub fn problem_type(&self) -> String {
-        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
         let v: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
         v["type"].as_str().unwrap().to_string()
     }
