@@ -113,7 +113,7 @@ struct RawConfig {
     #[serde(default)]
     defaults: RawPolicy,
     #[serde(default)]
-    routes: Vec<RawRoute>,
+    routes: Vec<RawPolicy>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -125,10 +125,13 @@ struct RawStore {
 }
 
 /// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
-/// route overrides only what it names.
+/// route overrides only what it names. (One struct rather than a route embedding a policy with
+/// `#[serde(flatten)]`, because serde cannot deny unknown fields through a flatten.)
 #[derive(Debug, Deserialize, Default, Clone)]
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
+    /// Only in `[[routes]]`: the path pattern.
+    path: Option<String>,
     methods: Option<Vec<String>>,
     ttl: Option<HumanDuration>,
     lock_ttl: Option<HumanDuration>,
@@ -140,14 +143,6 @@ struct RawPolicy {
     cache_server_errors: Option<bool>,
     upstream_timeout: Option<HumanDuration>,
     on_in_flight: Option<OnInFlight>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawRoute {
-    path: Option<String>,
-    #[serde(flatten)]
-    policy: RawPolicy,
 }
 
 /// Which store keeps the records.
@@ -396,6 +391,9 @@ impl Config {
             }
         };
 
+        if raw.defaults.path.is_some() {
+            return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
+        }
         let defaults = Arc::new(Policy::builtin().overlay(&raw.defaults, "defaults")?);
         let mut matcher = matchit::Router::new();
         let mut routes = Vec::with_capacity(raw.routes.len());
@@ -411,7 +409,7 @@ impl Config {
             matcher
                 .insert(path.clone(), i)
                 .map_err(|e| invalid(format!("{at}.path"), e.to_string()))?;
-            let mut policy = (*defaults).clone().overlay(&r.policy, &at)?;
+            let mut policy = (*defaults).clone().overlay(r, &at)?;
             policy.route = path.clone();
             routes.push(Route {
                 path,
@@ -518,6 +516,11 @@ mod tests {
         ))
         .contains("routes[1].path"));
         assert!(err("upstream = \"https://x\"").contains("upstream"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a\"\nrequire_kye = true"
+        ))
+        .contains("require_kye"));
+        assert!(err(&format!("{base}[defaults]\npath = \"/a\"")).contains("defaults.path"));
     }
 
     #[test]
