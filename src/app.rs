@@ -1,11 +1,12 @@
-//! Wiring: from a validated [`Config`] to a running server.
+//! Wiring: from a validated [`Config`] to a running server, and its graceful shutdown.
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::time::Duration;
 
 use axum::Router;
 use tokio::net::TcpListener;
-use tracing::info;
+use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::config::{Config, StoreBackend};
 use crate::idempotency::Gateway;
@@ -25,7 +26,8 @@ pub enum AppError {
 /// How often the embedded store drops expired entries.
 const PURGE_EVERY: Duration = Duration::from_secs(5);
 
-/// Serve the gateway on `listener` until `shutdown` resolves, then drain open connections.
+/// Serve the gateway on `listener` until `shutdown` resolves; then stop accepting, let open
+/// requests finish and be recorded within `shutdown_grace`, and return.
 pub async fn run(
     listener: TcpListener,
     config: Config,
@@ -33,7 +35,7 @@ pub async fn run(
 ) -> Result<(), AppError> {
     match &config.store.backend {
         StoreBackend::Memory => {
-            let store = MemoryStore::new();
+            let store = MemoryStore::with_max_entries(config.store.max_entries);
             let purger = tokio::spawn({
                 let store = store.clone();
                 async move {
@@ -48,7 +50,14 @@ pub async fn run(
             serve(listener, &config, store, shutdown).await
         }
         StoreBackend::Redis { url } => {
-            let store = RedisStore::connect(url, &config.store.prefix).await?;
+            let store =
+                RedisStore::connect(url, &config.store.prefix, config.store.timeout).await?;
+            match store.durability_warnings().await {
+                Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
+                Err(e) => {
+                    info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
+                }
+            }
             serve(listener, &config, store, shutdown).await
         }
     }
@@ -60,7 +69,9 @@ async fn serve<S: Store>(
     store: S,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
-    let router = Router::new().fallback_service(Gateway::new(config, store));
+    let gateway = Gateway::new(config, store);
+    let tasks = gateway.tasks();
+    let router = Router::new().fallback_service(gateway);
     info!(
         listen = %listener.local_addr()?,
         upstream = %config.upstream,
@@ -68,9 +79,48 @@ async fn serve<S: Store>(
         routes = config.routes.len(),
         "idemgate listening"
     );
-    axum::serve(listener, router)
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = signalled_tx.send(Instant::now());
+    };
+    let server = axum::serve(listener, router)
         .with_graceful_shutdown(shutdown)
-        .await?;
+        .into_future();
+    tokio::pin!(server);
+    let grace = config.shutdown_grace;
+    let deadline = tokio::select! {
+        result = &mut server => {
+            result?;
+            None
+        }
+        Ok(at) = signalled_rx => Some(at + grace),
+    };
+    // After the signal: connections drain while the grace lasts.
+    let deadline = match deadline {
+        Some(deadline) => {
+            if tokio::time::timeout_at(deadline, &mut server)
+                .await
+                .is_err()
+            {
+                warn!(grace = ?grace, "shutdown grace ran out with connections still open");
+            }
+            deadline
+        }
+        None => Instant::now() + grace,
+    };
+    // Upstream calls whose clients went away are still being recorded: give them the rest.
+    tasks.close();
+    if tokio::time::timeout_at(deadline, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            unfinished = tasks.len(),
+            "shutdown grace ran out with upstream calls in flight; their keys stay claimed until their leases end"
+        );
+    }
+    info!("idemgate stopped");
     Ok(())
 }
 

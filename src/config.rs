@@ -14,6 +14,9 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
+/// The longest duration any setting takes effect with (100 years); longer values are clamped.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -58,8 +61,9 @@ impl fmt::Debug for HumanDuration {
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
+        // Clamped to MAX_DURATION so that deadline arithmetic can never overflow.
         humantime::parse_duration(s.trim())
-            .map(HumanDuration)
+            .map(|d| HumanDuration(d.min(MAX_DURATION)))
             .map_err(|e| de::Error::custom(format!("{s:?} is not a duration like \"30s\" ({e})")))
     }
 }
@@ -91,13 +95,27 @@ impl<'de> Deserialize<'de> for HumanSize {
     }
 }
 
-/// What to do with a keyed request whose key is in flight (issue 3 adds `"wait"`).
+/// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OnInFlight {
     /// Answer 409 problem+json with `Retry-After` at once.
     #[default]
     Reject,
+    /// Wait (up to `wait_timeout`, at most `max_waiters` at once) for the first request to finish,
+    /// then answer with its replay; past either bound, the 409.
+    Wait,
+}
+
+/// What a keyed request gets when the store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Fail closed: 503 problem+json with `Retry-After`; nothing is forwarded.
+    #[default]
+    Reject,
+    /// Fail open: forward without idempotency (logged as a warning).
+    Pass,
 }
 
 /// The file as written. Unknown fields are errors, so a typo never silently does nothing.
@@ -108,6 +126,8 @@ struct RawConfig {
     listen: Option<String>,
     /// Base URL of the one upstream, `http://host:port`. Required.
     upstream: Option<String>,
+    /// After SIGTERM/SIGINT, how long open requests may take to finish. Default `30s`.
+    shutdown_grace: Option<HumanDuration>,
     #[serde(default)]
     store: RawStore,
     #[serde(default)]
@@ -122,6 +142,8 @@ struct RawStore {
     backend: Option<String>,
     url: Option<String>,
     prefix: Option<String>,
+    timeout: Option<HumanDuration>,
+    max_entries: Option<usize>,
 }
 
 /// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
@@ -143,6 +165,9 @@ struct RawPolicy {
     cache_server_errors: Option<bool>,
     upstream_timeout: Option<HumanDuration>,
     on_in_flight: Option<OnInFlight>,
+    wait_timeout: Option<HumanDuration>,
+    max_waiters: Option<usize>,
+    on_store_error: Option<OnStoreError>,
 }
 
 /// Which store keeps the records.
@@ -164,6 +189,10 @@ pub struct StoreConfig {
     pub backend: StoreBackend,
     /// Prefix of every key the gateway writes, so one Redis can serve several deployments.
     pub prefix: String,
+    /// Redis: how long to wait to connect or for one answer before the store counts as down.
+    pub timeout: Duration,
+    /// Memory: most records kept; past it completed records are evicted (never in-flight ones).
+    pub max_entries: usize,
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -194,6 +223,12 @@ pub struct Policy {
     pub upstream_timeout: Duration,
     /// What a duplicate of an in-flight request gets.
     pub on_in_flight: OnInFlight,
+    /// With `on_in_flight = "wait"`: the longest a duplicate waits.
+    pub wait_timeout: Duration,
+    /// With `on_in_flight = "wait"`: most duplicates waiting at once on this route.
+    pub max_waiters: usize,
+    /// What a keyed request gets when the store is unreachable.
+    pub on_store_error: OnStoreError,
 }
 
 impl Policy {
@@ -211,6 +246,9 @@ impl Policy {
             cache_server_errors: false,
             upstream_timeout: Duration::from_secs(30),
             on_in_flight: OnInFlight::Reject,
+            wait_timeout: Duration::from_secs(10),
+            max_waiters: 1024,
+            on_store_error: OnStoreError::Reject,
         }
     }
 
@@ -310,6 +348,18 @@ impl Policy {
         if let Some(o) = raw.on_in_flight {
             self.on_in_flight = o;
         }
+        if let Some(d) = positive(raw.wait_timeout, "wait_timeout")? {
+            self.wait_timeout = d;
+        }
+        if let Some(n) = raw.max_waiters {
+            if n == 0 {
+                return Err(invalid(format!("{at}.max_waiters"), "must be at least 1"));
+            }
+            self.max_waiters = n;
+        }
+        if let Some(o) = raw.on_store_error {
+            self.on_store_error = o;
+        }
         Ok(self)
     }
 }
@@ -336,6 +386,8 @@ pub struct Config {
     pub defaults: Arc<Policy>,
     /// The routes, in file order.
     pub routes: Vec<Route>,
+    /// After a shutdown signal, how long open requests may take to finish.
+    pub shutdown_grace: Duration,
 }
 
 impl Config {
@@ -366,6 +418,19 @@ impl Config {
         let upstream = parse_upstream(&upstream)?;
 
         let prefix = raw.store.prefix.unwrap_or_else(|| "idemgate:".to_string());
+        let timeout = match raw.store.timeout {
+            Some(HumanDuration(d)) if d.is_zero() => {
+                return Err(invalid("store.timeout", "must be greater than zero"))
+            }
+            Some(HumanDuration(d)) => d,
+            None => Duration::from_secs(2),
+        };
+        let max_entries = match raw.store.max_entries {
+            Some(0) => return Err(invalid("store.max_entries", "must be at least 1")),
+            Some(n) => n,
+            None => 1_000_000,
+        };
+        let shutdown_grace = raw.shutdown_grace.map_or(Duration::from_secs(30), |d| d.0);
         let backend = match raw.store.backend.as_deref().unwrap_or("memory") {
             "memory" => StoreBackend::Memory,
             "redis" => {
@@ -420,9 +485,15 @@ impl Config {
         Ok(Config {
             listen,
             upstream,
-            store: StoreConfig { backend, prefix },
+            store: StoreConfig {
+                backend,
+                prefix,
+                timeout,
+                max_entries,
+            },
             defaults,
             routes,
+            shutdown_grace,
         })
     }
 }
@@ -528,5 +599,9 @@ mod tests {
         let c =
             Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"").unwrap();
         assert_eq!(c.defaults.ttl, Duration::from_secs(3650 * 86400));
+        let c =
+            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"")
+                .unwrap();
+        assert_eq!(c.defaults.ttl, MAX_DURATION);
     }
 }

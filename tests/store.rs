@@ -24,7 +24,9 @@ where
         Backend::Memory => f(StoreUnderTest::Memory(MemoryStore::new())).await,
         Backend::Redis => {
             let server = RedisServer::start().await;
-            let store = RedisStore::connect(&server.url(), "t:").await.unwrap();
+            let store = RedisStore::connect(&server.url(), "t:", std::time::Duration::from_secs(2))
+                .await
+                .unwrap();
             f(StoreUnderTest::Redis(store)).await;
             drop(server);
         }

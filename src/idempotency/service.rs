@@ -29,12 +29,15 @@ use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, Limited};
 use hyper::body::Incoming;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, error, field, info_span, warn, Instrument, Span};
 
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, ScopedKey};
 use super::record::{Entry, EntryState, StoredResponse, Token};
-use crate::config::{Config, Policy};
+use crate::config::{Config, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
 use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream};
 use crate::store::{Claim, Store};
@@ -64,9 +67,27 @@ struct Inner<S> {
     // The pooled client to the one upstream.
     upstream: Upstream,
     // Route patterns to their resolved policies; the most specific pattern wins (matchit).
-    routes: matchit::Router<Arc<Policy>>,
+    routes: matchit::Router<Arc<RouteState>>,
     // The policy of requests that match no route.
-    defaults: Arc<Policy>,
+    defaults: Arc<RouteState>,
+    // Every spawned upstream call, so that shutdown can wait for them to be recorded.
+    tasks: TaskTracker,
+}
+
+/// A route's policy and its live state.
+struct RouteState {
+    policy: Arc<Policy>,
+    // Bounds the duplicates waiting at once under `on_in_flight = "wait"`.
+    waiters: Arc<Semaphore>,
+}
+
+impl RouteState {
+    fn new(policy: &Arc<Policy>) -> Arc<Self> {
+        Arc::new(RouteState {
+            policy: policy.clone(),
+            waiters: Arc::new(Semaphore::new(policy.max_waiters)),
+        })
+    }
 }
 
 impl<S: Store> Gateway<S> {
@@ -75,7 +96,7 @@ impl<S: Store> Gateway<S> {
         let mut routes = matchit::Router::new();
         for r in &config.routes {
             routes
-                .insert(r.path.clone(), r.policy.clone())
+                .insert(r.path.clone(), RouteState::new(&r.policy))
                 .expect("route paths were validated by Config");
         }
         Gateway {
@@ -83,9 +104,15 @@ impl<S: Store> Gateway<S> {
                 store,
                 upstream: Upstream::new(&config.upstream),
                 routes,
-                defaults: config.defaults.clone(),
+                defaults: RouteState::new(&config.defaults),
+                tasks: TaskTracker::new(),
             }),
         }
+    }
+
+    /// The tracker of spawned upstream calls: close it and wait on it to let them finish.
+    pub fn tasks(&self) -> TaskTracker {
+        self.inner.tasks.clone()
     }
 }
 
@@ -119,7 +146,7 @@ enum UpstreamResult {
 }
 
 impl<S: Store> Inner<S> {
-    fn policy_for(&self, path: &str) -> &Arc<Policy> {
+    fn route_for(&self, path: &str) -> &Arc<RouteState> {
         self.routes
             .at(path)
             .map(|m| m.value)
@@ -127,7 +154,8 @@ impl<S: Store> Inner<S> {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
-        let policy = self.policy_for(req.uri().path()).clone();
+        let route = self.route_for(req.uri().path()).clone();
+        let policy = &route.policy;
         if !policy.applies_to(req.method()) {
             return self.pass_through(req, &policy).await;
         }
@@ -146,7 +174,7 @@ impl<S: Store> Inner<S> {
         );
         let result = self
             .clone()
-            .keyed(policy, key, req)
+            .keyed(route.clone(), key, req)
             .instrument(span.clone())
             .await;
         match result {
@@ -166,59 +194,91 @@ impl<S: Store> Inner<S> {
     /// The state machine of a keyed request, up to the claim.
     async fn keyed(
         self: Arc<Self>,
-        policy: Arc<Policy>,
+        route: Arc<RouteState>,
         key: IdempotencyKey,
         req: Request<Body>,
     ) -> Result<(&'static str, Response<Body>), GatewayError> {
+        let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
         let body = buffer_request(&parts, body, policy.max_body).await?;
         let fingerprint = Fingerprint::of(&parts, &body);
         let scoped = key.scoped(&parts.headers, &policy.scope_headers);
         let token = Token::random();
+        // Set once this request starts waiting for an in-flight duplicate (`on_in_flight = "wait"`).
+        let mut waiting: Option<Waiting> = None;
 
-        let claim = self
-            .store
-            .claim(&scoped, &fingerprint, &token, policy.lock_ttl)
-            .await
-            .map_err(|e| {
-                error!(error = %e, "store unavailable; refusing the keyed request");
-                GatewayError::StoreUnavailable
-            })?;
-        match claim {
-            Claim::Existing(Entry {
-                fingerprint: other, ..
-            }) if other != fingerprint => Err(GatewayError::Mismatch {
-                status: policy.mismatch_status,
-            }),
-            Claim::Existing(Entry {
-                state: EntryState::InFlight,
-                ..
-            }) => Err(GatewayError::InFlight {
-                retry_after: IN_FLIGHT_RETRY_AFTER,
-            }),
-            Claim::Existing(Entry {
-                state: EntryState::NotReplayable,
-                ..
-            }) => Err(GatewayError::NotReplayable),
-            Claim::Existing(Entry {
-                state: EntryState::Completed(stored),
-                ..
-            }) => Ok(("replayed", respond(&stored, true))),
-            Claim::Claimed => {
-                // The claimed work runs in its own task so that a client that disconnects does not
-                // cancel it: the upstream call completes and its response is stored for the retry.
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                let work = async move {
-                    let result = self
-                        .run_claimed(&policy, &scoped, &fingerprint, &token, parts, body)
-                        .await;
-                    if tx.send(result).is_err() {
-                        debug!("client went away; the response was recorded for its retry");
+        loop {
+            let claim = match self
+                .store
+                .claim(&scoped, &fingerprint, &token, policy.lock_ttl)
+                .await
+            {
+                Ok(claim) => claim,
+                Err(e) => match policy.on_store_error {
+                    OnStoreError::Reject => {
+                        error!(error = %e, "store unavailable; refusing the keyed request (on_store_error = reject)");
+                        return Err(GatewayError::StoreUnavailable);
                     }
-                };
-                tokio::spawn(work.instrument(Span::current()));
-                let resp = rx.await.unwrap_or(Err(GatewayError::Upstream))?;
-                Ok(("miss", resp))
+                    OnStoreError::Pass => {
+                        warn!(error = %e, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                        let req = Request::from_parts(parts, Body::from(body));
+                        return Ok(("store_error_passed", self.pass_through(req, &policy).await));
+                    }
+                },
+            };
+            match claim {
+                Claim::Existing(Entry {
+                    fingerprint: other, ..
+                }) if other != fingerprint => {
+                    return Err(GatewayError::Mismatch {
+                        status: policy.mismatch_status,
+                    })
+                }
+                Claim::Existing(Entry {
+                    state: EntryState::InFlight,
+                    ..
+                }) => {
+                    if policy.on_in_flight == OnInFlight::Wait {
+                        let w = match waiting.as_mut() {
+                            Some(w) => Some(w),
+                            None => Waiting::start(&route).map(|w| waiting.insert(w)),
+                        };
+                        if let Some(delay) = w.and_then(Waiting::next_delay) {
+                            tokio::time::sleep(delay).await;
+                            continue;
+                        }
+                    }
+                    return Err(GatewayError::InFlight {
+                        retry_after: IN_FLIGHT_RETRY_AFTER,
+                    });
+                }
+                Claim::Existing(Entry {
+                    state: EntryState::NotReplayable,
+                    ..
+                }) => return Err(GatewayError::NotReplayable),
+                Claim::Existing(Entry {
+                    state: EntryState::Completed(stored),
+                    ..
+                }) => return Ok(("replayed", respond(&stored, true))),
+                Claim::Claimed => {
+                    // The claimed work runs in its own task so that a client that disconnects does
+                    // not cancel it: the upstream call completes and its response is stored for the
+                    // retry. The tracker lets a graceful shutdown wait for it.
+                    drop(waiting);
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    let this = self.clone();
+                    let work = async move {
+                        let result = this
+                            .run_claimed(&policy, &scoped, &fingerprint, &token, parts, body)
+                            .await;
+                        if tx.send(result).is_err() {
+                            debug!("client went away; the response was recorded for its retry");
+                        }
+                    };
+                    self.tasks.spawn(work.instrument(Span::current()));
+                    let resp = rx.await.unwrap_or(Err(GatewayError::Upstream))?;
+                    return Ok(("miss", resp));
+                }
             }
         }
     }
@@ -411,6 +471,38 @@ impl<S: Store> Inner<S> {
             }
             Err(_) => GatewayError::UpstreamTimeout.into_response(),
         }
+    }
+}
+
+/// A duplicate waiting for an in-flight request: holds one of the route's waiter permits and
+/// polls the store with a growing delay until the deadline.
+struct Waiting {
+    // Released when the wait ends, however it ends.
+    _permit: OwnedSemaphorePermit,
+    deadline: Instant,
+    delay: Duration,
+}
+
+impl Waiting {
+    /// Start waiting, or `None` when the route already has `max_waiters` waiting.
+    fn start(route: &RouteState) -> Option<Self> {
+        let permit = route.waiters.clone().try_acquire_owned().ok()?;
+        Some(Waiting {
+            _permit: permit,
+            deadline: Instant::now() + route.policy.wait_timeout,
+            delay: Duration::from_millis(5),
+        })
+    }
+
+    /// How long to sleep before polling again, or `None` once the deadline has passed.
+    fn next_delay(&mut self) -> Option<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let delay = self.delay.min(left);
+        self.delay = (self.delay * 2).min(Duration::from_millis(100));
+        Some(delay)
     }
 }
 

@@ -32,6 +32,9 @@ pub enum StoreError {
     /// Redis answered with an error or the connection failed.
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
+    /// The embedded store is at `max_entries` and every entry is an in-flight claim.
+    #[error("the embedded store is full of in-flight claims (store.max_entries)")]
+    Full,
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] crate::idempotency::record::DecodeError),

@@ -42,14 +42,17 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connect to `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS).
-    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+    /// Connect to `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS). `timeout`
+    /// bounds connecting and each answer: past it the store counts as down for that request.
+    pub async fn connect(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
+        // Reconnects happen in the background after a failure; a request never waits for more
+        // than `timeout` on a dead server, and a restarted server is picked up on the next command.
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(200));
         let conn = ConnectionManager::new_with_config(client, config).await?;
         Ok(RedisStore {
             conn,
@@ -61,6 +64,45 @@ impl RedisStore {
                 renew: Script::new(include_str!("lua/renew.lua")),
             }),
         })
+    }
+
+    /// Why the connected Redis could lose records, if it could: an eviction policy other than
+    /// `noeviction` with a `maxmemory` set (eviction would silently drop in-flight locks and
+    /// stored responses), or no persistence at all (a restart loses every record). `Ok(vec![])`
+    /// when it is configured as the guarantee needs; CONFIG may be refused by managed Redis, in
+    /// which case nothing can be said.
+    pub async fn durability_warnings(&self) -> Result<Vec<String>, StoreError> {
+        let get = |param: &'static str| {
+            let mut conn = self.conn.clone();
+            async move {
+                let pair: Vec<String> = redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(param)
+                    .query_async(&mut conn)
+                    .await?;
+                Ok::<_, StoreError>(pair.get(1).cloned().unwrap_or_default())
+            }
+        };
+        let policy = get("maxmemory-policy").await?;
+        let maxmemory: u64 = get("maxmemory").await?.parse().unwrap_or(0);
+        let appendonly = get("appendonly").await?;
+        let save = get("save").await?;
+        let mut warnings = Vec::new();
+        if maxmemory > 0 && policy != "noeviction" {
+            warnings.push(format!(
+                "Redis maxmemory-policy is {policy:?} with maxmemory {maxmemory}: under memory pressure \
+                 Redis would evict in-flight locks and stored responses, and a retry would run the \
+                 upstream again; set maxmemory-policy noeviction"
+            ));
+        }
+        if appendonly != "yes" && save.trim().is_empty() {
+            warnings.push(
+                "Redis has no persistence (appendonly no, save \"\"): a Redis restart loses every \
+                 record and lock; enable appendonly yes for the exactly-once guarantee across restarts"
+                    .to_string(),
+            );
+        }
+        Ok(warnings)
     }
 
     /// The Redis key of a scoped key.
