@@ -26,41 +26,75 @@ pub enum AppError {
 /// How often the embedded store drops expired entries.
 const PURGE_EVERY: Duration = Duration::from_secs(5);
 
-/// Serve the gateway on `listener` until `shutdown` resolves; then stop accepting, let open
-/// requests finish and be recorded within `shutdown_grace`, and return.
+/// A gateway whose store is connected, ready to serve.
+pub struct App {
+    config: Config,
+    store: StoreHandle,
+}
+
+enum StoreHandle {
+    // The embedded store and its purge task (aborted when the app is dropped).
+    Memory(MemoryStore, AbortOnDrop),
+    Redis(RedisStore),
+}
+
+impl App {
+    /// Open the configured store (for Redis: connect, and warn when its settings could lose
+    /// records). Fails when the store cannot be reached.
+    pub async fn new(config: Config) -> Result<Self, AppError> {
+        let store = match &config.store.backend {
+            StoreBackend::Memory => {
+                let store = MemoryStore::with_max_entries(config.store.max_entries);
+                let purger = tokio::spawn({
+                    let store = store.clone();
+                    async move {
+                        let mut tick = tokio::time::interval(PURGE_EVERY);
+                        loop {
+                            tick.tick().await;
+                            store.purge_expired();
+                        }
+                    }
+                });
+                StoreHandle::Memory(store, AbortOnDrop(purger))
+            }
+            StoreBackend::Redis { url } => {
+                let store =
+                    RedisStore::connect(url, &config.store.prefix, config.store.timeout).await?;
+                match store.durability_warnings().await {
+                    Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
+                    Err(e) => {
+                        info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
+                    }
+                }
+                StoreHandle::Redis(store)
+            }
+        };
+        Ok(App { config, store })
+    }
+
+    /// Serve on `listener` until `shutdown` resolves; then stop accepting, let open requests
+    /// finish and be recorded within `shutdown_grace`, and return.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), AppError> {
+        match self.store {
+            StoreHandle::Memory(store, _purger) => {
+                serve(listener, &self.config, store, shutdown).await
+            }
+            StoreHandle::Redis(store) => serve(listener, &self.config, store, shutdown).await,
+        }
+    }
+}
+
+/// [`App::new`] then [`App::serve`].
 pub async fn run(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
-    match &config.store.backend {
-        StoreBackend::Memory => {
-            let store = MemoryStore::with_max_entries(config.store.max_entries);
-            let purger = tokio::spawn({
-                let store = store.clone();
-                async move {
-                    let mut tick = tokio::time::interval(PURGE_EVERY);
-                    loop {
-                        tick.tick().await;
-                        store.purge_expired();
-                    }
-                }
-            });
-            let _stop_purger = AbortOnDrop(purger);
-            serve(listener, &config, store, shutdown).await
-        }
-        StoreBackend::Redis { url } => {
-            let store =
-                RedisStore::connect(url, &config.store.prefix, config.store.timeout).await?;
-            match store.durability_warnings().await {
-                Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
-                Err(e) => {
-                    info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
-                }
-            }
-            serve(listener, &config, store, shutdown).await
-        }
-    }
+    App::new(config).await?.serve(listener, shutdown).await
 }
 
 async fn serve<S: Store>(

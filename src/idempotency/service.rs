@@ -157,12 +157,12 @@ impl<S: Store> Inner<S> {
         let route = self.route_for(req.uri().path()).clone();
         let policy = &route.policy;
         if !policy.applies_to(req.method()) {
-            return self.pass_through(req, &policy).await;
+            return self.pass_through(req, policy).await;
         }
         let key = match IdempotencyKey::from_headers(req.headers(), policy.key_max_len) {
             Ok(Some(key)) => key,
             Ok(None) if policy.require_key => return reject(GatewayError::MissingKey),
-            Ok(None) => return self.pass_through(req, &policy).await,
+            Ok(None) => return self.pass_through(req, policy).await,
             Err(e) => return reject(e),
         };
         let span = info_span!(

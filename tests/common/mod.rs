@@ -312,8 +312,12 @@ impl Gateway {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        // Connect the store before returning, so the gateway is ready when the test goes on.
+        let app = idemgate::app::App::new(config)
+            .await
+            .expect("gateway failed to start");
         let task = tokio::spawn(async move {
-            idemgate::app::run(listener, config, async {
+            app.serve(listener, async {
                 let _ = rx.await;
             })
             .await
@@ -481,4 +485,93 @@ impl Seen {
 /// Send and read whole.
 pub async fn send(req: reqwest::RequestBuilder) -> Seen {
     Seen::of(req.send().await.expect("request failed")).await
+}
+
+// === the gateway as a separate process (for kill -9 and SIGTERM) ===
+
+/// The real `idemgate` binary running with a config file, on a free port.
+pub struct GatewayProcess {
+    pub addr: SocketAddr,
+    child: Option<Child>,
+    _config: tempfile::NamedTempFile,
+}
+
+impl GatewayProcess {
+    /// Start the binary with `toml` (whose `listen` line is replaced by a free port).
+    pub async fn start(toml: &str) -> Self {
+        let port = free_port();
+        let toml = toml.replace(
+            "listen = \"127.0.0.1:0\"",
+            &format!("listen = \"127.0.0.1:{port}\""),
+        );
+        let config = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(config.path(), toml).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(config.path())
+            .env(
+                "RUST_LOG",
+                std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(Instant::now() < deadline, "gateway process did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        GatewayProcess {
+            addr,
+            child: Some(child),
+            _config: config,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// SIGKILL: no chance to clean up, as in a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Send SIGTERM.
+    pub fn sigterm(&self) {
+        let pid = self.child.as_ref().expect("running").id();
+        let ok = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Wait for the process to exit (up to `limit`), returning its exit status.
+    pub async fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        let child = self.child.as_mut().expect("running");
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway did not exit in {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
 }

@@ -1,0 +1,399 @@
+//! Exactly once through faults: client aborts, gateway crashes, store outages, waiting
+//! duplicates, graceful shutdown, Redis restarts. Every fault is injected for real.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{config_for, send, Backend, GatewayProcess, RedisServer, TestEnv, Upstream};
+use tokio::io::AsyncWriteExt;
+
+const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
+
+on_both_backends!(
+    client_abort_still_records_the_response,
+    waiting_duplicates_get_the_replay,
+    waiters_are_bounded_in_number_and_time,
+);
+
+/// Send a keyed POST on a raw socket and hang up without reading the answer.
+async fn post_and_hang_up(addr: std::net::SocketAddr, path: &str, key: &str, body: &str) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    s.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+}
+
+async fn client_abort_still_records_the_response(b: Backend) {
+    let upstream = Upstream::start().await.delay(Duration::from_millis(600));
+    let env = TestEnv::start_with(b, upstream, "").await;
+    post_and_hang_up(env.gateway.addr, "/v1/p", "abort", "x").await;
+    // The upstream call goes on without the client; wait until it has been answered.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let retry = send(env.post_keyed("/v1/p", "abort").body("x")).await;
+    assert_eq!(retry.status, 201);
+    assert!(
+        retry.replayed(),
+        "the retry must get the recorded response, not a second execution"
+    );
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+async fn waiting_duplicates_get_the_replay(b: Backend) {
+    let upstream = Upstream::start().await.delay(Duration::from_millis(500));
+    let env = TestEnv::start_with(
+        b,
+        upstream,
+        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"",
+    )
+    .await;
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        tasks.push(tokio::spawn(send(
+            env.post_keyed("/v1/p", "wait").body("x"),
+        )));
+    }
+    let mut bodies = Vec::new();
+    let mut replays = 0;
+    for t in tasks {
+        let seen = t.await.unwrap();
+        assert_eq!(seen.status, 201, "{seen:?}");
+        replays += seen.replayed() as usize;
+        bodies.push(seen.body);
+    }
+    assert_eq!(replays, 9);
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]));
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+async fn waiters_are_bounded_in_number_and_time(b: Backend) {
+    let upstream = Upstream::start().await.delay(Duration::from_millis(800));
+    let extra = "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"\nmax_waiters = 2";
+    let env = TestEnv::start_with(b, upstream, extra).await;
+    let first = tokio::spawn(send(env.post_keyed("/v1/p", "bounded").body("x")));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut dups = Vec::new();
+    for _ in 0..5 {
+        dups.push(tokio::spawn(send(
+            env.post_keyed("/v1/p", "bounded").body("x"),
+        )));
+    }
+    let mut replays = 0;
+    let mut conflicts = 0;
+    for d in dups {
+        let seen = d.await.unwrap();
+        if seen.replayed() {
+            replays += 1;
+        } else {
+            assert_eq!(seen.problem_type(), IN_FLIGHT);
+            conflicts += 1;
+        }
+    }
+    assert_eq!(
+        (replays, conflicts),
+        (2, 3),
+        "two may wait, the rest get 409 at once"
+    );
+    assert_eq!(first.await.unwrap().status, 201);
+
+    // Past wait_timeout, a waiter gets the 409.
+    let env = TestEnv::start(
+        b,
+        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"200ms\"",
+    )
+    .await;
+    let slow = tokio::spawn(send(
+        env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x"),
+    ));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waited = send(env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x")).await;
+    assert_eq!(waited.problem_type(), IN_FLIGHT);
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(started.elapsed() < Duration::from_millis(1200));
+    assert_eq!(slow.await.unwrap().status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start().await.delay(Duration::from_millis(1500));
+    let config = config_for(
+        Backend::Redis,
+        Some(&redis),
+        &upstream.url(),
+        "[defaults]\nlock_ttl = \"2s\"",
+    );
+    let mut crashed = GatewayProcess::start(&config).await;
+    let client = common::client();
+    let req = client
+        .post(crashed.url("/v1/p"))
+        .header("idempotency-key", "crash")
+        .body("x");
+    let pending = tokio::spawn(req.send());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crashed.kill9();
+    assert!(
+        pending.await.unwrap().is_err(),
+        "the client saw the connection die"
+    );
+    let killed_at = Instant::now();
+
+    let survivor = GatewayProcess::start(&config).await;
+    let retry = send(
+        client
+            .post(survivor.url("/v1/p"))
+            .header("idempotency-key", "crash")
+            .body("x"),
+    )
+    .await;
+    assert_eq!(
+        retry.problem_type(),
+        IN_FLIGHT,
+        "the upstream may have executed: the key stays claimed"
+    );
+    // Once the lease has run out (at most lock_ttl after the last renewal), a retry runs again.
+    let mut reran = None;
+    while killed_at.elapsed() < Duration::from_secs(6) {
+        let sent = killed_at.elapsed();
+        let r = send(
+            client
+                .post(survivor.url("/v1/p"))
+                .header("idempotency-key", "crash")
+                .body("x"),
+        )
+        .await;
+        if r.status == 201 {
+            reran = Some(sent);
+            break;
+        }
+        assert_eq!(r.problem_type(), IN_FLIGHT);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reran = reran.expect("the key must be free once its lease ends");
+    assert!(
+        reran <= Duration::from_millis(2600),
+        "freed after {reran:?}, lock_ttl is 2s"
+    );
+    assert_eq!(
+        upstream.calls(),
+        2,
+        "the crashed call and the one retry after the lease"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
+    let mut env = TestEnv::start(Backend::Redis, "").await;
+    drop(env.gateway);
+    // A short store timeout so that an outage is detected quickly.
+    let config = config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "").replace(
+        "prefix = \"test:\"",
+        "prefix = \"test:\"\ntimeout = \"500ms\"",
+    );
+    env.gateway = common::Gateway::spawn(&config).await;
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "before").body("x"))
+            .await
+            .status,
+        201
+    );
+
+    env.redis.as_mut().unwrap().kill();
+    let calls = env.upstream.calls();
+    let refused = send(env.post_keyed("/v1/p", "during").body("x")).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(
+        env.upstream.calls(),
+        calls,
+        "nothing is forwarded under on_store_error = reject"
+    );
+    // Unkeyed requests keep flowing.
+    assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
+
+    env.redis.as_mut().unwrap().restart().await;
+    let restarted = Instant::now();
+    loop {
+        let r = send(env.post_keyed("/v1/p", "after").body("x")).await;
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 503);
+        assert!(
+            restarted.elapsed() < Duration::from_secs(5),
+            "no recovery within 5 s of the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "recovered {:?} after the Redis restart",
+        restarted.elapsed()
+    );
+    assert!(send(env.post_keyed("/v1/p", "after").body("x"))
+        .await
+        .replayed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_outage_with_pass_policy_forwards_without_idempotency() {
+    let mut env = TestEnv::start(Backend::Redis, "[defaults]\non_store_error = \"pass\"").await;
+    env.redis.as_mut().unwrap().kill();
+    let a = send(env.post_keyed("/v1/p", "open").body("x")).await;
+    let b = send(env.post_keyed("/v1/p", "open").body("x")).await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed());
+    assert_eq!(
+        env.upstream.calls(),
+        2,
+        "fail open: every request is forwarded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_failure_after_the_upstream_answered_still_delivers_the_response() {
+    let upstream = Upstream::start().await.delay(Duration::from_millis(800));
+    let mut env = TestEnv::start_with(Backend::Redis, upstream, "").await;
+    let pending = tokio::spawn(send(env.post_keyed("/v1/p", "late").body("x")));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    env.redis.as_mut().unwrap().kill();
+    let seen = pending.await.unwrap();
+    assert_eq!(
+        seen.status, 201,
+        "the upstream's answer must reach the client"
+    );
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start().await.delay(Duration::from_millis(1000));
+    let config = config_for(Backend::Redis, Some(&redis), &upstream.url(), "");
+    let mut gateway = GatewayProcess::start(&config).await;
+    let client = common::client();
+    let pending = tokio::spawn(send(
+        client
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "term")
+            .body("x"),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gateway.sigterm();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        tokio::net::TcpStream::connect(gateway.addr).await.is_err(),
+        "no new connections after SIGTERM"
+    );
+    let seen = pending.await.unwrap();
+    assert_eq!(seen.status, 201);
+    assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
+    // What it answered was recorded: another gateway replays it.
+    let next = GatewayProcess::start(&config).await;
+    let replay = send(
+        client
+            .post(next.url("/v1/p"))
+            .header("idempotency-key", "term")
+            .body("x"),
+    )
+    .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, seen.body);
+    assert_eq!(upstream.calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_grace_bounds_the_wait() {
+    let upstream = Upstream::start().await.delay(Duration::from_secs(20));
+    let config = config_for(Backend::Memory, None, &upstream.url(), "").replace(
+        "listen = \"127.0.0.1:0\"",
+        "listen = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"",
+    );
+    let mut gateway = GatewayProcess::start(&config).await;
+    let client = common::client();
+    let _pending = tokio::spawn(
+        client
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "g")
+            .body("x")
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    gateway.sigterm();
+    assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_responses_survive_a_redis_restart_with_aof() {
+    let redis = RedisServer::start_durable().await;
+    let upstream = Upstream::start().await;
+    let config = config_for(Backend::Redis, Some(&redis), &upstream.url(), "");
+    let mut redis = redis;
+    let gateway = common::Gateway::spawn(&config).await;
+    let client = common::client();
+    let url = format!("http://{}/v1/p", gateway.addr);
+    let first = send(client.post(&url).header("idempotency-key", "aof").body("x")).await;
+    redis.restart().await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let replay = loop {
+        let r = send(client.post(&url).header("idempotency-key", "aof").body("x")).await;
+        if r.status != 503 || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicting_or_volatile_redis_is_warned_about() {
+    let redis = RedisServer::start().await;
+    let store = idemgate::store::RedisStore::connect(&redis.url(), "w:", Duration::from_secs(2))
+        .await
+        .unwrap();
+    let warnings = store.durability_warnings().await.unwrap();
+    assert_eq!(warnings.len(), 1, "no persistence: {warnings:?}");
+    assert!(warnings[0].contains("persistence"));
+    let mut conn = redis.connection().await;
+    for (k, v) in [
+        ("maxmemory", "100mb"),
+        ("maxmemory-policy", "allkeys-lru"),
+        ("appendonly", "yes"),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let warnings = store.durability_warnings().await.unwrap();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("noeviction"));
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(store.durability_warnings().await.unwrap().is_empty());
+}
