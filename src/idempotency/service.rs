@@ -1,17 +1,21 @@
-//! The tower service that runs the state machine of one request. Read [`Inner::keyed`] and
-//! [`Inner::run_claimed`] top to bottom: they are the whole protocol.
+//! The tower service that runs the state machine of one request. Read `Inner::keyed` and
+//! `Inner::run_claimed` top to bottom: they are the whole protocol.
 //!
 //! ```text
-//!  keyed request ──► buffer body (413) ──► fingerprint ──► claim ─┬─ Existing, other fingerprint ──► mismatch (409/422)
-//!                                                                  ├─ Existing, in flight ─────────► 409 in flight
-//!                                                                  ├─ Existing, not replayable ────► 409 not replayable
-//!                                                                  ├─ Existing, completed ─────────► replay
-//!                                                                  └─ Claimed ──► run_claimed (spawned: survives client aborts)
+//!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► on_store_error: 503 | forward unprotected
+//!                                                   ▲          ├─ other fingerprint ─► mismatch (409/422)
+//!                                                   │          ├─ in flight ─► on_in_flight: 409 in flight
+//!                                                   └─ waiting ◄┘                 | wait (bounded) and claim again
+//!                                                              ├─ not replayable ─► 409 not replayable
+//!                                                              ├─ completed ─► replay
+//!                                                              └─ claimed ─► run_claimed (spawned: survives client aborts)
 //!  run_claimed: forward while renewing the lease ─┬─ not sent (connect error) ─► release, 502
-//!                                                 ├─ timeout / failed after send ─► keep claim until lease ends, 504/502
-//!                                                 ├─ 5xx, 408, 429 ──────────────► release, pass response on
-//!                                                 ├─ body ≤ max_body ─────────────► complete (replayable), respond
-//!                                                 └─ body > max_body ─────────────► complete (not replayable), stream once
+//!                                                 ├─ timeout / failed after send ─► keep claim until the lease ends, 504/502
+//!                                                 ├─ 5xx, 408, 429 ─► release, pass the response on
+//!                                                 ├─ body ≤ max_body ─► complete (replayable), respond
+//!                                                 └─ body > max_body ─► complete (not replayable), stream once
+//!  complete, release and renew are fenced by the claim's token: a holder whose lease ran out
+//!  changes nothing.
 //! ```
 
 use std::convert::Infallible;
