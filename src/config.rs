@@ -428,7 +428,7 @@ impl Config {
         let max_entries = match raw.store.max_entries {
             Some(0) => return Err(invalid("store.max_entries", "must be at least 1")),
             Some(n) => n,
-            None => 1_000_000,
+            None => 100_000,
         };
         let shutdown_grace = raw.shutdown_grace.map_or(Duration::from_secs(30), |d| d.0);
         let backend = match raw.store.backend.as_deref().unwrap_or("memory") {

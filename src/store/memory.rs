@@ -28,7 +28,7 @@ struct Shared {
 
 impl Default for MemoryStore {
     fn default() -> Self {
-        Self::with_max_entries(1_000_000)
+        Self::with_max_entries(100_000)
     }
 }
 
@@ -43,7 +43,7 @@ struct Slot {
 }
 
 impl MemoryStore {
-    /// An empty store with the default bound (one million entries).
+    /// An empty store with the default bound (100,000 entries).
     pub fn new() -> Self {
         Self::default()
     }

@@ -1,0 +1,213 @@
+//! The load generator: HTTP/1.1 keep-alive connections over hyper, closed loop (as fast as the
+//! server answers) or open loop at a fixed rate, with latencies in an HDR histogram. In the open
+//! loop, a request the server made late is measured from its scheduled time, so a stalled server
+//! is charged for the requests it delayed (no coordinated omission).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+/// Which `Idempotency-Key` each request carries.
+#[derive(Clone, Debug)]
+pub enum Keys {
+    /// No key: the pass-through path.
+    None,
+    /// A fresh key per request: the miss path.
+    Unique(String),
+    /// Cycling over `n` keys that were already used: the replay path.
+    Hot(String, u64),
+    /// `per_key` consecutive requests share a key: duplicates arriving together.
+    Storm(String, u64),
+}
+
+impl Keys {
+    fn key(&self, i: u64) -> Option<String> {
+        match self {
+            Keys::None => None,
+            Keys::Unique(p) => Some(format!("{p}-{i}")),
+            Keys::Hot(p, n) => Some(format!("{p}-{}", i % n)),
+            Keys::Storm(p, per) => Some(format!("{p}-{}", i / per)),
+        }
+    }
+}
+
+/// How to pace the requests.
+#[derive(Clone, Copy, Debug)]
+pub enum Pace {
+    /// As fast as the server answers.
+    Closed,
+    /// This many requests per second in all, spread over the connections.
+    Rate(f64),
+}
+
+/// What one run measured.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub requests: u64,
+    pub ok: u64,
+    pub conflicts: u64,
+    pub errors: u64,
+    pub elapsed: Duration,
+    pub hist: Histogram<u64>,
+}
+
+impl Report {
+    pub fn rps(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+    /// Latency at quantile `q`, in milliseconds.
+    pub fn ms(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+/// Run `connections` connections against `addr` for `duration`.
+pub async fn run(
+    addr: SocketAddr,
+    path: &str,
+    keys: Keys,
+    connections: usize,
+    duration: Duration,
+    pace: Pace,
+) -> Report {
+    let counter = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = Vec::new();
+    for c in 0..connections {
+        let (keys, counter, path) = (keys.clone(), counter.clone(), path.to_string());
+        let interval = match pace {
+            Pace::Closed => None,
+            Pace::Rate(r) => Some(Duration::from_secs_f64(connections as f64 / r)),
+        };
+        // Stagger open-loop connections so their requests interleave evenly.
+        let offset = interval.map(|i| i.mul_f64(c as f64 / connections as f64));
+        tasks.push(tokio::spawn(async move {
+            connection(addr, &path, keys, counter, deadline, interval, offset).await
+        }));
+    }
+    let mut report = Report {
+        requests: 0,
+        ok: 0,
+        conflicts: 0,
+        errors: 0,
+        elapsed: Duration::ZERO,
+        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+    };
+    for t in tasks {
+        let r = t.await.unwrap();
+        report.requests += r.requests;
+        report.ok += r.ok;
+        report.conflicts += r.conflicts;
+        report.errors += r.errors;
+        report.hist.add(&r.hist).unwrap();
+    }
+    report.elapsed = start.elapsed();
+    report
+}
+
+async fn connection(
+    addr: SocketAddr,
+    path: &str,
+    keys: Keys,
+    counter: Arc<AtomicU64>,
+    deadline: Instant,
+    interval: Option<Duration>,
+    offset: Option<Duration>,
+) -> Report {
+    let mut r = Report {
+        requests: 0,
+        ok: 0,
+        conflicts: 0,
+        errors: 0,
+        elapsed: Duration::ZERO,
+        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+    };
+    let body = Bytes::from_static(b"{\"amount\":1000,\"currency\":\"eur\"}");
+    let mut sender = None;
+    let mut next = Instant::now() + offset.unwrap_or_default();
+    let mut prev_done = Instant::now();
+    while Instant::now() < deadline {
+        if sender.is_none() {
+            match connect(addr).await {
+                Some(s) => sender = Some(s),
+                None => {
+                    r.errors += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            }
+        }
+        let scheduled = match interval {
+            Some(i) => {
+                let at = next;
+                next += i;
+                if at > Instant::now() {
+                    tokio::time::sleep_until(at.into()).await;
+                }
+                at
+            }
+            None => Instant::now(),
+        };
+        if scheduled >= deadline {
+            break;
+        }
+        // Charge the server from the scheduled time only when it made us late (the previous
+        // request on this connection ended after this one was due); the timer's own lateness
+        // (tokio's 1 ms granularity) is the generator's and is not counted.
+        let start = if prev_done > scheduled {
+            scheduled
+        } else {
+            Instant::now()
+        };
+        let i = counter.fetch_add(1, Ordering::Relaxed);
+        let mut req = http::Request::post(path)
+            .header("host", "bench")
+            .header("content-type", "application/json");
+        if let Some(k) = keys.key(i) {
+            req = req.header("idempotency-key", k);
+        }
+        let req = req.body(Full::new(body.clone())).unwrap();
+        let s = sender.as_mut().unwrap();
+        let result = async {
+            s.ready().await.ok()?;
+            let resp = s.send_request(req).await.ok()?;
+            let status = resp.status().as_u16();
+            resp.into_body().collect().await.ok()?;
+            Some(status)
+        }
+        .await;
+        prev_done = Instant::now();
+        let latency = prev_done - start;
+        r.requests += 1;
+        match result {
+            Some(200..=299) => r.ok += 1,
+            Some(409) => r.conflicts += 1,
+            Some(_) => r.errors += 1,
+            None => {
+                r.errors += 1;
+                sender = None;
+            }
+        }
+        r.hist.saturating_record(latency.as_micros().max(1) as u64);
+    }
+    r
+}
+
+async fn connect(addr: SocketAddr) -> Option<http1::SendRequest<Full<Bytes>>> {
+    let stream = TcpStream::connect(addr).await.ok()?;
+    stream.set_nodelay(true).ok()?;
+    let (sender, conn) = http1::handshake(TokioIo::new(stream)).await.ok()?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Some(sender)
+}

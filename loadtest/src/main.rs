@@ -1,0 +1,632 @@
+//! `idemgate-loadtest`: measures idemgate against a direct upstream and nginx, side by side in
+//! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
+
+mod load;
+mod procs;
+mod upstream;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use load::{Keys, Pace, Report};
+
+#[derive(Parser)]
+#[command(about = "Benchmark idemgate against a direct upstream and nginx")]
+struct Cli {
+    /// A short run (under a minute) for CI: 1 KiB bodies only, 1.5 s phases, no soak.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds of each measured phase (default 8, or 1.5 with --quick).
+    #[arg(long)]
+    secs: Option<f64>,
+    /// Concurrent connections of the closed-loop phases.
+    #[arg(long, default_value_t = 64)]
+    connections: usize,
+    /// Seconds of the RSS soak (miss path on Redis); default 120, 0 with --quick.
+    #[arg(long)]
+    soak: Option<u64>,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the fixed-response upstream (used by the harness itself).
+    Upstream {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long, default_value_t = 1024)]
+        body: usize,
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    if let Some(Cmd::Upstream {
+        listen,
+        body,
+        delay_ms,
+    }) = cli.command
+    {
+        rt.block_on(upstream::serve(
+            listen,
+            body,
+            Duration::from_millis(delay_ms),
+        ))
+        .unwrap();
+        return ExitCode::SUCCESS;
+    }
+    rt.block_on(bench(cli))
+}
+
+/// One row of the results table.
+struct Row {
+    scenario: String,
+    body: usize,
+    closed: Report,
+    at_rate: Option<Report>,
+}
+
+struct Bench {
+    secs: Duration,
+    warm: Duration,
+    connections: usize,
+    rows: Vec<Row>,
+    notes: Vec<String>,
+    insane: Vec<String>,
+    run_id: u64,
+    // The response body size of the phases being measured.
+    size: usize,
+}
+
+impl Bench {
+    fn prefix(&mut self, what: &str) -> String {
+        self.run_id += 1;
+        format!("{what}-{}-{}", std::process::id(), self.run_id)
+    }
+
+    async fn closed(&self, addr: SocketAddr, keys: Keys) -> Report {
+        load::run(
+            addr,
+            "/v1/payments",
+            keys,
+            self.connections,
+            self.secs,
+            Pace::Closed,
+        )
+        .await
+    }
+
+    async fn at_rate(&self, addr: SocketAddr, keys: Keys, rate: f64) -> Report {
+        load::run(addr, "/v1/payments", keys, 32, self.secs, Pace::Rate(rate)).await
+    }
+
+    fn check(&mut self, name: &str, r: &Report, expect_conflicts: bool) {
+        if r.requests == 0 {
+            self.insane.push(format!("{name}: no request completed"));
+        } else if r.errors * 100 > r.requests {
+            self.insane.push(format!(
+                "{name}: {} errors in {} requests",
+                r.errors, r.requests
+            ));
+        } else if !expect_conflicts && r.conflicts > 0 {
+            self.insane
+                .push(format!("{name}: {} unexpected 409s", r.conflicts));
+        }
+    }
+}
+
+async fn bench(cli: Cli) -> ExitCode {
+    let secs = Duration::from_secs_f64(cli.secs.unwrap_or(if cli.quick { 1.5 } else { 8.0 }));
+    let mut b = Bench {
+        secs,
+        warm: if cli.quick {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(2)
+        },
+        connections: cli.connections,
+        rows: Vec::new(),
+        notes: Vec::new(),
+        insane: Vec::new(),
+        run_id: 0,
+        size: 1024,
+    };
+    let soak = cli.soak.unwrap_or(if cli.quick { 0 } else { 120 });
+    let dir = tempfile::tempdir().unwrap();
+    let redis = procs::redis(dir.path());
+    let redis_url = format!("redis://{}/0", redis.addr);
+    let mut redis_conn = redis::Client::open(redis_url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    eprintln!(
+        "idemgate loadtest: {} s phases, {} connections",
+        secs.as_secs_f64(),
+        cli.connections
+    );
+
+    let sizes: &[usize] = if cli.quick { &[1024] } else { &[1024, 65536] };
+    for &size in sizes {
+        b.size = size;
+        let up = procs::upstream(size, 0);
+        let nginx = procs::nginx(dir.path(), up.addr);
+        let mem = procs::gateway(dir.path(), "memory", up.addr, "");
+        let red = procs::gateway(dir.path(), &redis_url, up.addr, "");
+
+        // Closed loop: the most each can do.
+        let unique = || Keys::Unique(String::new());
+        let hot = || Keys::Hot(String::new(), 1000);
+        phase(&mut b, "direct to upstream", up.addr, Keys::None, None).await;
+        phase(&mut b, "nginx proxy", nginx.addr, Keys::None, None).await;
+        phase(
+            &mut b,
+            "gateway pass-through (no key)",
+            mem.addr,
+            Keys::None,
+            None,
+        )
+        .await;
+        phase(&mut b, "gateway miss, memory", mem.addr, unique(), None).await;
+        phase(
+            &mut b,
+            "gateway miss, redis",
+            red.addr,
+            unique(),
+            Some(&mut redis_conn),
+        )
+        .await;
+        stored_bytes(&mut b, &mut redis_conn, red.addr, size).await;
+        phase(&mut b, "gateway replay, memory", mem.addr, hot(), None).await;
+        phase(
+            &mut b,
+            "gateway replay, redis",
+            red.addr,
+            hot(),
+            Some(&mut redis_conn),
+        )
+        .await;
+
+        // Open loop at one fixed rate for all: the latency each layer adds over direct. The rate
+        // is half the slowest maximum above, so that no layer is saturated and queueing does not
+        // masquerade as added latency (half the *direct* maximum saturates every proxy here).
+        let measured = &b.rows[b.rows.len() - 7..];
+        let slowest = measured
+            .iter()
+            .map(|r| r.closed.rps())
+            .fold(f64::MAX, f64::min);
+        let rate = (slowest / 2.0).max(100.0);
+        let start = b.rows.len() - 7;
+        for i in start..b.rows.len() {
+            let scenario = b.rows[i].scenario.clone();
+            let addr = match scenario.as_str() {
+                "direct to upstream" => up.addr,
+                "nginx proxy" => nginx.addr,
+                s if s.contains("redis") => red.addr,
+                _ => mem.addr,
+            };
+            let keys = keys_for(&scenario, &mut b);
+            let r = b.at_rate(addr, keys, rate).await;
+            b.check(
+                &format!("{} at {rate:.0} req/s", b.rows[i].scenario),
+                &r,
+                false,
+            );
+            b.rows[i].at_rate = Some(r);
+        }
+        b.notes.push(format!(
+            "{} body: fixed rate {rate:.0} req/s (half the slowest maximum); gateway RSS after the phases: memory {} MiB, redis {} MiB; nginx master {} MiB",
+            human(size),
+            mem.rss_kib() / 1024,
+            red.rss_kib() / 1024,
+            nginx.rss_kib() / 1024
+        ));
+        drop((up, nginx, mem, red));
+    }
+
+    storm(&mut b, dir.path(), &redis_url).await;
+    if soak > 0 {
+        soak_rss(&mut b, dir.path(), &redis_url, soak).await;
+    }
+    print_table(&b);
+    if b.insane.is_empty() {
+        println!("\nsanity: ok");
+        ExitCode::SUCCESS
+    } else {
+        println!("\nsanity: FAILED");
+        b.insane.iter().for_each(|s| println!("- {s}"));
+        ExitCode::FAILURE
+    }
+}
+
+fn keys_for(scenario: &str, b: &mut Bench) -> Keys {
+    if scenario.contains("miss") {
+        Keys::Unique(b.prefix("rate-miss"))
+    } else if scenario.contains("replay") {
+        // The same hot keys the closed phase used, all completed by now.
+        Keys::Hot(format!("hot-{}", b.size), 1000)
+    } else {
+        Keys::None
+    }
+}
+
+/// Warm up, then measure one closed-loop phase and record it as a row. With `redis`, the Redis
+/// commands the measured part caused are noted per request.
+async fn phase(
+    b: &mut Bench,
+    scenario: &str,
+    addr: SocketAddr,
+    keys: Keys,
+    redis: Option<&mut redis::aio::MultiplexedConnection>,
+) -> Report {
+    let size = b.size;
+    let keys = match keys {
+        Keys::Unique(_) => Keys::Unique(b.prefix("miss")),
+        Keys::Hot(_, n) => Keys::Hot(format!("hot-{size}"), n),
+        k => k,
+    };
+    // Warm-up: pools, caches and (for the replay path) the hot keys' first executions.
+    load::run(
+        addr,
+        "/v1/payments",
+        keys.clone(),
+        b.connections,
+        b.warm,
+        Pace::Closed,
+    )
+    .await;
+    let keys = match keys {
+        Keys::Unique(_) => Keys::Unique(b.prefix("miss")),
+        k => k,
+    };
+    let r = match redis {
+        Some(conn) => {
+            let before = commandstats(conn).await;
+            let r = b.closed(addr, keys).await;
+            let after = commandstats(conn).await;
+            b.notes
+                .push(per_request(scenario, size, &before, &after, r.requests));
+            r
+        }
+        None => b.closed(addr, keys).await,
+    };
+    b.check(scenario, &r, false);
+    eprintln!(
+        "  {scenario:<34} {:>9.0} req/s  p50 {:.2} ms  p99 {:.2} ms",
+        r.rps(),
+        r.ms(0.5),
+        r.ms(0.99)
+    );
+    b.rows.push(Row {
+        scenario: scenario.to_string(),
+        body: size,
+        closed: r.clone(),
+        at_rate: None,
+    });
+    r
+}
+
+async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name.to_string(), calls))
+        })
+        .collect()
+}
+
+fn per_request(
+    what: &str,
+    size: usize,
+    before: &HashMap<String, u64>,
+    after: &HashMap<String, u64>,
+    requests: u64,
+) -> String {
+    let mut parts: Vec<(String, f64)> = after
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                (*v - before.get(k).copied().unwrap_or(0)) as f64 / requests.max(1) as f64,
+            )
+        })
+        .filter(|(k, v)| *v > 0.001 && k != "info")
+        .collect();
+    parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let trips: f64 = parts
+        .iter()
+        .filter(|(k, _)| k.starts_with("eval"))
+        .map(|(_, v)| v)
+        .sum();
+    let detail: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+    format!(
+        "{} body, {what}: {trips:.2} Redis round trips (EVAL*) per request; commands per request incl. those run inside the scripts: {}",
+        human(size),
+        detail.join(", ")
+    )
+}
+
+/// MEMORY USAGE of one stored record against the response's own size.
+async fn stored_bytes(
+    b: &mut Bench,
+    conn: &mut redis::aio::MultiplexedConnection,
+    gateway: SocketAddr,
+    size: usize,
+) {
+    let (_, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+        .arg(0)
+        .arg("MATCH")
+        .arg("bench:*")
+        .arg("COUNT")
+        .arg(1000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let Some(key) = keys.first() else {
+        b.insane
+            .push("no record found in Redis after the miss phase".into());
+        return;
+    };
+    let usage: u64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .arg("SAMPLES")
+        .arg(0)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let value_len: u64 = redis::cmd("STRLEN")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let headers = response_header_bytes(gateway).await;
+    let budget = (headers + size + 256) as u64;
+    let verdict = if usage <= budget { "within" } else { "OVER" };
+    b.notes.push(format!(
+        "{} body: one record takes {usage} bytes in Redis (MEMORY USAGE; value {value_len} bytes) for a response of {headers} header bytes + {size} body bytes: {verdict} the headers + body + 256 = {budget} target",
+        human(size)
+    ));
+}
+
+async fn response_header_bytes(gateway: SocketAddr) -> usize {
+    let stream = tokio::net::TcpStream::connect(gateway).await.unwrap();
+    let (mut s, conn) = hyper::client::conn::http1::handshake::<
+        _,
+        http_body_util::Full<bytes::Bytes>,
+    >(hyper_util::rt::TokioIo::new(stream))
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post("/v1/payments")
+        .header("host", "bench")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+        .unwrap();
+    let resp = s.send_request(req).await.unwrap();
+    resp.headers()
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum()
+}
+
+/// Many clients, few keys, a slow upstream: every key must run exactly once.
+async fn storm(b: &mut Bench, dir: &std::path::Path, redis_url: &str) {
+    let up = procs::upstream(1024, 20);
+    for store in ["memory", redis_url] {
+        let gw = procs::gateway(dir, store, up.addr, "");
+        let label = if store == "memory" { "memory" } else { "redis" };
+        let before = upstream_count(up.addr).await;
+        let prefix = b.prefix("storm");
+        let r = load::run(
+            gw.addr,
+            "/v1/payments",
+            Keys::Storm(prefix, 64),
+            64,
+            b.secs,
+            Pace::Closed,
+        )
+        .await;
+        let executions = upstream_count(up.addr).await - before;
+        let keys = r.requests.div_ceil(64);
+        b.check(&format!("duplicate storm, {label}"), &r, true);
+        if executions > keys {
+            b.insane.push(format!(
+                "duplicate storm, {label}: {executions} executions for {keys} keys"
+            ));
+        }
+        b.notes.push(format!(
+            "duplicate storm, {label} (64 connections, 64 requests per key, upstream 20 ms): {} requests, {keys} keys, {executions} upstream executions, {} answered 409 in flight, {:.0} req/s",
+            r.requests,
+            r.conflicts,
+            r.rps()
+        ));
+        eprintln!(
+            "  duplicate storm, {label:<20} {:>9.0} req/s  {executions} executions / {keys} keys",
+            r.rps()
+        );
+        b.rows.push(Row {
+            scenario: format!("duplicate storm, {label}"),
+            body: 1024,
+            closed: r,
+            at_rate: None,
+        });
+    }
+}
+
+async fn upstream_count(addr: SocketAddr) -> u64 {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut s, conn) = hyper::client::conn::http1::handshake::<
+        _,
+        http_body_util::Empty<bytes::Bytes>,
+    >(hyper_util::rt::TokioIo::new(stream))
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let resp = s
+        .send_request(
+            http::Request::get("/__count")
+                .header("host", "u")
+                .body(http_body_util::Empty::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    use http_body_util::BodyExt;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8_lossy(&body).parse().unwrap()
+}
+
+/// The gateway's RSS across a long run of unique keys on Redis, sampled every 10 s.
+async fn soak_rss(b: &mut Bench, dir: &std::path::Path, redis_url: &str, secs: u64) {
+    let up = procs::upstream(1024, 0);
+    let gw = procs::gateway(dir, redis_url, up.addr, "");
+    let prefix = b.prefix("soak");
+    let addr = gw.addr;
+    let connections = b.connections;
+    let load = tokio::spawn(async move {
+        load::run(
+            addr,
+            "/v1/payments",
+            Keys::Unique(prefix),
+            connections,
+            Duration::from_secs(secs),
+            Pace::Closed,
+        )
+        .await
+    });
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(secs) {
+        tokio::time::sleep(Duration::from_secs(10).min(Duration::from_secs(secs))).await;
+        samples.push(gw.rss_kib());
+    }
+    let r = load.await.unwrap();
+    b.check("soak", &r, false);
+    // The first sample is warm-up (pools and allocator arenas filling); flatness is judged after it.
+    let steady = if samples.len() > 2 {
+        &samples[1..]
+    } else {
+        &samples[..]
+    };
+    let (min, max) = (
+        *steady.iter().min().unwrap_or(&0),
+        *steady.iter().max().unwrap_or(&0),
+    );
+    let spread = if min > 0 {
+        (max - min) as f64 / min as f64 * 100.0
+    } else {
+        0.0
+    };
+    b.notes.push(format!(
+        "RSS soak: {secs} s of unique keys on Redis, {} requests ({:.0} req/s); gateway RSS every 10 s (MiB): {}; after the first sample min {} max {} KiB, spread {spread:.1}% ({})",
+        r.requests,
+        r.rps(),
+        samples.iter().map(|k| format!("{:.1}", *k as f64 / 1024.0)).collect::<Vec<_>>().join(", "),
+        min,
+        max,
+        if spread <= 10.0 { "flat within ±10%" } else { "NOT flat" }
+    ));
+}
+
+fn human(size: usize) -> String {
+    if size >= 1024 && size % 1024 == 0 {
+        format!("{} KiB", size / 1024)
+    } else {
+        format!("{size} B")
+    }
+}
+
+fn print_table(b: &Bench) {
+    println!("\n| scenario | body | req/s | p50 ms | p99 ms | p99.9 ms | added p50 ms @rate | added p99 ms @rate | 409s + errors |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut direct_rate: HashMap<usize, (f64, f64)> = HashMap::new();
+    for row in &b.rows {
+        if row.scenario == "direct to upstream" {
+            if let Some(r) = &row.at_rate {
+                direct_rate.insert(row.body, (r.ms(0.5), r.ms(0.99)));
+            }
+        }
+    }
+    for row in &b.rows {
+        let r = &row.closed;
+        let (added50, added99) = match (&row.at_rate, direct_rate.get(&row.body)) {
+            (Some(x), Some((d50, d99))) if row.scenario != "direct to upstream" => (
+                format!("{:+.3}", x.ms(0.5) - d50),
+                format!("{:+.3}", x.ms(0.99) - d99),
+            ),
+            (Some(x), _) => (
+                format!("({:.3})", x.ms(0.5)),
+                format!("({:.3})", x.ms(0.99)),
+            ),
+            _ => ("".into(), "".into()),
+        };
+        println!(
+            "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+            row.scenario,
+            human(row.body),
+            r.rps(),
+            r.ms(0.5),
+            r.ms(0.99),
+            r.ms(0.999),
+            added50,
+            added99,
+            r.conflicts + r.errors
+        );
+    }
+    println!("\nratios (same run):");
+    for &size in &[1024usize, 65536] {
+        let get = |name: &str| {
+            b.rows
+                .iter()
+                .find(|r| r.body == size && r.scenario == name)
+                .map(|r| r.closed.rps())
+        };
+        let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
+        else {
+            continue;
+        };
+        println!(
+            "- {}: pass-through / nginx = {:.2} (target >= 1.0)",
+            human(size),
+            pass / nginx
+        );
+        for store in ["memory", "redis"] {
+            if let Some(replay) = get(&format!("gateway replay, {store}")) {
+                println!(
+                    "- {}: replay ({store}) / nginx = {:.2} (target >= 1.0)",
+                    human(size),
+                    replay / nginx
+                );
+            }
+            if let Some(miss) = get(&format!("gateway miss, {store}")) {
+                println!(
+                    "- {}: miss ({store}) / pass-through = {:.2} (target >= 0.6)",
+                    human(size),
+                    miss / pass
+                );
+            }
+        }
+    }
+    println!("\nnotes:");
+    b.notes.iter().for_each(|n| println!("- {n}"));
+}

@@ -1,0 +1,195 @@
+//! The processes a benchmark run needs: redis-server, the upstream, nginx and the gateway. Each
+//! is killed when its handle drops.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A child process killed on drop.
+pub struct Proc {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident set size in KiB (the main process only).
+    pub fn rss_kib(&self) -> u64 {
+        rss_kib(self.pid())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).map(|v| v.parse().unwrap_or(0)))
+        })
+        .unwrap_or(0)
+}
+
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
+    let child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+    let proc = Proc { addr, child };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{name} did not start listening on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    proc
+}
+
+pub fn redis(dir: &Path) -> Proc {
+    let addr = free_addr();
+    spawn(
+        "redis-server",
+        Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &addr.port().to_string()])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory-policy",
+                "noeviction",
+            ])
+            .arg("--dir")
+            .arg(dir),
+        addr,
+    )
+}
+
+pub fn upstream(body: usize, delay_ms: u64) -> Proc {
+    let addr = free_addr();
+    let me = std::env::current_exe().unwrap();
+    spawn(
+        "upstream",
+        Command::new(me)
+            .arg("upstream")
+            .args(["--listen", &addr.to_string()])
+            .args([
+                "--body",
+                &body.to_string(),
+                "--delay-ms",
+                &delay_ms.to_string(),
+            ]),
+        addr,
+    )
+}
+
+pub fn nginx(dir: &Path, upstream: SocketAddr) -> Proc {
+    let addr = free_addr();
+    let d = dir.join(format!("nginx-{}", addr.port()));
+    std::fs::create_dir_all(&d).unwrap();
+    let conf = format!(
+        r#"
+worker_processes auto;
+daemon off;
+master_process on;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    upstream app {{ server {upstream}; keepalive 256; }}
+    server {{
+        listen {addr};
+        location / {{
+            proxy_pass http://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering on;
+            proxy_buffers 16 16k;
+        }}
+    }}
+}}
+"#,
+        d = d.display()
+    );
+    let conf_path = d.join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    spawn(
+        "nginx",
+        Command::new(nginx_bin())
+            .arg("-c")
+            .arg(&conf_path)
+            .arg("-p")
+            .arg(&d),
+        addr,
+    )
+}
+
+fn nginx_bin() -> PathBuf {
+    for p in ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"] {
+        if Path::new(p).exists() {
+            return PathBuf::from(p);
+        }
+    }
+    PathBuf::from("nginx")
+}
+
+/// The gateway binary next to this one (both built by `cargo build --release --workspace`).
+pub fn gateway_bin() -> PathBuf {
+    let me = std::env::current_exe().unwrap();
+    me.with_file_name("idemgate")
+}
+
+/// Start the gateway with `store` ("memory" or a redis URL) in front of `upstream`.
+pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Proc {
+    let addr = free_addr();
+    let store_toml = if store == "memory" {
+        "backend = \"memory\"".to_string()
+    } else {
+        format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"bench:\"")
+    };
+    let conf = format!(
+        "listen = \"{addr}\"\nupstream = \"http://{upstream}\"\n\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n"
+    );
+    let path = dir.join(format!("gateway-{}.toml", addr.port()));
+    std::fs::write(&path, conf).unwrap();
+    let name = if store == "memory" {
+        "gateway (memory)"
+    } else {
+        "gateway (redis)"
+    };
+    spawn(
+        name,
+        Command::new(gateway_bin())
+            .arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", "error"),
+        addr,
+    )
+}
