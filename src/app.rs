@@ -1,9 +1,14 @@
 //! Wiring: from a validated [`Config`] to a running server, and its graceful shutdown.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::time::Duration;
 
-use axum::Router;
+use axum::body::Body;
+use http::Request;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{info, warn};
@@ -11,6 +16,7 @@ use tracing::{info, warn};
 use crate::config::{Config, StoreBackend};
 use crate::idempotency::Gateway;
 use crate::store::{MemoryStore, RedisStore, Store, StoreError};
+use tower::ServiceExt;
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +111,6 @@ async fn serve<S: Store>(
 ) -> Result<(), AppError> {
     let gateway = Gateway::new(config, store);
     let tasks = gateway.tasks();
-    let router = Router::new().fallback_service(gateway);
     info!(
         listen = %listener.local_addr()?,
         upstream = %config.upstream,
@@ -113,36 +118,46 @@ async fn serve<S: Store>(
         routes = config.routes.len(),
         "idemgate listening"
     );
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
-    let shutdown = async move {
-        shutdown.await;
-        let _ = signalled_tx.send(Instant::now());
-    };
-    let server = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .into_future();
-    tokio::pin!(server);
+    // HTTP/1.1 straight on hyper: no router in front of the one service, no protocol sniffing.
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning or dying.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(
+            gateway
+                .clone()
+                .map_request(|req: Request<Incoming>| req.map(Body::new)),
+        );
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(graceful.watch(conn));
+    }
+    // Signalled: stop accepting, let open connections finish their requests within the grace.
+    drop(listener);
     let grace = config.shutdown_grace;
-    let deadline = tokio::select! {
-        result = &mut server => {
-            result?;
-            None
-        }
-        Ok(at) = signalled_rx => Some(at + grace),
-    };
-    // After the signal: connections drain while the grace lasts.
-    let deadline = match deadline {
-        Some(deadline) => {
-            if tokio::time::timeout_at(deadline, &mut server)
-                .await
-                .is_err()
-            {
-                warn!(grace = ?grace, "shutdown grace ran out with connections still open");
-            }
-            deadline
-        }
-        None => Instant::now() + grace,
-    };
+    let deadline = Instant::now() + grace;
+    info!(grace = ?grace, "shutting down: no new connections, finishing open requests");
+    if tokio::time::timeout_at(deadline, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!(grace = ?grace, "shutdown grace ran out with connections still open");
+    }
     // Upstream calls whose clients went away are still being recorded: give them the rest.
     tasks.close();
     if tokio::time::timeout_at(deadline, tasks.wait())

@@ -549,7 +549,7 @@ async fn soak_rss(b: &mut Bench, dir: &std::path::Path, redis_url: &str, secs: u
 }
 
 fn human(size: usize) -> String {
-    if size >= 1024 && size % 1024 == 0 {
+    if size >= 1024 && size.is_multiple_of(1024) {
         format!("{} KiB", size / 1024)
     } else {
         format!("{size} B")
