@@ -1,6 +1,7 @@
 //! Wiring: from a validated [`Config`] to a running server, and its graceful shutdown.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -14,7 +15,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::config::{Config, StoreBackend};
-use crate::idempotency::Gateway;
+use crate::idempotency::{Gateway, RouteTable};
 use crate::store::{MemoryStore, RedisStore, Store, StoreError};
 use tower::ServiceExt;
 
@@ -85,11 +86,38 @@ impl App {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
+        let config = Arc::new(self.config);
         match self.store {
             StoreHandle::Memory(store, _purger) => {
-                serve(listener, &self.config, store, shutdown).await
+                // One map shared by every worker.
+                let make = move || {
+                    let store = store.clone();
+                    async move { Ok(store) }
+                };
+                serve(listener, config, make, shutdown).await
             }
-            StoreHandle::Redis(store) => serve(listener, &self.config, store, shutdown).await,
+            StoreHandle::Redis(shared) => {
+                // One multiplexed connection per worker, so its commands stay on its thread. A
+                // worker that cannot connect (Redis went away since start-up) uses the shared
+                // handle, which reconnects by itself, rather than failing the start.
+                let c = config.clone();
+                let make = move || {
+                    let (c, shared) = (c.clone(), shared.clone());
+                    async move {
+                        let StoreBackend::Redis { url } = &c.store.backend else {
+                            unreachable!("a Redis handle comes from a Redis config")
+                        };
+                        match RedisStore::connect(url, &c.store.prefix, c.store.timeout).await {
+                            Ok(own) => Ok(own),
+                            Err(e) => {
+                                warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
+                                Ok(shared)
+                            }
+                        }
+                    }
+                };
+                serve(listener, config, make, shutdown).await
+            }
         }
     }
 }
@@ -103,28 +131,114 @@ pub async fn run(
     App::new(config).await?.serve(listener, shutdown).await
 }
 
-async fn serve<S: Store>(
+/// Run `config.workers` threads, each a single-threaded event loop accepting from the one
+/// listening socket with its own gateway (store handle, upstream pool, task tracker), as nginx
+/// runs worker processes: a request, its upstream connection and its background work never hop
+/// threads. Returns once every worker has drained after `shutdown`.
+async fn serve<S, F, Fut>(
     listener: TcpListener,
-    config: &Config,
-    store: S,
+    config: Arc<Config>,
+    make_store: F,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), AppError> {
-    let gateway = Gateway::new(config, store);
-    let tasks = gateway.tasks();
+) -> Result<(), AppError>
+where
+    S: Store,
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<S, StoreError>> + Send,
+{
+    let listener = listener.into_std()?;
     info!(
         listen = %listener.local_addr()?,
         upstream = %config.upstream,
         store = store_name(&config.store.backend),
         routes = config.routes.len(),
+        workers = config.workers,
         "idemgate listening"
     );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (ready_tx, mut ready_rx) =
+        tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
+    let routes = RouteTable::new(&config);
+    for i in 0..config.workers {
+        let listener = listener.try_clone()?;
+        let (config, routes, make_store, stop, ready, done) = (
+            config.clone(),
+            routes.clone(),
+            make_store.clone(),
+            stop_rx.clone(),
+            ready_tx.clone(),
+            done_tx.clone(),
+        );
+        std::thread::Builder::new()
+            .name(format!("idemgate-worker-{i}"))
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready.blocking_send(Err(e.into()));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let gateway = match make_store().await {
+                        Ok(store) => Gateway::with_routes(routes, &config, store),
+                        Err(e) => {
+                            let _ = ready.send(Err(e.into())).await;
+                            return;
+                        }
+                    };
+                    worker(listener, config, gateway, stop, ready).await;
+                });
+                drop(done);
+            })?;
+    }
+    // Only the workers' duplicates of the socket remain: when they drop theirs on shutdown the
+    // port closes, so new connections are refused rather than left in the backlog.
+    drop((listener, ready_tx, done_tx));
+    for _ in 0..config.workers {
+        if let Some(Err(e)) = ready_rx.recv().await {
+            let _ = stop_tx.send(true);
+            return Err(e);
+        }
+    }
+    shutdown.await;
+    info!(grace = ?config.shutdown_grace, "shutting down: no new connections, finishing open requests");
+    let _ = stop_tx.send(true);
+    // Every worker drops its `done` sender when it has drained (each bounded by the grace).
+    while done_rx.recv().await.is_some() {}
+    info!("idemgate stopped");
+    Ok(())
+}
+
+/// One worker: accept until told to stop, then drain connections and background upstream calls
+/// within the grace.
+async fn worker<S: Store>(
+    listener: std::net::TcpListener,
+    config: Arc<Config>,
+    gateway: Gateway<S>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
+) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = ready.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let _ = ready.send(Ok(())).await;
+    drop(ready);
+    let tasks = gateway.tasks();
     // HTTP/1.1 straight on hyper: no router in front of the one service, no protocol sniffing.
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30))
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
-    tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -136,7 +250,7 @@ async fn serve<S: Store>(
                     continue;
                 }
             },
-            () = &mut shutdown => break,
+            _ = stop.wait_for(|stop| *stop) => break,
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(
@@ -147,16 +261,13 @@ async fn serve<S: Store>(
         let conn = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(graceful.watch(conn));
     }
-    // Signalled: stop accepting, let open connections finish their requests within the grace.
     drop(listener);
-    let grace = config.shutdown_grace;
-    let deadline = Instant::now() + grace;
-    info!(grace = ?grace, "shutting down: no new connections, finishing open requests");
+    let deadline = Instant::now() + config.shutdown_grace;
     if tokio::time::timeout_at(deadline, graceful.shutdown())
         .await
         .is_err()
     {
-        warn!(grace = ?grace, "shutdown grace ran out with connections still open");
+        warn!(grace = ?config.shutdown_grace, "shutdown grace ran out with connections still open");
     }
     // Upstream calls whose clients went away are still being recorded: give them the rest.
     tasks.close();
@@ -169,8 +280,6 @@ async fn serve<S: Store>(
             "shutdown grace ran out with upstream calls in flight; their keys stay claimed until their leases end"
         );
     }
-    info!("idemgate stopped");
-    Ok(())
 }
 
 fn store_name(b: &StoreBackend) -> &'static str {

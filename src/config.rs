@@ -128,6 +128,8 @@ struct RawConfig {
     upstream: Option<String>,
     /// After SIGTERM/SIGINT, how long open requests may take to finish. Default `30s`.
     shutdown_grace: Option<HumanDuration>,
+    /// Worker threads, each with its own event loop and upstream pool. Default: one per core.
+    workers: Option<usize>,
     #[serde(default)]
     store: RawStore,
     #[serde(default)]
@@ -388,6 +390,8 @@ pub struct Config {
     pub routes: Vec<Route>,
     /// After a shutdown signal, how long open requests may take to finish.
     pub shutdown_grace: Duration,
+    /// Worker threads serving connections.
+    pub workers: usize,
 }
 
 impl Config {
@@ -431,6 +435,13 @@ impl Config {
             None => 100_000,
         };
         let shutdown_grace = raw.shutdown_grace.map_or(Duration::from_secs(30), |d| d.0);
+        let workers = match raw.workers {
+            Some(n) if n == 0 || n > 1024 => {
+                return Err(invalid("workers", "must be between 1 and 1024"))
+            }
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
         let backend = match raw.store.backend.as_deref().unwrap_or("memory") {
             "memory" => StoreBackend::Memory,
             "redis" => {
@@ -494,6 +505,7 @@ impl Config {
             defaults,
             routes,
             shutdown_grace,
+            workers,
         })
     }
 }

@@ -397,3 +397,25 @@ async fn evicting_or_volatile_redis_is_warned_about() {
         .unwrap();
     assert!(store.durability_warnings().await.unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_timed_out_does_not_block_the_retry() {
+    let mut env = TestEnv::start(Backend::Redis, "").await;
+    drop(env.gateway);
+    let config = config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "").replace(
+        "prefix = \"test:\"",
+        "prefix = \"test:\"\ntimeout = \"300ms\"",
+    );
+    env.gateway = common::Gateway::spawn(&config).await;
+    let redis = env.redis.as_ref().unwrap();
+    redis.pause();
+    let stalled = send(env.post_keyed("/v1/p", "stall").body("x")).await;
+    assert_eq!(stalled.status, 503);
+    // Redis wakes up and applies the claim whose answer the gateway gave up on...
+    redis.resume();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // ...but the gateway took it back, so the retry runs now instead of after a 30 s lease.
+    let retry = send(env.post_keyed("/v1/p", "stall").body("x")).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(env.upstream.calls(), 1);
+}

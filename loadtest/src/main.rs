@@ -43,6 +43,18 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
     },
+    /// Drive load at one address and print the result (for profiling one scenario by hand).
+    Load {
+        #[arg(long)]
+        target: SocketAddr,
+        /// none, unique or hot
+        #[arg(long, default_value = "none")]
+        keys: String,
+        #[arg(long, default_value_t = 5.0)]
+        secs: f64,
+        #[arg(long, default_value_t = 64)]
+        connections: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -63,6 +75,36 @@ fn main() -> ExitCode {
             Duration::from_millis(delay_ms),
         ))
         .unwrap();
+        return ExitCode::SUCCESS;
+    }
+    if let Some(Cmd::Load {
+        target,
+        keys,
+        secs,
+        connections,
+    }) = cli.command
+    {
+        let keys = match keys.as_str() {
+            "unique" => Keys::Unique(format!("manual-{}", std::process::id())),
+            "hot" => Keys::Hot("manual-hot".into(), 1000),
+            _ => Keys::None,
+        };
+        let r = rt.block_on(load::run(
+            target,
+            "/v1/payments",
+            keys,
+            connections,
+            Duration::from_secs_f64(secs),
+            Pace::Closed,
+        ));
+        println!(
+            "{:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, {} 409s, {} errors",
+            r.rps(),
+            r.ms(0.5),
+            r.ms(0.99),
+            r.conflicts,
+            r.errors
+        );
         return ExitCode::SUCCESS;
     }
     rt.block_on(bench(cli))

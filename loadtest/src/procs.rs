@@ -123,9 +123,10 @@ http {{
     fastcgi_temp_path {d}/fastcgi;
     uwsgi_temp_path {d}/uwsgi;
     scgi_temp_path {d}/scgi;
-    upstream app {{ server {upstream}; keepalive 256; }}
+    upstream app {{ server {upstream}; keepalive 256; keepalive_requests 1000000; }}
     server {{
         listen {addr};
+        keepalive_requests 1000000;
         location / {{
             proxy_pass http://app;
             proxy_http_version 1.1;

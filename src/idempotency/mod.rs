@@ -6,4 +6,4 @@ pub mod key;
 pub mod record;
 pub mod service;
 
-pub use service::{Gateway, IDEMPOTENT_REPLAYED};
+pub use service::{Gateway, RouteTable, IDEMPOTENT_REPLAYED};

@@ -70,12 +70,42 @@ struct Inner<S> {
     store: S,
     // The pooled client to the one upstream.
     upstream: Upstream,
-    // Route patterns to their resolved policies; the most specific pattern wins (matchit).
-    routes: matchit::Router<Arc<RouteState>>,
-    // The policy of requests that match no route.
-    defaults: Arc<RouteState>,
+    // Which policy a path gets; shared by every worker so route state is process-wide.
+    routes: RouteTable,
     // Every spawned upstream call, so that shutdown can wait for them to be recorded.
     tasks: TaskTracker,
+}
+
+/// The routes of a config with their live state: cheap to clone, clones share the state.
+#[derive(Clone)]
+pub struct RouteTable {
+    // Route patterns to their resolved policies; the most specific pattern wins (matchit).
+    routes: Arc<matchit::Router<Arc<RouteState>>>,
+    // The policy of requests that match no route.
+    defaults: Arc<RouteState>,
+}
+
+impl RouteTable {
+    /// The table of `config`'s routes.
+    pub fn new(config: &Config) -> Self {
+        let mut routes = matchit::Router::new();
+        for r in &config.routes {
+            routes
+                .insert(r.path.clone(), RouteState::new(&r.policy))
+                .expect("route paths were validated by Config");
+        }
+        RouteTable {
+            routes: Arc::new(routes),
+            defaults: RouteState::new(&config.defaults),
+        }
+    }
+
+    fn route_for(&self, path: &str) -> &Arc<RouteState> {
+        self.routes
+            .at(path)
+            .map(|m| m.value)
+            .unwrap_or(&self.defaults)
+    }
 }
 
 /// A route's policy and its live state.
@@ -97,18 +127,17 @@ impl RouteState {
 impl<S: Store> Gateway<S> {
     /// Build the gateway for a validated config over `store`.
     pub fn new(config: &Config, store: S) -> Self {
-        let mut routes = matchit::Router::new();
-        for r in &config.routes {
-            routes
-                .insert(r.path.clone(), RouteState::new(&r.policy))
-                .expect("route paths were validated by Config");
-        }
+        Self::with_routes(RouteTable::new(config), config, store)
+    }
+
+    /// Build a gateway that shares `routes` (and so their waiter bounds) with other gateways:
+    /// one per worker thread, each with its own store handle, upstream pool and task tracker.
+    pub fn with_routes(routes: RouteTable, config: &Config, store: S) -> Self {
         Gateway {
             inner: Arc::new(Inner {
                 store,
                 upstream: Upstream::new(&config.upstream),
                 routes,
-                defaults: RouteState::new(&config.defaults),
                 tasks: TaskTracker::new(),
             }),
         }
@@ -150,15 +179,8 @@ enum UpstreamResult {
 }
 
 impl<S: Store> Inner<S> {
-    fn route_for(&self, path: &str) -> &Arc<RouteState> {
-        self.routes
-            .at(path)
-            .map(|m| m.value)
-            .unwrap_or(&self.defaults)
-    }
-
     async fn handle(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
-        let route = self.route_for(req.uri().path()).clone();
+        let route = self.routes.route_for(req.uri().path()).clone();
         let policy = &route.policy;
         if !policy.applies_to(req.method()) {
             return self.pass_through(req, policy).await;
@@ -218,17 +240,27 @@ impl<S: Store> Inner<S> {
                 .await
             {
                 Ok(claim) => claim,
-                Err(e) => match policy.on_store_error {
-                    OnStoreError::Reject => {
-                        error!(error = %e, "store unavailable; refusing the keyed request (on_store_error = reject)");
-                        return Err(GatewayError::StoreUnavailable);
+                Err(e) => {
+                    // The claim may still have been applied (an answer lost to a timeout): take
+                    // it back in the background so the key does not sit claimed for a lease.
+                    let (this, scoped) = (self.clone(), scoped);
+                    self.tasks
+                        .spawn(async move { this.release(&scoped, &token).await });
+                    match policy.on_store_error {
+                        OnStoreError::Reject => {
+                            error!(error = %e, "store unavailable; refusing the keyed request (on_store_error = reject)");
+                            return Err(GatewayError::StoreUnavailable);
+                        }
+                        OnStoreError::Pass => {
+                            warn!(error = %e, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                            let req = Request::from_parts(parts, Body::from(body));
+                            return Ok((
+                                "store_error_passed",
+                                self.pass_through(req, &policy).await,
+                            ));
+                        }
                     }
-                    OnStoreError::Pass => {
-                        warn!(error = %e, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
-                        let req = Request::from_parts(parts, Body::from(body));
-                        return Ok(("store_error_passed", self.pass_through(req, &policy).await));
-                    }
-                },
+                }
             };
             match claim {
                 Claim::Existing(Entry {

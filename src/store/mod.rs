@@ -41,7 +41,7 @@ pub enum StoreError {
 }
 
 /// The operations the state machine needs. Implementations must make each one atomic.
-pub trait Store: Send + Sync + 'static {
+pub trait Store: Clone + Send + Sync + 'static {
     /// Claim `key` as in flight for `lease` if it is free; otherwise return what it holds.
     fn claim(
         &self,

@@ -14,7 +14,7 @@ use redis::Script;
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{self, EntryState, Token};
+use crate::idempotency::record::{self, Entry, EntryState, Token};
 
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
@@ -116,6 +116,24 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Run a script invocation, retrying once when the connection dropped (for example after a
+    /// Redis restart: the first command on a dead connection fails and triggers the reconnect).
+    /// Every script is safe to run twice: claims recognise their own token, and complete,
+    /// release and renew are fenced by it.
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        call: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        match call.invoke_async(&mut self.conn.clone()).await {
+            Err(e) if e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal() => {
+                Ok(call.invoke_async(&mut self.conn.clone()).await?)
+            }
+            result => Ok(result?),
+        }
+    }
+}
+
 fn millis(d: Duration) -> u64 {
     d.as_millis().clamp(1, u64::MAX as u128) as u64
 }
@@ -129,17 +147,25 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let entry = record::encode(fingerprint, token, &EntryState::InFlight);
-        let existing: Option<Vec<u8>> = self
-            .scripts
-            .claim
-            .key(self.redis_key(key))
+        let mut call = self.scripts.claim.prepare_invoke();
+        call.key(self.redis_key(key))
             .arg(entry.as_ref())
-            .arg(millis(lease))
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+            .arg(millis(lease));
+        let existing: Option<Vec<u8>> = self.invoke(&call).await?;
         match existing {
             None => Ok(Claim::Claimed),
-            Some(raw) => Ok(Claim::Existing(record::decode(Bytes::from(raw))?.0)),
+            Some(raw) => match record::decode(Bytes::from(raw))? {
+                // Our own claim, applied although its answer was lost (timeout, dropped
+                // connection) and the call retried: it is ours.
+                (
+                    Entry {
+                        state: EntryState::InFlight,
+                        ..
+                    },
+                    holder,
+                ) if holder == *token => Ok(Claim::Claimed),
+                (entry, _) => Ok(Claim::Existing(entry)),
+            },
         }
     }
 
@@ -152,27 +178,18 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let entry = record::encode(fingerprint, token, state);
-        let done: i64 = self
-            .scripts
-            .complete
-            .key(self.redis_key(key))
+        let mut call = self.scripts.complete.prepare_invoke();
+        call.key(self.redis_key(key))
             .arg(&token.0[..])
             .arg(entry.as_ref())
-            .arg(millis(ttl))
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(done == 1)
+            .arg(millis(ttl));
+        Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        let done: i64 = self
-            .scripts
-            .release
-            .key(self.redis_key(key))
-            .arg(&token.0[..])
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(done == 1)
+        let mut call = self.scripts.release.prepare_invoke();
+        call.key(self.redis_key(key)).arg(&token.0[..]);
+        Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
     async fn renew(
@@ -181,14 +198,10 @@ impl Store for RedisStore {
         token: &Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done: i64 = self
-            .scripts
-            .renew
-            .key(self.redis_key(key))
+        let mut call = self.scripts.renew.prepare_invoke();
+        call.key(self.redis_key(key))
             .arg(&token.0[..])
-            .arg(millis(lease))
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(done == 1)
+            .arg(millis(lease));
+        Ok(self.invoke::<i64>(&call).await? == 1)
     }
 }

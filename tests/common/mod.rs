@@ -145,6 +145,26 @@ impl RedisServer {
         }
     }
 
+    /// SIGSTOP: the server stalls (connections stay open, nothing is answered).
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`RedisServer::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id();
+        assert!(Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .unwrap()
+            .success());
+    }
+
     /// Kill and start again on the same port and directory (AOF, if on, is reloaded).
     pub async fn restart(&mut self) {
         self.kill();
