@@ -399,7 +399,7 @@ async fn evicting_or_volatile_redis_is_warned_about() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_that_timed_out_does_not_block_the_retry() {
+async fn a_stalled_redis_leaves_no_claim_behind() {
     let mut env = TestEnv::start(Backend::Redis, "").await;
     drop(env.gateway);
     let config = config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "").replace(
@@ -409,12 +409,25 @@ async fn a_claim_that_timed_out_does_not_block_the_retry() {
     env.gateway = common::Gateway::spawn(&config).await;
     let redis = env.redis.as_ref().unwrap();
     redis.pause();
-    let stalled = send(env.post_keyed("/v1/p", "stall").body("x")).await;
-    assert_eq!(stalled.status, 503);
-    // Redis wakes up and applies the claim whose answer the gateway gave up on...
+    for key in ["stall-a", "stall-b", "stall"] {
+        let stalled = send(env.post_keyed("/v1/p", key).body("x")).await;
+        assert_eq!(stalled.status, 503);
+    }
+    // Redis wakes up. A claim whose answer the gateway gave up on must not be left applied
+    // (the gateway also takes such a claim back in the background, fenced by its token).
     redis.resume();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // ...but the gateway took it back, so the retry runs now instead of after a 30 s lease.
+    let mut c = redis.connection().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("test:*")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(
+        keys.is_empty(),
+        "no claim may outlive the 503 it answered: {keys:?}"
+    );
+    // So the retry runs now instead of after a 30 s lease.
     let retry = send(env.post_keyed("/v1/p", "stall").body("x")).await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert_eq!(env.upstream.calls(), 1);
