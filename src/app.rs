@@ -16,7 +16,7 @@ use tracing::{info, warn};
 
 use crate::config::{Config, StoreBackend};
 use crate::idempotency::{Gateway, RouteTable};
-use crate::store::{MemoryStore, RedisStore, Store, StoreError};
+use crate::store::{CachedStore, LocalCache, MemoryStore, RedisStore, Store, StoreError};
 use tower::ServiceExt;
 
 /// Why the gateway could not start or stopped with an error.
@@ -101,19 +101,24 @@ impl App {
                 // worker that cannot connect (Redis went away since start-up) uses the shared
                 // handle, which reconnects by itself, rather than failing the start.
                 let c = config.clone();
+                // One local cache of completed records for the whole process.
+                let cache = LocalCache::new(c.store.local_cache, c.store.local_cache_ttl);
                 let make = move || {
-                    let (c, shared) = (c.clone(), shared.clone());
+                    let (c, shared, cache) = (c.clone(), shared.clone(), cache.clone());
                     async move {
                         let StoreBackend::Redis { url } = &c.store.backend else {
                             unreachable!("a Redis handle comes from a Redis config")
                         };
-                        match RedisStore::connect(url, &c.store.prefix, c.store.timeout).await {
-                            Ok(own) => Ok(own),
+                        let redis = match RedisStore::connect(url, &c.store.prefix, c.store.timeout)
+                            .await
+                        {
+                            Ok(own) => own,
                             Err(e) => {
                                 warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
-                                Ok(shared)
+                                shared
                             }
-                        }
+                        };
+                        Ok(CachedStore::new(redis, cache))
                     }
                 };
                 serve(listener, config, make, shutdown).await

@@ -146,6 +146,8 @@ struct RawStore {
     prefix: Option<String>,
     timeout: Option<HumanDuration>,
     max_entries: Option<usize>,
+    local_cache: Option<HumanSize>,
+    local_cache_ttl: Option<HumanDuration>,
 }
 
 /// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
@@ -195,6 +197,12 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// Memory: most records kept; past it completed records are evicted (never in-flight ones).
     pub max_entries: usize,
+    /// Redis: bytes of completed responses each gateway process keeps to replay without a round
+    /// trip (0 turns the local cache off).
+    pub local_cache: u64,
+    /// Redis: the longest a response stays in the local cache (bounds how long an eviction made
+    /// through another replica goes unnoticed here).
+    pub local_cache_ttl: Duration,
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -434,6 +442,11 @@ impl Config {
             Some(n) => n,
             None => 100_000,
         };
+        let local_cache = raw.store.local_cache.map_or(64 * 1024 * 1024, |s| s.0);
+        let local_cache_ttl = raw
+            .store
+            .local_cache_ttl
+            .map_or(Duration::from_secs(60), |d| d.0);
         let shutdown_grace = raw.shutdown_grace.map_or(Duration::from_secs(30), |d| d.0);
         let workers = match raw.workers {
             Some(n) if n == 0 || n > 1024 => {
@@ -501,6 +514,8 @@ impl Config {
                 prefix,
                 timeout,
                 max_entries,
+                local_cache,
+                local_cache_ttl,
             },
             defaults,
             routes,

@@ -561,3 +561,67 @@ async fn redis_record_is_compact_and_expires() {
         .unwrap();
     assert!(ttl > 3_500_000 && ttl <= 3_600_000, "ttl {ttl}");
 }
+
+async fn evalsha_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+        .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_come_from_the_local_cache_without_a_round_trip() {
+    let env = TestEnv::start(Backend::Redis, "").await;
+    let mut conn = env.redis.as_ref().unwrap().connection().await;
+    let first = send(env.post_keyed("/v1/p", "cached").body("x")).await;
+    let before = evalsha_calls(&mut conn).await;
+    for _ in 0..5 {
+        let again = send(env.post_keyed("/v1/p", "cached").body("x")).await;
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(
+        evalsha_calls(&mut conn).await,
+        before,
+        "replays must not touch Redis"
+    );
+    // A different request with the key still goes to the store, which decides: mismatch.
+    let other = send(env.post_keyed("/v1/p", "cached").body("y")).await;
+    assert_eq!(other.problem_type(), MISMATCH);
+    assert_eq!(evalsha_calls(&mut conn).await, before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_local_cache_a_replay_is_one_round_trip() {
+    let env = TestEnv::start(Backend::Redis, "").await;
+    drop(env.gateway);
+    let config = common::config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "")
+        .replace("prefix = \"test:\"", "prefix = \"test:\"\nlocal_cache = 0");
+    let gateway = common::Gateway::spawn(&config).await;
+    let mut conn = env.redis.as_ref().unwrap().connection().await;
+    let url = format!("http://{}/v1/p", gateway.addr);
+    send(
+        env.client
+            .post(&url)
+            .header("idempotency-key", "nc")
+            .body("x"),
+    )
+    .await;
+    let before = evalsha_calls(&mut conn).await;
+    for _ in 0..5 {
+        assert!(send(
+            env.client
+                .post(&url)
+                .header("idempotency-key", "nc")
+                .body("x")
+        )
+        .await
+        .replayed());
+    }
+    assert_eq!(evalsha_calls(&mut conn).await, before + 5);
+}

@@ -18,6 +18,7 @@
 //! records stay readable.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
@@ -67,6 +68,31 @@ pub enum EntryState {
     NotReplayable,
 }
 
+impl EntryState {
+    /// A copy in allocations of its own, for keeping in memory. A response fresh from the
+    /// upstream holds slices of the connection's read buffer; keeping those would pin a whole
+    /// buffer per record.
+    pub fn compacted(&self) -> EntryState {
+        match self {
+            EntryState::Completed(r) => EntryState::Completed(Arc::new(StoredResponse {
+                status: r.status,
+                headers: r
+                    .headers
+                    .iter()
+                    .map(|(n, v)| {
+                        (
+                            n.clone(),
+                            HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value"),
+                        )
+                    })
+                    .collect(),
+                body: Bytes::copy_from_slice(&r.body),
+            })),
+            other => other.clone(),
+        }
+    }
+}
+
 /// A stored entry: the state and the fingerprint of the request that claimed the key.
 #[derive(Debug, Clone)]
 pub struct Entry {
@@ -74,6 +100,8 @@ pub struct Entry {
     pub fingerprint: Fingerprint,
     /// Its state.
     pub state: EntryState,
+    /// How much longer the store keeps it, when the store said (not part of the encoding).
+    pub expires_in: Option<Duration>,
 }
 
 /// Why bytes from the store could not be read as an entry.
@@ -132,7 +160,14 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(HEADER_LEN..))?)),
         _ => return Err(DecodeError("unknown state")),
     };
-    Ok((Entry { fingerprint, state }, token))
+    Ok((
+        Entry {
+            fingerprint,
+            state,
+            expires_in: None,
+        },
+        token,
+    ))
 }
 
 fn decode_response(mut buf: Bytes) -> Result<StoredResponse, DecodeError> {

@@ -65,6 +65,11 @@ impl MemoryStore {
         self.lock().retain(|_, s| s.expires_at > now);
     }
 
+    /// Drop every slot (the admin API's emergency switch, and tests).
+    pub fn purge_all(&self) {
+        self.lock().clear();
+    }
+
     /// Number of slots, live or not yet purged.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -153,7 +158,9 @@ impl Store for MemoryStore {
         let mut map = self.lock();
         if let Some(slot) = map.get(key) {
             if slot.expires_at > now {
-                return Ok(Claim::Existing(slot.entry.clone()));
+                let mut entry = slot.entry.clone();
+                entry.expires_in = Some(slot.expires_at - now);
+                return Ok(Claim::Existing(entry));
             }
         } else if map.len() >= self.shared.max_entries {
             make_room(&mut map, self.shared.max_entries, now)?;
@@ -165,6 +172,7 @@ impl Store for MemoryStore {
                 entry: Entry {
                     fingerprint: *fingerprint,
                     state: EntryState::InFlight,
+                    expires_in: None,
                 },
                 expires_at: now + lease,
             },
@@ -183,7 +191,8 @@ impl Store for MemoryStore {
         Ok(self.with_own_slot(key, token, |slot, now| {
             slot.entry = Entry {
                 fingerprint: *fingerprint,
-                state: state.clone(),
+                state: state.compacted(),
+                expires_in: None,
             };
             slot.expires_at = now + ttl;
         }))

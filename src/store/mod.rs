@@ -11,9 +11,11 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{Entry, EntryState, Token};
 
+pub mod cached;
 pub mod memory;
 pub mod redis;
 
+pub use self::cached::{CachedStore, LocalCache};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 

@@ -151,10 +151,10 @@ impl Store for RedisStore {
         call.key(self.redis_key(key))
             .arg(entry.as_ref())
             .arg(millis(lease));
-        let existing: Option<Vec<u8>> = self.invoke(&call).await?;
+        let existing: Option<(Vec<u8>, i64)> = self.invoke(&call).await?;
         match existing {
             None => Ok(Claim::Claimed),
-            Some(raw) => match record::decode(Bytes::from(raw))? {
+            Some((raw, pttl)) => match record::decode(Bytes::from(raw))? {
                 // Our own claim, applied although its answer was lost (timeout, dropped
                 // connection) and the call retried: it is ours.
                 (
@@ -164,7 +164,10 @@ impl Store for RedisStore {
                     },
                     holder,
                 ) if holder == *token => Ok(Claim::Claimed),
-                (entry, _) => Ok(Claim::Existing(entry)),
+                (mut entry, _) => {
+                    entry.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
+                    Ok(Claim::Existing(entry))
+                }
             },
         }
     }

@@ -1,0 +1,291 @@
+//! A bounded local cache of *completed* records in front of another store (the two-layer design
+//! of shared/background/001: memory first, the durable store behind it).
+//!
+//! Completed records never change, so a replica may replay one from its own memory without
+//! asking Redis: a replay from the cache costs no round trip. Everything that can change (claims,
+//! in-flight and mismatch decisions) always goes to the store underneath. An entry lives at most
+//! as long as the record in the store and at most `max_age`, and the cache holds at most
+//! `max_bytes` of responses (least recently used first out).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Claim, Store, StoreError};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::ScopedKey;
+use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
+
+/// The cache itself, shared by the workers of one process.
+#[derive(Clone)]
+pub struct LocalCache {
+    cache: Arc<quick_cache::sync::Cache<ScopedKey, Cached, ByBytes>>,
+    // No entry is kept longer than this, whatever its record's TTL.
+    max_age: Duration,
+    // False when configured with zero bytes: every call goes to the store.
+    enabled: bool,
+}
+
+#[derive(Clone)]
+struct Cached {
+    fingerprint: Fingerprint,
+    response: Arc<StoredResponse>,
+    expires_at: Instant,
+}
+
+/// Weighs an entry by the bytes it holds, so the bound is on memory, not on a count.
+#[derive(Clone)]
+struct ByBytes;
+
+impl quick_cache::Weighter<ScopedKey, Cached> for ByBytes {
+    fn weight(&self, _: &ScopedKey, v: &Cached) -> u64 {
+        let headers: usize = v
+            .response
+            .headers
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len())
+            .sum();
+        (128 + headers + v.response.body.len()) as u64
+    }
+}
+
+impl std::fmt::Debug for LocalCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalCache")
+            .field("entries", &self.cache.len())
+            .field("bytes", &self.cache.weight())
+            .finish()
+    }
+}
+
+impl LocalCache {
+    /// A cache of at most `max_bytes` of responses, each kept at most `max_age`; zero bytes or
+    /// a zero age turns it off.
+    pub fn new(max_bytes: u64, max_age: Duration) -> Self {
+        let estimated_items = (max_bytes / 2048).clamp(16, 1 << 20) as usize;
+        LocalCache {
+            cache: Arc::new(quick_cache::sync::Cache::with_weighter(
+                estimated_items,
+                max_bytes.max(1),
+                ByBytes,
+            )),
+            max_age,
+            enabled: max_bytes > 0 && !max_age.is_zero(),
+        }
+    }
+
+    /// Forget `key` (after an eviction through the admin API, say).
+    pub fn invalidate(&self, key: &ScopedKey) {
+        self.cache.remove(key);
+    }
+
+    /// Entries held now.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.cache.len() == 0
+    }
+
+    fn get(&self, key: &ScopedKey, fingerprint: &Fingerprint) -> Option<Arc<StoredResponse>> {
+        if !self.enabled {
+            return None;
+        }
+        let hit = self.cache.get(key)?;
+        if hit.expires_at <= Instant::now() {
+            self.cache.remove(key);
+            return None;
+        }
+        (hit.fingerprint == *fingerprint).then_some(hit.response)
+    }
+
+    fn put(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        response: &Arc<StoredResponse>,
+        lives: Duration,
+    ) {
+        if !self.enabled {
+            return;
+        }
+        let expires_at = Instant::now() + lives.min(self.max_age);
+        self.cache.insert(
+            *key,
+            Cached {
+                fingerprint: *fingerprint,
+                response: response.clone(),
+                expires_at,
+            },
+        );
+    }
+}
+
+/// `inner` with a [`LocalCache`] in front of its completed records.
+#[derive(Clone, Debug)]
+pub struct CachedStore<S> {
+    inner: S,
+    cache: LocalCache,
+}
+
+impl<S: Store> CachedStore<S> {
+    /// Put `cache` in front of `inner`.
+    pub fn new(inner: S, cache: LocalCache) -> Self {
+        CachedStore { inner, cache }
+    }
+
+    /// The store underneath.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// The cache in front.
+    pub fn cache(&self) -> &LocalCache {
+        &self.cache
+    }
+}
+
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        if let Some(response) = self.cache.get(key, fingerprint) {
+            return Ok(Claim::Existing(Entry {
+                fingerprint: *fingerprint,
+                state: EntryState::Completed(response),
+                expires_in: None,
+            }));
+        }
+        let claim = self.inner.claim(key, fingerprint, token, lease).await?;
+        if let Claim::Existing(Entry {
+            fingerprint: stored,
+            state: EntryState::Completed(response),
+            expires_in: Some(lives),
+        }) = &claim
+        {
+            self.cache.put(key, stored, response, *lives);
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = self
+            .inner
+            .complete(key, fingerprint, token, state, ttl)
+            .await?;
+        if done && self.cache.enabled {
+            if let EntryState::Completed(response) = state.compacted() {
+                self.cache.put(key, fingerprint, &response, ttl);
+            }
+        }
+        Ok(done)
+    }
+
+    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use bytes::Bytes;
+    use http::StatusCode;
+
+    fn response(body: &'static [u8]) -> EntryState {
+        EntryState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            body: Bytes::from_static(body),
+        }))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn replays_from_memory_and_expires() {
+        let inner = MemoryStore::new();
+        let store = CachedStore::new(
+            inner.clone(),
+            LocalCache::new(1 << 20, Duration::from_secs(60)),
+        );
+        let (k, fp, t) = (ScopedKey([1; 32]), Fingerprint([2; 32]), Token([3; 16]));
+        assert!(matches!(
+            store
+                .claim(&k, &fp, &t, Duration::from_secs(5))
+                .await
+                .unwrap(),
+            Claim::Claimed
+        ));
+        assert!(store
+            .complete(&k, &fp, &t, &response(b"ok"), Duration::from_secs(10))
+            .await
+            .unwrap());
+        assert_eq!(store.cache().len(), 1);
+        // Even with the record gone underneath, the cache answers the replay...
+        inner.purge_all();
+        let hit = store
+            .claim(&k, &fp, &Token([4; 16]), Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(matches!(
+            hit,
+            Claim::Existing(Entry {
+                state: EntryState::Completed(_),
+                ..
+            })
+        ));
+        // ...but a different request always asks the store underneath.
+        let other = Fingerprint([9; 32]);
+        let miss = store
+            .claim(&k, &other, &Token([5; 16]), Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(matches!(miss, Claim::Claimed));
+        // No entry outlives its record's TTL.
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(store.cache().get(&k, &fp).is_none());
+    }
+
+    #[test]
+    fn bounded_by_bytes() {
+        let cache = LocalCache::new(10_000, Duration::from_secs(60));
+        let big = Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            body: Bytes::from(vec![0u8; 1000]),
+        });
+        for i in 0..100u8 {
+            cache.put(
+                &ScopedKey([i; 32]),
+                &Fingerprint([0; 32]),
+                &big,
+                Duration::from_secs(60),
+            );
+        }
+        assert!(cache.cache.weight() <= 10_000);
+        assert!(cache.len() < 100);
+    }
+}
