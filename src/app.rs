@@ -51,7 +51,8 @@ impl App {
     pub async fn new(config: Config) -> Result<Self, AppError> {
         let store = match &config.store.backend {
             StoreBackend::Memory => {
-                let store = MemoryStore::with_max_entries(config.store.max_entries);
+                let store =
+                    MemoryStore::with_limits(config.store.max_entries, config.store.max_bytes);
                 let purger = tokio::spawn({
                     let store = store.clone();
                     async move {

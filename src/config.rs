@@ -146,6 +146,7 @@ struct RawStore {
     prefix: Option<String>,
     timeout: Option<HumanDuration>,
     max_entries: Option<usize>,
+    max_bytes: Option<HumanSize>,
     local_cache: Option<HumanSize>,
     local_cache_ttl: Option<HumanDuration>,
 }
@@ -197,6 +198,8 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// Memory: most records kept; past it completed records are evicted (never in-flight ones).
     pub max_entries: usize,
+    /// Memory: most bytes of stored responses kept, evicting likewise.
+    pub max_bytes: u64,
     /// Redis: bytes of completed responses each gateway process keeps to replay without a round
     /// trip (0 turns the local cache off).
     pub local_cache: u64,
@@ -442,6 +445,13 @@ impl Config {
             Some(n) => n,
             None => 100_000,
         };
+        let max_bytes = match raw.store.max_bytes {
+            Some(HumanSize(0)) => {
+                return Err(invalid("store.max_bytes", "must be greater than zero"))
+            }
+            Some(HumanSize(n)) => n,
+            None => 256 * 1024 * 1024,
+        };
         let local_cache = raw.store.local_cache.map_or(64 * 1024 * 1024, |s| s.0);
         let local_cache_ttl = raw
             .store
@@ -514,6 +524,7 @@ impl Config {
                 prefix,
                 timeout,
                 max_entries,
+                max_bytes,
                 local_cache,
                 local_cache_ttl,
             },

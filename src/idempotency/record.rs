@@ -68,28 +68,25 @@ pub enum EntryState {
     NotReplayable,
 }
 
-impl EntryState {
-    /// A copy in allocations of its own, for keeping in memory. A response fresh from the
-    /// upstream holds slices of the connection's read buffer; keeping those would pin a whole
-    /// buffer per record.
-    pub fn compacted(&self) -> EntryState {
-        match self {
-            EntryState::Completed(r) => EntryState::Completed(Arc::new(StoredResponse {
-                status: r.status,
-                headers: r
-                    .headers
-                    .iter()
-                    .map(|(n, v)| {
-                        (
-                            n.clone(),
-                            HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value"),
-                        )
-                    })
-                    .collect(),
-                body: Bytes::copy_from_slice(&r.body),
-            })),
-            other => other.clone(),
-        }
+impl StoredResponse {
+    /// A copy in allocations of its own, to keep in memory. A response fresh from the upstream
+    /// holds slices of the connection's read buffer; keeping those would pin a whole buffer per
+    /// record.
+    pub fn detached(&self) -> Arc<StoredResponse> {
+        Arc::new(StoredResponse {
+            status: self.status,
+            headers: self
+                .headers
+                .iter()
+                .map(|(n, v)| {
+                    (
+                        n.clone(),
+                        HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value"),
+                    )
+                })
+                .collect(),
+            body: Bytes::copy_from_slice(&self.body),
+        })
     }
 }
 

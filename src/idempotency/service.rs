@@ -352,7 +352,9 @@ impl<S: Store> Inner<S> {
                 Ok(Response::from_parts(head, Body::new(body)))
             }
             Ok(UpstreamResult::Whole(head, body)) => {
-                let stored = Arc::new(StoredResponse {
+                // Detached from the connection's read buffers, so that a kept record (in the
+                // embedded store or the local cache) holds only its own bytes.
+                let stored = StoredResponse {
                     status: head.status,
                     headers: head
                         .headers
@@ -360,7 +362,8 @@ impl<S: Store> Inner<S> {
                         .map(|(n, v)| (n.clone(), v.clone()))
                         .collect(),
                     body,
-                });
+                }
+                .detached();
                 let state = EntryState::Completed(stored.clone());
                 self.complete(key, fingerprint, token, &state, policy.ttl)
                     .await;

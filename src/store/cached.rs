@@ -187,10 +187,8 @@ impl<S: Store> Store for CachedStore<S> {
             .inner
             .complete(key, fingerprint, token, state, ttl)
             .await?;
-        if done && self.cache.enabled {
-            if let EntryState::Completed(response) = state.compacted() {
-                self.cache.put(key, fingerprint, &response, ttl);
-            }
+        if let (true, EntryState::Completed(response)) = (done, state) {
+            self.cache.put(key, fingerprint, response, ttl);
         }
         Ok(done)
     }

@@ -1,4 +1,9 @@
 //! The embedded store: a map in this process. Zero setup; lost when the process exits.
+//!
+//! Bounded twice: by `max_entries` and by `max_bytes` of stored responses. Past either bound the
+//! completed records closest to expiry are evicted (about a tenth at once, so the scan is
+//! amortised); in-flight claims never are. When only claims remain, a new claim is refused
+//! ([`StoreError::Full`]) rather than the map growing without bound.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,15 +26,18 @@ pub struct MemoryStore {
 struct Shared {
     // A std Mutex, not tokio's: no critical section awaits, each is a few map operations, and a
     // std lock is cheaper on this hot path (as mini-redis argues for its `Db`).
-    entries: Mutex<HashMap<ScopedKey, Slot>>,
-    // Bound on the number of slots; completed records are evicted past it, claims never are.
+    table: Mutex<Table>,
+    // Most slots kept.
     max_entries: usize,
+    // Most bytes of stored responses kept.
+    max_bytes: u64,
 }
 
-impl Default for MemoryStore {
-    fn default() -> Self {
-        Self::with_max_entries(100_000)
-    }
+#[derive(Debug, Default)]
+struct Table {
+    map: HashMap<ScopedKey, Slot>,
+    // Sum of the slots' weights, kept in step with `map`.
+    bytes: u64,
 }
 
 #[derive(Debug)]
@@ -42,18 +50,115 @@ struct Slot {
     expires_at: Instant,
 }
 
+impl Slot {
+    /// What the slot costs, roughly: a fixed overhead plus the stored response.
+    fn weight(&self) -> u64 {
+        let response = match &self.entry.state {
+            EntryState::Completed(r) => {
+                r.body.len()
+                    + r.headers
+                        .iter()
+                        .map(|(n, v)| n.as_str().len() + v.len() + 16)
+                        .sum::<usize>()
+            }
+            _ => 0,
+        };
+        (160 + response) as u64
+    }
+}
+
+impl Table {
+    fn insert(&mut self, key: ScopedKey, slot: Slot) {
+        self.bytes += slot.weight();
+        if let Some(old) = self.map.insert(key, slot) {
+            self.bytes -= old.weight();
+        }
+    }
+
+    fn remove(&mut self, key: &ScopedKey) -> Option<Slot> {
+        let slot = self.map.remove(key)?;
+        self.bytes -= slot.weight();
+        Some(slot)
+    }
+
+    fn purge_expired(&mut self, now: Instant) {
+        let mut freed = 0;
+        self.map.retain(|_, s| {
+            let keep = s.expires_at > now;
+            if !keep {
+                freed += s.weight();
+            }
+            keep
+        });
+        self.bytes -= freed;
+    }
+
+    /// Bring the table under both bounds (leaving room for one more entry when `adding`):
+    /// expired slots first, then the completed records closest to expiry.
+    fn make_room(
+        &mut self,
+        max_entries: usize,
+        max_bytes: u64,
+        adding: bool,
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let over =
+            |t: &Table| t.map.len() + usize::from(adding) > max_entries || t.bytes > max_bytes;
+        if !over(self) {
+            return Ok(());
+        }
+        self.purge_expired(now);
+        if !over(self) {
+            return Ok(());
+        }
+        let mut completed: Vec<(Instant, ScopedKey)> = self
+            .map
+            .iter()
+            .filter(|(_, s)| !matches!(s.entry.state, EntryState::InFlight))
+            .map(|(k, s)| (s.expires_at, *k))
+            .collect();
+        completed.sort_unstable_by_key(|(expires_at, _)| *expires_at);
+        // Evict to 90% of each bound, so the next overflow is a tenth of the bound away.
+        let (entries_goal, bytes_goal) =
+            (max_entries - max_entries / 10, max_bytes - max_bytes / 10);
+        let mut evicted = 0;
+        for (_, k) in &completed {
+            if self.map.len() + usize::from(adding) <= entries_goal && self.bytes <= bytes_goal {
+                break;
+            }
+            self.remove(k);
+            evicted += 1;
+        }
+        tracing::debug!(
+            evicted,
+            "memory store at its bounds; evicted completed records"
+        );
+        if adding && self.map.len() >= max_entries {
+            return Err(StoreError::Full);
+        }
+        Ok(())
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::with_limits(100_000, 256 * 1024 * 1024)
+    }
+}
+
 impl MemoryStore {
-    /// An empty store with the default bound (100,000 entries).
+    /// An empty store with the default bounds (100,000 entries, 256 MiB).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// An empty store holding at most `max_entries` entries.
-    pub fn with_max_entries(max_entries: usize) -> Self {
+    /// An empty store holding at most `max_entries` entries and `max_bytes` of responses.
+    pub fn with_limits(max_entries: usize, max_bytes: u64) -> Self {
         MemoryStore {
             shared: Arc::new(Shared {
-                entries: Mutex::new(HashMap::new()),
+                table: Mutex::new(Table::default()),
                 max_entries: max_entries.max(1),
+                max_bytes: max_bytes.max(1),
             }),
         }
     }
@@ -61,18 +166,38 @@ impl MemoryStore {
     /// Drop every expired slot. Expired slots are also ignored on access, so this only bounds
     /// memory; `app::run` calls it periodically.
     pub fn purge_expired(&self) {
-        let now = Instant::now();
-        self.lock().retain(|_, s| s.expires_at > now);
+        self.lock().purge_expired(Instant::now());
     }
 
     /// Drop every slot (the admin API's emergency switch, and tests).
-    pub fn purge_all(&self) {
-        self.lock().clear();
+    pub fn purge_all(&self) -> usize {
+        let mut t = self.lock();
+        let n = t.map.len();
+        *t = Table::default();
+        n
+    }
+
+    /// Drop one slot, whatever its state; whether there was one.
+    pub fn remove(&self, key: &ScopedKey) -> bool {
+        self.lock().remove(key).is_some()
+    }
+
+    /// The live entry of `key` and how long it has left.
+    pub fn get(&self, key: &ScopedKey) -> Option<(Entry, Duration)> {
+        let now = Instant::now();
+        let t = self.lock();
+        let slot = t.map.get(key).filter(|s| s.expires_at > now)?;
+        Some((slot.entry.clone(), slot.expires_at - now))
     }
 
     /// Number of slots, live or not yet purged.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
+    }
+
+    /// Bytes the slots weigh.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
     }
 
     /// Whether the store holds no slot.
@@ -80,70 +205,11 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ScopedKey, Slot>> {
-        // A panic while holding the lock leaves the map consistent (every operation is a single
-        // insert/remove), so a poisoned lock is safe to keep using.
-        self.shared
-            .entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        // Every operation leaves the table consistent before it could panic, so a poisoned lock
+        // is safe to keep using.
+        self.shared.table.lock().unwrap_or_else(|p| p.into_inner())
     }
-
-    /// Apply `f` to the live slot of `key` held by `token`, if any.
-    fn with_own_slot(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        f: impl FnOnce(&mut Slot, Instant),
-    ) -> bool {
-        let now = Instant::now();
-        let mut map = self.lock();
-        match map.get_mut(key) {
-            Some(slot)
-                if slot.expires_at > now
-                    && slot.token == *token
-                    && matches!(slot.entry.state, EntryState::InFlight) =>
-            {
-                f(slot, now);
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-/// Bring the map under `max` by dropping expired slots, then the completed records closest to
-/// expiry (about a tenth of `max` at once, so the scan is amortised). In-flight claims are never
-/// evicted: when only they remain, the new claim is refused.
-fn make_room(
-    map: &mut HashMap<ScopedKey, Slot>,
-    max: usize,
-    now: Instant,
-) -> Result<(), StoreError> {
-    map.retain(|_, s| s.expires_at > now);
-    if map.len() < max {
-        return Ok(());
-    }
-    let mut completed: Vec<(Instant, ScopedKey)> = map
-        .iter()
-        .filter(|(_, s)| !matches!(s.entry.state, EntryState::InFlight))
-        .map(|(k, s)| (s.expires_at, *k))
-        .collect();
-    if completed.is_empty() {
-        return Err(StoreError::Full);
-    }
-    let evict = (map.len() + 1 - max).max(max / 10).min(completed.len());
-    if evict < completed.len() {
-        completed.select_nth_unstable_by_key(evict, |(expires_at, _)| *expires_at);
-    }
-    for (_, k) in &completed[..evict] {
-        map.remove(k);
-    }
-    tracing::debug!(
-        evicted = evict,
-        "memory store at max_entries; evicted completed records"
-    );
-    Ok(())
 }
 
 impl Store for MemoryStore {
@@ -155,17 +221,16 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
-        let mut map = self.lock();
-        if let Some(slot) = map.get(key) {
+        let mut t = self.lock();
+        if let Some(slot) = t.map.get(key) {
             if slot.expires_at > now {
                 let mut entry = slot.entry.clone();
                 entry.expires_in = Some(slot.expires_at - now);
                 return Ok(Claim::Existing(entry));
             }
-        } else if map.len() >= self.shared.max_entries {
-            make_room(&mut map, self.shared.max_entries, now)?;
         }
-        map.insert(
+        t.make_room(self.shared.max_entries, self.shared.max_bytes, true, now)?;
+        t.insert(
             *key,
             Slot {
                 token: *token,
@@ -188,21 +253,31 @@ impl Store for MemoryStore {
         state: &EntryState,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_own_slot(key, token, |slot, now| {
-            slot.entry = Entry {
+        let now = Instant::now();
+        let mut t = self.lock();
+        let ours = matches!(t.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        if !ours {
+            return Ok(false);
+        }
+        let slot = Slot {
+            token: *token,
+            entry: Entry {
                 fingerprint: *fingerprint,
-                state: state.compacted(),
+                state: state.clone(),
                 expires_in: None,
-            };
-            slot.expires_at = now + ttl;
-        }))
+            },
+            expires_at: now + ttl,
+        };
+        t.insert(*key, slot);
+        t.make_room(self.shared.max_entries, self.shared.max_bytes, false, now)?;
+        Ok(true)
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        let mut map = self.lock();
-        let ours = matches!(map.get(key), Some(s) if s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        let mut t = self.lock();
+        let ours = matches!(t.map.get(key), Some(s) if s.token == *token && matches!(s.entry.state, EntryState::InFlight));
         if ours {
-            map.remove(key);
+            t.remove(key);
         }
         Ok(ours)
     }
@@ -213,7 +288,19 @@ impl Store for MemoryStore {
         token: &Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_own_slot(key, token, |slot, now| slot.expires_at = now + lease))
+        let now = Instant::now();
+        let mut t = self.lock();
+        match t.map.get_mut(key) {
+            Some(s)
+                if s.expires_at > now
+                    && s.token == *token
+                    && matches!(s.entry.state, EntryState::InFlight) =>
+            {
+                s.expires_at = now + lease;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 }
 
@@ -229,7 +316,7 @@ mod tests {
 
     #[tokio::test]
     async fn evicts_completed_records_never_claims() {
-        let store = MemoryStore::with_max_entries(10);
+        let store = MemoryStore::with_limits(10, u64::MAX);
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(60);
         // Five claims stay in flight, five complete.
@@ -276,6 +363,32 @@ mod tests {
             store.claim(&key(100), &fp, &Token([1; 16]), lease).await,
             Err(StoreError::Full)
         ));
+    }
+
+    #[tokio::test]
+    async fn bounded_by_bytes() {
+        let store = MemoryStore::with_limits(1000, 20_000);
+        let fp = Fingerprint([0; 32]);
+        let lease = Duration::from_secs(60);
+        let body = crate::idempotency::record::StoredResponse {
+            status: http::StatusCode::OK,
+            headers: vec![],
+            body: bytes::Bytes::from(vec![0u8; 4000]),
+        };
+        let state = EntryState::Completed(Arc::new(body));
+        for i in 0..20 {
+            let t = Token([i as u8; 16]);
+            store.claim(&key(i), &fp, &t, lease).await.unwrap();
+            assert!(store
+                .complete(&key(i), &fp, &t, &state, lease)
+                .await
+                .unwrap());
+            assert!(store.bytes() <= 20_000, "{} bytes after {i}", store.bytes());
+        }
+        assert!(store.len() < 20);
+        // The newest records are the ones kept.
+        assert!(store.get(&key(19)).is_some());
+        assert!(store.get(&key(0)).is_none());
     }
 
     #[tokio::test(start_paused = true)]
