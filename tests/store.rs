@@ -74,6 +74,7 @@ fn response(body: &'static str) -> EntryState {
         status: StatusCode::OK,
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
+        traceparent: None,
     }))
 }
 

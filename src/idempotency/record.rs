@@ -7,9 +7,11 @@
 //! [1]      state: b'P' in flight, b'C' completed (response follows), b'N' completed, not replayable
 //! [2..34]  request fingerprint (SHA-256)
 //! [34..50] claim token (fences completion and release against a newer holder)
+//! [50..58] when this entry was written, in ms since the Unix epoch
 //! -- only for b'C':
 //! u16      status
 //! u16      header count, then per header: u16 name length, name, u32 value length, value
+//! u8       length of the original request's W3C traceparent (0: none), then its bytes
 //! rest     body bytes
 //! ```
 //!
@@ -31,8 +33,10 @@ pub const FORMAT_VERSION: u8 = 1;
 pub const STATE_AT: usize = 1;
 /// Offset of the token.
 pub const TOKEN_AT: usize = 34;
+/// Offset of the written-at time.
+pub const WRITTEN_AT: usize = 50;
 /// Length of the fixed header before the response.
-pub const HEADER_LEN: usize = 50;
+pub const HEADER_LEN: usize = 58;
 
 /// The random token of one claim. Whoever completes or releases a key must present the token of
 /// the claim it holds, so a holder whose lease expired cannot clobber a newer holder's record.
@@ -55,6 +59,9 @@ pub struct StoredResponse {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The body, byte for byte.
     pub body: Bytes,
+    /// The W3C `traceparent` of the request that produced it, so a replay can name the trace of
+    /// the original execution.
+    pub traceparent: Option<HeaderValue>,
 }
 
 /// Where a key stands.
@@ -86,6 +93,7 @@ impl StoredResponse {
                 })
                 .collect(),
             body: Bytes::copy_from_slice(&self.body),
+            traceparent: self.traceparent.clone(),
         })
     }
 }
@@ -99,6 +107,15 @@ pub struct Entry {
     pub state: EntryState,
     /// How much longer the store keeps it, when the store said (not part of the encoding).
     pub expires_in: Option<Duration>,
+    /// When it was written (claimed, or completed), in ms since the Unix epoch.
+    pub written_ms: u64,
+}
+
+/// Now, in ms since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Why bytes from the store could not be read as an entry.
@@ -120,6 +137,8 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
                 .iter()
                 .map(|(n, v)| 6 + n.as_str().len() + v.len())
                 .sum::<usize>()
+                + 1
+                + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
                 + r.body.len()
         });
     let mut out = BytesMut::with_capacity(size);
@@ -127,6 +146,7 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
     out.put_u8(tag);
     out.put_slice(&fingerprint.0);
     out.put_slice(&token.0);
+    out.put_u64(now_ms());
     if let Some(r) = resp {
         out.put_u16(r.status.as_u16());
         out.put_u16(r.headers.len() as u16);
@@ -135,6 +155,14 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
             out.put_slice(n.as_str().as_bytes());
             out.put_u32(v.len() as u32);
             out.put_slice(v.as_bytes());
+        }
+        // A traceparent is 55 bytes; anything longer than a length byte allows is not one.
+        match r.traceparent.as_ref().filter(|t| t.len() <= 255) {
+            Some(t) => {
+                out.put_u8(t.len() as u8);
+                out.put_slice(t.as_bytes());
+            }
+            None => out.put_u8(0),
         }
         out.put_slice(&r.body);
     }
@@ -150,7 +178,8 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         return Err(DecodeError("unknown version"));
     }
     let fingerprint = Fingerprint(raw[2..34].try_into().expect("32 bytes"));
-    let token = Token(raw[TOKEN_AT..HEADER_LEN].try_into().expect("16 bytes"));
+    let token = Token(raw[TOKEN_AT..WRITTEN_AT].try_into().expect("16 bytes"));
+    let written_ms = u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"));
     let state = match raw[STATE_AT] {
         b'P' => EntryState::InFlight,
         b'N' => EntryState::NotReplayable,
@@ -162,6 +191,7 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
             fingerprint,
             state,
             expires_in: None,
+            written_ms,
         },
         token,
     ))
@@ -191,10 +221,21 @@ fn decode_response(mut buf: Bytes) -> Result<StoredResponse, DecodeError> {
             .map_err(|_| DecodeError("bad header value"))?;
         headers.push((name, value));
     }
+    need(&buf, 1)?;
+    let t = buf.get_u8() as usize;
+    need(&buf, t)?;
+    let traceparent = match t {
+        0 => None,
+        _ => Some(
+            HeaderValue::from_maybe_shared(buf.split_to(t))
+                .map_err(|_| DecodeError("bad traceparent"))?,
+        ),
+    };
     Ok(StoredResponse {
         status,
         headers,
         body: buf,
+        traceparent,
     })
 }
 
@@ -222,18 +263,24 @@ mod tests {
                 ),
             ],
             body: Bytes::from(body),
+            traceparent: Some(HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )),
         };
         let fp = Fingerprint([7; 32]);
         let tok = Token::random();
         let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
-        // 50 fixed + 4 (status, count) + 3 headers (6 bytes of lengths each + name + value) + body.
+        // 58 fixed + 4 (status, count) + 3 headers (6 bytes of lengths each + name + value)
+        // + traceparent (1 + 55) + body.
         assert_eq!(
             raw.len(),
-            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 1000
+            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 56 + 1000
         );
+        let before = now_ms();
         let (entry, tok2) = decode(raw).unwrap();
         assert_eq!(tok2, tok);
         assert_eq!(entry.fingerprint, fp);
+        assert!(entry.written_ms <= before && entry.written_ms + 60_000 > before);
         match entry.state {
             EntryState::Completed(r) => assert_eq!(*r, resp),
             other => panic!("unexpected {other:?}"),
@@ -260,6 +307,7 @@ mod tests {
                 status: StatusCode::OK,
                 headers: vec![(HeaderName::from_static("x"), HeaderValue::from_static("y"))],
                 body: Bytes::new(),
+                traceparent: None,
             })),
         )
         .to_vec();

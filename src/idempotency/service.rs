@@ -46,6 +46,9 @@ use crate::error::GatewayError;
 use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream};
 use crate::store::{Claim, Store};
 
+/// The W3C trace context header, forwarded to the upstream and stored with the record.
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -329,6 +332,7 @@ impl<S: Store> Inner<S> {
         parts: Parts,
         body: Bytes,
     ) -> Result<Response<Body>, GatewayError> {
+        let traceparent = parts.headers.get(TRACEPARENT).cloned();
         let req = Request::from_parts(parts, Body::from(body));
         let call = tokio::time::timeout(policy.upstream_timeout, self.call_upstream(req, policy));
         let result = tokio::select! {
@@ -362,6 +366,7 @@ impl<S: Store> Inner<S> {
                         .map(|(n, v)| (n.clone(), v.clone()))
                         .collect(),
                     body,
+                    traceparent,
                 }
                 .detached();
                 let state = EntryState::Completed(stored.clone());

@@ -161,6 +161,7 @@ impl<S: Store> Store for CachedStore<S> {
                 fingerprint: *fingerprint,
                 state: EntryState::Completed(response),
                 expires_in: None,
+                written_ms: 0,
             }));
         }
         let claim = self.inner.claim(key, fingerprint, token, lease).await?;
@@ -168,6 +169,7 @@ impl<S: Store> Store for CachedStore<S> {
             fingerprint: stored,
             state: EntryState::Completed(response),
             expires_in: Some(lives),
+            ..
         }) = &claim
         {
             self.cache.put(key, stored, response, *lives);
@@ -219,6 +221,7 @@ mod tests {
             status: StatusCode::OK,
             headers: vec![],
             body: Bytes::from_static(body),
+            traceparent: None,
         }))
     }
 
@@ -274,6 +277,7 @@ mod tests {
             status: StatusCode::OK,
             headers: vec![],
             body: Bytes::from(vec![0u8; 1000]),
+            traceparent: None,
         });
         for i in 0..100u8 {
             cache.put(

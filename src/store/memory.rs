@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{Entry, EntryState, Token};
+use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 
 /// A handle to the embedded store; clones share one map.
 #[derive(Debug, Clone)]
@@ -238,6 +238,7 @@ impl Store for MemoryStore {
                     fingerprint: *fingerprint,
                     state: EntryState::InFlight,
                     expires_in: None,
+                    written_ms: now_ms(),
                 },
                 expires_at: now + lease,
             },
@@ -265,6 +266,7 @@ impl Store for MemoryStore {
                 fingerprint: *fingerprint,
                 state: state.clone(),
                 expires_in: None,
+                written_ms: now_ms(),
             },
             expires_at: now + ttl,
         };
@@ -374,6 +376,7 @@ mod tests {
             status: http::StatusCode::OK,
             headers: vec![],
             body: bytes::Bytes::from(vec![0u8; 4000]),
+            traceparent: None,
         };
         let state = EntryState::Completed(Arc::new(body));
         for i in 0..20 {
