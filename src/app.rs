@@ -14,8 +14,10 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::admin;
 use crate::config::{Config, StoreBackend};
 use crate::idempotency::{Gateway, RouteTable};
+use crate::metrics::Metrics;
 use crate::store::{CachedStore, LocalCache, MemoryStore, RedisStore, Store, StoreError};
 use tower::ServiceExt;
 
@@ -37,6 +39,8 @@ const PURGE_EVERY: Duration = Duration::from_secs(5);
 pub struct App {
     config: Config,
     store: StoreHandle,
+    // Bound at start-up so that a taken port fails the start, not a later moment.
+    admin: Option<TcpListener>,
 }
 
 enum StoreHandle {
@@ -77,7 +81,20 @@ impl App {
                 StoreHandle::Redis(store)
             }
         };
-        Ok(App { config, store })
+        let admin = match config.admin.listen {
+            Some(addr) => Some(TcpListener::bind(addr).await?),
+            None => None,
+        };
+        Ok(App {
+            config,
+            store,
+            admin,
+        })
+    }
+
+    /// The admin listener's address, when one is configured.
+    pub fn admin_addr(&self) -> Option<std::net::SocketAddr> {
+        self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// Serve on `listener` until `shutdown` resolves; then stop accepting, let open requests
@@ -88,14 +105,41 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
         let config = Arc::new(self.config);
-        match self.store {
+        let metrics = Metrics::new();
+        let routes = RouteTable::new(&config, &metrics);
+        let admin = self.admin;
+        let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+        let start_admin = |router: axum::Router| {
+            admin.map(|listener| {
+                info!(listen = ?listener.local_addr().ok(), "admin listening");
+                tokio::spawn(async move {
+                    let stopped = async {
+                        let _ = admin_stopped.await;
+                    };
+                    if let Err(e) = axum::serve(listener, router)
+                        .with_graceful_shutdown(stopped)
+                        .await
+                    {
+                        warn!(error = %e, "admin listener failed");
+                    }
+                })
+            })
+        };
+        let result = match self.store {
             StoreHandle::Memory(store, _purger) => {
+                let admin = start_admin(admin::router(
+                    store.clone(),
+                    metrics,
+                    config.clone(),
+                    routes.clone(),
+                ));
                 // One map shared by every worker.
                 let make = move || {
                     let store = store.clone();
                     async move { Ok(store) }
                 };
-                serve(listener, config, make, shutdown).await
+                let result = serve(listener, config, routes, make, shutdown).await;
+                (result, admin)
             }
             StoreHandle::Redis(shared) => {
                 // One multiplexed connection per worker, so its commands stay on its thread. A
@@ -104,6 +148,12 @@ impl App {
                 let c = config.clone();
                 // One local cache of completed records for the whole process.
                 let cache = LocalCache::new(c.store.local_cache, c.store.local_cache_ttl);
+                let admin = start_admin(admin::router(
+                    CachedStore::new(shared.clone(), cache.clone()),
+                    metrics,
+                    config.clone(),
+                    routes.clone(),
+                ));
                 let make = move || {
                     let (c, shared, cache) = (c.clone(), shared.clone(), cache.clone());
                     async move {
@@ -122,9 +172,17 @@ impl App {
                         Ok(CachedStore::new(redis, cache))
                     }
                 };
-                serve(listener, config, make, shutdown).await
+                let result = serve(listener, config, routes, make, shutdown).await;
+                (result, admin)
             }
+        };
+        // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
+        let (result, admin) = result;
+        drop(stop_admin);
+        if let Some(admin) = admin {
+            let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
         }
+        result
     }
 }
 
@@ -144,6 +202,7 @@ pub async fn run(
 async fn serve<S, F, Fut>(
     listener: TcpListener,
     config: Arc<Config>,
+    routes: RouteTable,
     make_store: F,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError>
@@ -165,7 +224,6 @@ where
     let (ready_tx, mut ready_rx) =
         tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
-    let routes = RouteTable::new(&config);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
         let (config, routes, make_store, stop, ready, done) = (

@@ -133,6 +133,8 @@ struct RawConfig {
     #[serde(default)]
     store: RawStore,
     #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
     defaults: RawPolicy,
     #[serde(default)]
     routes: Vec<RawPolicy>,
@@ -149,6 +151,13 @@ struct RawStore {
     max_bytes: Option<HumanSize>,
     local_cache: Option<HumanSize>,
     local_cache_ttl: Option<HumanDuration>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: Option<String>,
+    admin_token: Option<String>,
 }
 
 /// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
@@ -187,6 +196,28 @@ pub enum StoreBackend {
     },
 }
 
+impl StoreBackend {
+    /// The backend for logs: the Redis URL with any password replaced by `***`.
+    pub fn describe(&self) -> String {
+        match self {
+            StoreBackend::Memory => "memory".into(),
+            StoreBackend::Redis { url } => format!("redis {}", redact_url(url)),
+        }
+    }
+}
+
+/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let Some((userinfo, host)) = rest.split_once('@') else {
+        return url.to_string();
+    };
+    let user = userinfo.split_once(':').map_or("", |(u, _)| u);
+    format!("{scheme}://{user}:***@{host}")
+}
+
 /// The `[store]` table, validated.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -206,6 +237,28 @@ pub struct StoreConfig {
     /// Redis: the longest a response stays in the local cache (bounds how long an eviction made
     /// through another replica goes unnoticed here).
     pub local_cache_ttl: Duration,
+}
+
+/// The `[admin]` table, validated.
+#[derive(Clone, Default)]
+pub struct AdminConfig {
+    /// Where the admin listener (health, readiness, metrics, keys) listens; none: no listener.
+    pub listen: Option<SocketAddr>,
+    /// The bearer token of the key API; none: the key API is off.
+    pub admin_token: Option<String>,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never print the token.
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -403,22 +456,58 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Worker threads serving connections.
     pub workers: usize,
+    /// The admin listener.
+    pub admin: AdminConfig,
 }
 
 impl Config {
     /// Read and validate a TOML file.
     pub fn load(path: &str) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_string(),
-            source,
-        })?;
-        Self::from_toml(&text)
+        Self::load_with_env(Some(path), std::env::vars())
+    }
+
+    /// The file at `path` (if any), with `IDEMGATE_...` variables from `env` over it: nested
+    /// fields joined by a double underscore (`IDEMGATE_STORE__URL`, `IDEMGATE_DEFAULTS__TTL`),
+    /// values read as TOML where they parse as such (`true`, `409`, `[POST, PATCH]`) and as
+    /// strings otherwise; `IDEMGATE_ADMIN_TOKEN` is short for `IDEMGATE_ADMIN__ADMIN_TOKEN`.
+    pub fn load_with_env(
+        path: Option<&str>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        use figment::providers::{Format, Toml};
+        let text = match path {
+            Some(path) => std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+                path: path.to_string(),
+                source,
+            })?,
+            None => String::new(),
+        };
+        let mut figment = figment::Figment::from(Toml::string(&text));
+        for (name, value) in env {
+            let Some(rest) = name.strip_prefix("IDEMGATE_") else {
+                continue;
+            };
+            let key = match rest.to_ascii_lowercase().as_str() {
+                "admin_token" => "admin.admin_token".to_string(),
+                other => other.replace("__", "."),
+            };
+            let value: figment::value::Value =
+                value.parse().unwrap_or_else(|_| value.clone().into());
+            figment = figment.merge((key.as_str(), value));
+        }
+        let raw: RawConfig = figment
+            .extract()
+            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::from_raw(raw)
     }
 
     /// Parse and validate TOML text.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::from_raw(raw)
+    }
 
+    fn from_raw(raw: RawConfig) -> Result<Self, ConfigError> {
         let listen = raw.listen.as_deref().unwrap_or("127.0.0.1:8080");
         let listen: SocketAddr = listen.parse().map_err(|_| {
             invalid(
@@ -458,6 +547,26 @@ impl Config {
             .local_cache_ttl
             .map_or(Duration::from_secs(60), |d| d.0);
         let shutdown_grace = raw.shutdown_grace.map_or(Duration::from_secs(30), |d| d.0);
+        let admin = AdminConfig {
+            listen: match raw.admin.listen.as_deref() {
+                None => None,
+                Some(a) => Some(a.parse().map_err(|_| {
+                    invalid(
+                        "admin.listen",
+                        format!("{a:?} is not an address like \"127.0.0.1:9090\""),
+                    )
+                })?),
+            },
+            admin_token: match raw.admin.admin_token {
+                Some(t) if t.trim().len() < 16 => {
+                    return Err(invalid(
+                        "admin.admin_token",
+                        "must be at least 16 characters",
+                    ))
+                }
+                t => t,
+            },
+        };
         let workers = match raw.workers {
             Some(n) if n == 0 || n > 1024 => {
                 return Err(invalid("workers", "must be between 1 and 1024"))
@@ -532,6 +641,7 @@ impl Config {
             routes,
             shutdown_grace,
             workers,
+            admin,
         })
     }
 }
@@ -641,5 +751,108 @@ mod tests {
             Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"")
                 .unwrap();
         assert_eq!(c.defaults.ttl, MAX_DURATION);
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn environment_beats_the_file() {
+        let dir = tempfile_path("env-beats-file.toml");
+        std::fs::write(
+            &dir,
+            "upstream = \"http://127.0.0.1:9000\"\n[defaults]\nttl = \"1h\"\nlock_ttl = \"5s\"",
+        )
+        .unwrap();
+        let c = Config::load_with_env(
+            Some(dir.to_str().unwrap()),
+            env(&[
+                ("IDEMGATE_DEFAULTS__TTL", "2h"),
+                ("IDEMGATE_DEFAULTS__METHODS", "[POST, PUT]"),
+                ("IDEMGATE_DEFAULTS__REQUIRE_KEY", "true"),
+                ("IDEMGATE_DEFAULTS__MISMATCH_STATUS", "422"),
+                ("IDEMGATE_ADMIN_TOKEN", "0123456789abcdef-secret"),
+                ("UNRELATED", "x"),
+            ]),
+        )
+        .unwrap();
+        std::fs::remove_file(&dir).ok();
+        assert_eq!(c.defaults.ttl, Duration::from_secs(7200));
+        assert_eq!(
+            c.defaults.lock_ttl,
+            Duration::from_secs(5),
+            "the file's value stays where env is silent"
+        );
+        assert_eq!(c.defaults.methods, vec![Method::POST, Method::PUT]);
+        assert!(c.defaults.require_key);
+        assert_eq!(c.defaults.mismatch_status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(
+            c.admin.admin_token.as_deref(),
+            Some("0123456789abcdef-secret")
+        );
+        assert!(
+            !format!("{c:?}").contains("0123456789abcdef-secret"),
+            "the token is never printed"
+        );
+    }
+
+    #[test]
+    fn environment_alone_is_a_config() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("IDEMGATE_UPSTREAM", "http://10.0.0.1:8000"),
+                ("IDEMGATE_LISTEN", "0.0.0.0:8080"),
+                ("IDEMGATE_STORE__BACKEND", "redis"),
+                ("IDEMGATE_STORE__URL", "redis://user:pw@redis:6379/0"),
+                ("IDEMGATE_ADMIN__LISTEN", "0.0.0.0:9090"),
+                (
+                    "IDEMGATE_ROUTES",
+                    "[{path = \"/v1/payments\", require_key = true, ttl = \"7d\"}]",
+                ),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
+        assert!(matches!(c.store.backend, StoreBackend::Redis { .. }));
+        assert_eq!(c.admin.listen.unwrap().port(), 9090);
+        assert_eq!(c.routes.len(), 1);
+        assert!(c.routes[0].policy.require_key);
+        assert_eq!(c.routes[0].policy.ttl, Duration::from_secs(7 * 86400));
+    }
+
+    #[test]
+    fn environment_errors_name_the_field() {
+        let base = [("IDEMGATE_UPSTREAM", "http://127.0.0.1:9000")];
+        let e = Config::load_with_env(None, env(&[base[0], ("IDEMGATE_DEFAULTS__TTL", "0s")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("defaults.ttl"), "{e}");
+        let e = Config::load_with_env(None, env(&[base[0], ("IDEMGATE_DEFAULTS__TLL", "1s")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("tll"), "{e}");
+        let e = Config::load_with_env(
+            None,
+            env(&[base[0], ("IDEMGATE_DEFAULTS__KEY_MAX_LEN", "lots")]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("key_max_len"), "{e}");
+    }
+
+    fn tempfile_path(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("idemgate-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn secrets_are_redacted() {
+        assert_eq!(
+            redact_url("redis://user:pw@h:6379/0"),
+            "redis://user:***@h:6379/0"
+        );
+        assert_eq!(redact_url("rediss://:pw@h:6379"), "rediss://:***@h:6379");
+        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
     }
 }

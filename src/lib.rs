@@ -13,13 +13,17 @@
 //!   [`store::RedisStore`] (Lua scripts in `src/store/lua/`).
 //! - [`proxy`]: the pooled upstream client and hop-by-hop header handling.
 //! - [`error`]: the gateway's own answers as RFC 9457 problem+json.
+//! - [`metrics`]: Prometheus metrics (prometheus-client).
+//! - [`admin`]: the admin listener: health, readiness, metrics, key inspection and eviction.
 //! - [`app`]: wiring a [`config::Config`] into a server: `app::run(listener, config, shutdown)`.
 //! - [`demo`]: a small example payments upstream for the quick start.
 
+pub mod admin;
 pub mod app;
 pub mod config;
 pub mod demo;
 pub mod error;
 pub mod idempotency;
+pub mod metrics;
 pub mod proxy;
 pub mod store;

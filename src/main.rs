@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use idemgate::config::Config;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -16,11 +16,20 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(version, about, args_conflicts_with_subcommands = true)]
 struct Cli {
-    /// The TOML config file to run with.
+    /// The TOML config file to run with; IDEMGATE_... variables override it (or replace it).
     #[arg(long, short)]
     config: Option<String>,
+    /// Log lines as human-readable text or as JSON objects; the level comes from RUST_LOG.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -31,28 +40,36 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: String,
     },
-    /// Validate a config file and print the effective policy of every route.
+    /// Validate a config (file and IDEMGATE_... variables) and print the effective settings.
     CheckConfig {
-        /// The TOML config file.
-        file: String,
+        /// The TOML config file (optional when the environment carries the config).
+        file: Option<String>,
+    },
+    /// Exit 0 when the admin listener's /healthz answers 200 (for container health checks).
+    Healthcheck {
+        /// The health URL.
+        #[arg(long, default_value = "http://127.0.0.1:9090/healthz")]
+        url: String,
     },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
     let cli = Cli::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    match cli.log_format {
+        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_current_span(true)
+            .with_env_filter(filter)
+            .init(),
+    }
     let result = match (cli.command, cli.config) {
         (Some(Command::Demo { listen }), _) => demo(&listen).await,
-        (Some(Command::CheckConfig { file }), _) => check_config(&file),
-        (None, Some(file)) => run(&file).await,
-        (None, None) => {
-            Err("give --config FILE (see config/example.toml), or try `idemgate demo`".into())
-        }
+        (Some(Command::CheckConfig { file }), _) => check_config(file.as_deref()),
+        (Some(Command::Healthcheck { url }), _) => healthcheck(&url).await,
+        (None, file) => run(file.as_deref()).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -63,8 +80,19 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(file: &str) -> Result<(), String> {
-    let config = Config::load(file).map_err(|e| e.to_string())?;
+fn load(file: Option<&str>) -> Result<Config, String> {
+    Config::load_with_env(file, std::env::vars()).map_err(|e| {
+        if file.is_none() {
+            format!("{e} (give --config FILE, see config/example.toml, or set IDEMGATE_UPSTREAM; or try `idemgate demo`)")
+        } else {
+            e.to_string()
+        }
+    })
+}
+
+async fn run(file: Option<&str>) -> Result<(), String> {
+    let config = load(file)?;
+    tracing::info!(store = %config.store.backend.describe(), "configuration loaded");
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -73,16 +101,24 @@ async fn run(file: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-fn check_config(file: &str) -> Result<(), String> {
-    let config = Config::load(file).map_err(|e| e.to_string())?;
-    println!("{file}: valid");
-    println!("listen   = {}", config.listen);
-    println!("upstream = {}", config.upstream);
+fn check_config(file: Option<&str>) -> Result<(), String> {
+    let config = load(file)?;
+    println!("{}: valid", file.unwrap_or("environment"));
+    println!("listen         = {}", config.listen);
+    println!("upstream       = {}", config.upstream);
+    println!("workers        = {}", config.workers);
+    println!("shutdown_grace = {:?}", config.shutdown_grace);
+    println!("store          = {}", config.store.backend.describe());
     println!(
-        "store    = {:?} (prefix {:?})",
-        store_label(&config),
-        config.store.prefix
+        "store settings = prefix {:?}, timeout {:?}, max_entries {}, max_bytes {}, local_cache {} bytes for at most {:?}",
+        config.store.prefix,
+        config.store.timeout,
+        config.store.max_entries,
+        config.store.max_bytes,
+        config.store.local_cache,
+        config.store.local_cache_ttl
     );
+    println!("admin          = {:?}", config.admin);
     println!("[defaults] {:#?}", config.defaults);
     for r in &config.routes {
         println!("[route {}] {:#?}", r.path, r.policy);
@@ -90,11 +126,34 @@ fn check_config(file: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn store_label(config: &Config) -> &'static str {
-    match config.store.backend {
-        idemgate::config::StoreBackend::Memory => "memory",
-        idemgate::config::StoreBackend::Redis { .. } => "redis",
-    }
+async fn healthcheck(url: &str) -> Result<(), String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let authority = uri.authority().ok_or("the URL needs a host")?.to_string();
+    let check = async {
+        let stream = tokio::net::TcpStream::connect(&authority)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake::<
+            _,
+            http_body_util::Empty<bytes::Bytes>,
+        >(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let req = http::Request::get(uri.path())
+            .header(http::header::HOST, &authority)
+            .body(http_body_util::Empty::new())
+            .map_err(|e| e.to_string())?;
+        let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+        if resp.status() == http::StatusCode::OK {
+            Ok(())
+        } else {
+            Err(format!("{url} answered {}", resp.status()))
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(3), check)
+        .await
+        .map_err(|_| format!("{url} did not answer in 3 s"))?
 }
 
 async fn demo(listen: &str) -> Result<(), String> {

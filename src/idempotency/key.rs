@@ -106,7 +106,8 @@ pub(crate) fn write_field(h: &mut Sha256, bytes: &[u8]) {
     h.update(bytes);
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {

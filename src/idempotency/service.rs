@@ -43,8 +43,10 @@ use super::key::{IdempotencyKey, ScopedKey};
 use super::record::{Entry, EntryState, StoredResponse, Token};
 use crate::config::{Config, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
+use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
 use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream};
 use crate::store::{Claim, Store};
+use prometheus_client::metrics::histogram::Histogram;
 
 /// The W3C trace context header, forwarded to the upstream and stored with the record.
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
@@ -77,6 +79,9 @@ struct Inner<S> {
     routes: RouteTable,
     // Every spawned upstream call, so that shutdown can wait for them to be recorded.
     tasks: TaskTracker,
+    // The process's metrics, and the store-operation histograms resolved once.
+    metrics: Metrics,
+    store_ops: [Histogram; 4],
 }
 
 /// The routes of a config with their live state: cheap to clone, clones share the state.
@@ -86,21 +91,29 @@ pub struct RouteTable {
     routes: Arc<matchit::Router<Arc<RouteState>>>,
     // The policy of requests that match no route.
     defaults: Arc<RouteState>,
+    // Where the gateways built on this table count.
+    metrics: Metrics,
 }
 
 impl RouteTable {
-    /// The table of `config`'s routes.
-    pub fn new(config: &Config) -> Self {
+    /// The table of `config`'s routes, counting into `metrics`.
+    pub fn new(config: &Config, metrics: &Metrics) -> Self {
         let mut routes = matchit::Router::new();
         for r in &config.routes {
             routes
-                .insert(r.path.clone(), RouteState::new(&r.policy))
+                .insert(r.path.clone(), RouteState::new(&r.policy, metrics))
                 .expect("route paths were validated by Config");
         }
         RouteTable {
             routes: Arc::new(routes),
-            defaults: RouteState::new(&config.defaults),
+            defaults: RouteState::new(&config.defaults, metrics),
+            metrics: metrics.clone(),
         }
+    }
+
+    /// The policy requests to `path` get.
+    pub fn policy_for(&self, path: &str) -> &Policy {
+        &self.route_for(path).policy
     }
 
     fn route_for(&self, path: &str) -> &Arc<RouteState> {
@@ -114,34 +127,46 @@ impl RouteTable {
 /// A route's policy and its live state.
 struct RouteState {
     policy: Arc<Policy>,
+    // Its outcome counters, resolved once.
+    metrics: RouteMetrics,
     // Bounds the duplicates waiting at once under `on_in_flight = "wait"`.
     waiters: Arc<Semaphore>,
 }
 
 impl RouteState {
-    fn new(policy: &Arc<Policy>) -> Arc<Self> {
+    fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
         Arc::new(RouteState {
             policy: policy.clone(),
+            metrics: metrics.route(&policy.route),
             waiters: Arc::new(Semaphore::new(policy.max_waiters)),
         })
     }
 }
 
 impl<S: Store> Gateway<S> {
-    /// Build the gateway for a validated config over `store`.
+    /// Build the gateway for a validated config over `store`, with metrics of its own.
     pub fn new(config: &Config, store: S) -> Self {
-        Self::with_routes(RouteTable::new(config), config, store)
+        Self::with_routes(RouteTable::new(config, &Metrics::new()), config, store)
     }
 
     /// Build a gateway that shares `routes` (and so their waiter bounds) with other gateways:
     /// one per worker thread, each with its own store handle, upstream pool and task tracker.
     pub fn with_routes(routes: RouteTable, config: &Config, store: S) -> Self {
+        let metrics = routes.metrics.clone();
         Gateway {
             inner: Arc::new(Inner {
                 store,
                 upstream: Upstream::new(&config.upstream),
                 routes,
                 tasks: TaskTracker::new(),
+                store_ops: [
+                    StoreOp::claim,
+                    StoreOp::complete,
+                    StoreOp::release,
+                    StoreOp::renew,
+                ]
+                .map(|op| metrics.store_op(op)),
+                metrics,
             }),
         }
     }
@@ -183,16 +208,35 @@ enum UpstreamResult {
 
 impl<S: Store> Inner<S> {
     async fn handle(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
+        let started = Instant::now();
         let route = self.routes.route_for(req.uri().path()).clone();
+        let (outcome, resp, upstream) = self.clone().dispatch(&route, req).await;
+        route.metrics.count(outcome);
+        self.metrics
+            .overhead(started.elapsed().saturating_sub(upstream));
+        resp
+    }
+
+    /// Pass through, refuse, or run the keyed state machine; with the outcome and the time spent
+    /// waiting for the upstream.
+    async fn dispatch(
+        self: Arc<Self>,
+        route: &Arc<RouteState>,
+        req: Request<Body>,
+    ) -> (Outcome, Response<Body>, Duration) {
         let policy = &route.policy;
         if !policy.applies_to(req.method()) {
-            return self.pass_through(req, policy).await;
+            let (resp, upstream) = self.pass_through(req, policy).await;
+            return (Outcome::passthrough, resp, upstream);
         }
         let key = match IdempotencyKey::from_headers(req.headers(), policy.key_max_len) {
             Ok(Some(key)) => key,
-            Ok(None) if policy.require_key => return reject(GatewayError::MissingKey),
-            Ok(None) => return self.pass_through(req, policy).await,
-            Err(e) => return reject(e),
+            Ok(None) if policy.require_key => return refuse(GatewayError::MissingKey),
+            Ok(None) => {
+                let (resp, upstream) = self.pass_through(req, policy).await;
+                return (Outcome::passthrough, resp, upstream);
+            }
+            Err(e) => return refuse(e),
         };
         let span = info_span!(
             "idempotent_request",
@@ -200,24 +244,24 @@ impl<S: Store> Inner<S> {
             route = %policy.route,
             key = %key.short_hash(),
             outcome = field::Empty,
+            original_trace = field::Empty,
         );
-        let result = self
-            .clone()
+        let (outcome, result, upstream) = self
             .keyed(route.clone(), key, req)
             .instrument(span.clone())
             .await;
-        match result {
-            Ok((outcome, resp)) => {
-                span.record("outcome", outcome);
+        span.record("outcome", outcome.as_str());
+        let resp = match result {
+            Ok(resp) => {
                 debug!(parent: &span, status = resp.status().as_u16(), "done");
                 resp
             }
             Err(e) => {
-                span.record("outcome", e.kind());
-                debug!(parent: &span, status = e.status().as_u16(), "refused");
+                debug!(parent: &span, status = e.status().as_u16(), problem = e.kind(), "refused");
                 e.into_response()
             }
-        }
+        };
+        (outcome, resp, upstream)
     }
 
     /// The state machine of a keyed request, up to the claim.
@@ -226,10 +270,14 @@ impl<S: Store> Inner<S> {
         route: Arc<RouteState>,
         key: IdempotencyKey,
         req: Request<Body>,
-    ) -> Result<(&'static str, Response<Body>), GatewayError> {
+    ) -> (Outcome, Result<Response<Body>, GatewayError>, Duration) {
+        const NO_UPSTREAM: Duration = Duration::ZERO;
         let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
-        let body = buffer_request(&parts, body, policy.max_body).await?;
+        let body = match buffer_request(&parts, body, policy.max_body).await {
+            Ok(body) => body,
+            Err(e) => return (Outcome::rejected_invalid, Err(e), NO_UPSTREAM),
+        };
         let fingerprint = Fingerprint::of(&parts, &body);
         let scoped = key.scoped(&parts.headers, &policy.scope_headers);
         let token = Token::random();
@@ -238,8 +286,11 @@ impl<S: Store> Inner<S> {
 
         loop {
             let claim = match self
-                .store
-                .claim(&scoped, &fingerprint, &token, policy.lock_ttl)
+                .timed(
+                    StoreOp::claim,
+                    self.store
+                        .claim(&scoped, &fingerprint, &token, policy.lock_ttl),
+                )
                 .await
             {
                 Ok(claim) => claim,
@@ -252,15 +303,18 @@ impl<S: Store> Inner<S> {
                     match policy.on_store_error {
                         OnStoreError::Reject => {
                             error!(error = %e, "store unavailable; refusing the keyed request (on_store_error = reject)");
-                            return Err(GatewayError::StoreUnavailable);
+                            return (
+                                Outcome::store_error,
+                                Err(GatewayError::StoreUnavailable),
+                                NO_UPSTREAM,
+                            );
                         }
                         OnStoreError::Pass => {
                             warn!(error = %e, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                            self.metrics.store_error_passed();
                             let req = Request::from_parts(parts, Body::from(body));
-                            return Ok((
-                                "store_error_passed",
-                                self.pass_through(req, &policy).await,
-                            ));
+                            let (resp, upstream) = self.pass_through(req, &policy).await;
+                            return (Outcome::store_error, Ok(resp), upstream);
                         }
                     }
                 }
@@ -269,9 +323,10 @@ impl<S: Store> Inner<S> {
                 Claim::Existing(Entry {
                     fingerprint: other, ..
                 }) if other != fingerprint => {
-                    return Err(GatewayError::Mismatch {
+                    let e = GatewayError::Mismatch {
                         status: policy.mismatch_status,
-                    })
+                    };
+                    return (Outcome::mismatch, Err(e), NO_UPSTREAM);
                 }
                 Claim::Existing(Entry {
                     state: EntryState::InFlight,
@@ -287,18 +342,31 @@ impl<S: Store> Inner<S> {
                             continue;
                         }
                     }
-                    return Err(GatewayError::InFlight {
+                    let e = GatewayError::InFlight {
                         retry_after: IN_FLIGHT_RETRY_AFTER,
-                    });
+                    };
+                    return (Outcome::in_flight_conflict, Err(e), NO_UPSTREAM);
                 }
                 Claim::Existing(Entry {
                     state: EntryState::NotReplayable,
                     ..
-                }) => return Err(GatewayError::NotReplayable),
+                }) => {
+                    return (
+                        Outcome::not_replayable,
+                        Err(GatewayError::NotReplayable),
+                        NO_UPSTREAM,
+                    )
+                }
                 Claim::Existing(Entry {
                     state: EntryState::Completed(stored),
                     ..
-                }) => return Ok(("replayed", respond(&stored, true))),
+                }) => {
+                    if let Some(trace) = stored.traceparent.as_ref().and_then(|t| t.to_str().ok()) {
+                        Span::current().record("original_trace", trace);
+                    }
+                    self.metrics.replayed_bytes(stored.body.len());
+                    return (Outcome::replayed, Ok(respond(&stored, true)), NO_UPSTREAM);
+                }
                 Claim::Claimed => {
                     // The claimed work runs in its own task so that a client that disconnects does
                     // not cancel it: the upstream call completes and its response is stored for the
@@ -306,17 +374,21 @@ impl<S: Store> Inner<S> {
                     drop(waiting);
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     let this = self.clone();
+                    this.metrics.in_flight().inc();
                     let work = async move {
                         let result = this
                             .run_claimed(&policy, &scoped, &fingerprint, &token, parts, body)
                             .await;
+                        this.metrics.in_flight().dec();
                         if tx.send(result).is_err() {
                             debug!("client went away; the response was recorded for its retry");
                         }
                     };
                     self.tasks.spawn(work.instrument(Span::current()));
-                    let resp = rx.await.unwrap_or(Err(GatewayError::Upstream))?;
-                    return Ok(("miss", resp));
+                    let (result, upstream) = rx
+                        .await
+                        .unwrap_or((Err(GatewayError::Upstream), NO_UPSTREAM));
+                    return (Outcome::miss, result, upstream);
                 }
             }
         }
@@ -331,16 +403,19 @@ impl<S: Store> Inner<S> {
         token: &Token,
         parts: Parts,
         body: Bytes,
-    ) -> Result<Response<Body>, GatewayError> {
+    ) -> (Result<Response<Body>, GatewayError>, Duration) {
         let traceparent = parts.headers.get(TRACEPARENT).cloned();
         let req = Request::from_parts(parts, Body::from(body));
+        let started = Instant::now();
         let call = tokio::time::timeout(policy.upstream_timeout, self.call_upstream(req, policy));
         let result = tokio::select! {
             result = call => result,
             never = self.hold_lease(key, token, policy.lock_ttl) => match never {},
         };
+        let upstream = started.elapsed();
+        self.metrics.upstream(upstream);
         // From here on the lease is no longer renewed.
-        match result {
+        let result = match result {
             Err(_elapsed) => {
                 // The upstream may still be executing: keep the claim until its lease ends.
                 warn!(timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
@@ -395,7 +470,8 @@ impl<S: Store> Inner<S> {
                     Body::from_stream(read.chain(rest)),
                 ))
             }
-        }
+        };
+        (result, upstream)
     }
 
     /// Send the request and read as much of the response as the decision needs.
@@ -458,7 +534,10 @@ impl<S: Store> Inner<S> {
         let every = (lease / 3).max(Duration::from_millis(10));
         loop {
             tokio::time::sleep(every).await;
-            match self.store.renew(key, token, lease).await {
+            match self
+                .timed(StoreOp::renew, self.store.renew(key, token, lease))
+                .await
+            {
                 Ok(true) => debug!("lease renewed"),
                 Ok(false) => {
                     warn!("lease lost while the upstream was running; this holder's result will not be stored");
@@ -478,8 +557,10 @@ impl<S: Store> Inner<S> {
         ttl: Duration,
     ) {
         match self
-            .store
-            .complete(key, fingerprint, token, state, ttl)
+            .timed(
+                StoreOp::complete,
+                self.store.complete(key, fingerprint, token, state, ttl),
+            )
             .await
         {
             Ok(true) => {}
@@ -493,7 +574,10 @@ impl<S: Store> Inner<S> {
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) {
-        match self.store.release(key, token).await {
+        match self
+            .timed(StoreOp::release, self.store.release(key, token))
+            .await
+        {
             Ok(_) => {}
             Err(e) => {
                 warn!(error = %e, "store failed to release the key; it stays claimed until its lease ends")
@@ -502,8 +586,19 @@ impl<S: Store> Inner<S> {
     }
 
     /// Forward a request that idempotency does not apply to, streaming both ways.
-    async fn pass_through(&self, req: Request<Body>, policy: &Policy) -> Response<Body> {
-        match tokio::time::timeout(policy.upstream_timeout, self.upstream.forward(req)).await {
+    /// Forward a request that idempotency does not apply to, streaming both ways; with the time
+    /// until the upstream's response head.
+    async fn pass_through(
+        &self,
+        req: Request<Body>,
+        policy: &Policy,
+    ) -> (Response<Body>, Duration) {
+        let started = Instant::now();
+        let result =
+            tokio::time::timeout(policy.upstream_timeout, self.upstream.forward(req)).await;
+        let upstream = started.elapsed();
+        self.metrics.upstream(upstream);
+        let resp = match result {
             Ok(Ok(resp)) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
@@ -514,7 +609,16 @@ impl<S: Store> Inner<S> {
                 GatewayError::Upstream.into_response()
             }
             Err(_) => GatewayError::UpstreamTimeout.into_response(),
-        }
+        };
+        (resp, upstream)
+    }
+
+    /// Await a store operation, recording its latency.
+    async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
+        let started = Instant::now();
+        let out = f.await;
+        self.store_ops[op as usize].observe(started.elapsed().as_secs_f64());
+        out
     }
 }
 
@@ -550,9 +654,10 @@ impl Waiting {
     }
 }
 
-fn reject(e: GatewayError) -> Response<Body> {
-    debug!(outcome = e.kind(), "rejected");
-    e.into_response()
+/// A request refused before the store is asked (bad or missing key).
+fn refuse(e: GatewayError) -> (Outcome, Response<Body>, Duration) {
+    debug!(problem = e.kind(), "rejected");
+    (Outcome::rejected_invalid, e.into_response(), Duration::ZERO)
 }
 
 /// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:

@@ -80,6 +80,11 @@ impl LocalCache {
         self.cache.remove(key);
     }
 
+    /// Forget everything.
+    pub fn clear(&self) {
+        self.cache.clear();
+    }
+
     /// Entries held now.
     pub fn len(&self) -> usize {
         self.cache.len()
@@ -206,6 +211,27 @@ impl<S: Store> Store for CachedStore<S> {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         self.inner.renew(key, token, lease).await
+    }
+}
+
+impl<S: super::Inspect> super::Inspect for CachedStore<S> {
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+        self.inner.inspect(key).await
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        // This process forgets at once; other replicas within `local_cache_ttl`.
+        self.cache.invalidate(key);
+        self.inner.evict(key).await
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        self.cache.clear();
+        self.inner.evict_all().await
     }
 }
 

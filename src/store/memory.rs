@@ -212,6 +212,33 @@ impl MemoryStore {
     }
 }
 
+impl super::Inspect for MemoryStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+        let now = Instant::now();
+        let t = self.lock();
+        Ok(t.map
+            .get(key)
+            .filter(|s| s.expires_at > now)
+            .map(|s| super::Inspected {
+                entry: s.entry.clone(),
+                expires_in: Some(s.expires_at - now),
+                stored_bytes: s.weight() as usize,
+            }))
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        Ok(self.remove(key))
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        Ok(self.purge_all() as u64)
+    }
+}
+
 impl Store for MemoryStore {
     async fn claim(
         &self,

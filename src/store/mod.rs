@@ -79,3 +79,32 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
+
+/// What the admin API shows of a key.
+#[derive(Debug, Clone)]
+pub struct Inspected {
+    /// The entry (state, fingerprint, response, written time).
+    pub entry: Entry,
+    /// How long the store keeps it.
+    pub expires_in: Option<Duration>,
+    /// Bytes the store holds for it (the encoded value for Redis, an estimate for memory).
+    pub stored_bytes: usize,
+}
+
+/// Operations for operators (the admin API), not for the request path.
+pub trait Inspect: Store {
+    /// Whether the store answers.
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// What `key` holds.
+    fn inspect(
+        &self,
+        key: &ScopedKey,
+    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send;
+
+    /// Delete `key` whatever its state; whether it existed.
+    fn evict(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Delete every record of this gateway (under the prefix); how many.
+    fn evict_all(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}

@@ -138,6 +138,68 @@ fn millis(d: Duration) -> u64 {
     d.as_millis().clamp(1, u64::MAX as u128) as u64
 }
 
+impl super::Inspect for RedisStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = redis::cmd("PING")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+        let (raw, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
+            .get(self.redis_key(key))
+            .pttl(self.redis_key(key))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let Some(raw) = raw else { return Ok(None) };
+        let stored_bytes = raw.len();
+        let (entry, _) = record::decode(Bytes::from(raw))?;
+        Ok(Some(super::Inspected {
+            entry,
+            expires_in: u64::try_from(pttl).ok().map(Duration::from_millis),
+            stored_bytes,
+        }))
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let n: i64 = redis::cmd("DEL")
+            .arg(self.redis_key(key))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(n > 0)
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        // SCAN in batches (never KEYS, which blocks Redis), UNLINK each batch.
+        let mut conn = self.conn.clone();
+        let pattern = format!("{}*", self.prefix);
+        let mut cursor: u64 = 0;
+        let mut evicted = 0;
+        loop {
+            let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await?;
+            if !keys.is_empty() {
+                let n: u64 = redis::cmd("UNLINK")
+                    .arg(&keys)
+                    .query_async(&mut conn)
+                    .await?;
+                evicted += n;
+            }
+            if next == 0 {
+                return Ok(evicted);
+            }
+            cursor = next;
+        }
+    }
+}
+
 impl Store for RedisStore {
     async fn claim(
         &self,

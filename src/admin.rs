@@ -1,0 +1,316 @@
+//! The admin listener, apart from traffic: `GET /healthz` (the process answers), `GET /readyz`
+//! (the store answers; 503 otherwise), `GET /metrics` (Prometheus text), and the key API:
+//! `GET /keys/{key}` and `DELETE /keys/{key}` (the caller's scope given as query parameters named
+//! after the route's scope headers), `DELETE /keys?confirm=all`. The key API needs
+//! `Authorization: Bearer <admin_token>` and is off when no token is configured.
+
+// Handlers here return a ready refusal as their error; the admin API is no hot path, so the size
+// of `Result<_, Response>` does not matter.
+#![allow(clippy::result_large_err)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use base64::Engine;
+use serde_json::{json, Value};
+
+use crate::config::Config;
+use crate::error::PROBLEM_TYPE_BASE;
+use crate::idempotency::key::{hex, IdempotencyKey};
+use crate::idempotency::record::EntryState;
+use crate::idempotency::RouteTable;
+use crate::metrics::Metrics;
+use crate::store::Inspect;
+
+/// What the admin handlers share.
+pub struct AdminState<S> {
+    store: S,
+    metrics: Metrics,
+    config: Arc<Config>,
+    routes: RouteTable,
+}
+
+/// The admin router over `store`.
+pub fn router<S: Inspect>(
+    store: S,
+    metrics: Metrics,
+    config: Arc<Config>,
+    routes: RouteTable,
+) -> Router {
+    let state = Arc::new(AdminState {
+        store,
+        metrics,
+        config,
+        routes,
+    });
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics_text::<S>))
+        .route("/keys/{key}", get(inspect::<S>).delete(evict::<S>))
+        .route("/keys", axum::routing::delete(evict_all::<S>))
+        .with_state(state)
+}
+
+async fn readyz<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
+    match tokio::time::timeout(Duration::from_secs(2), s.store.ping()).await {
+        Ok(Ok(())) => (StatusCode::OK, "ready\n").into_response(),
+        Ok(Err(e)) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            &format!("store: {e}"),
+        ),
+        Err(_) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "the store did not answer in 2 s",
+        ),
+    }
+}
+
+async fn metrics_text<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
+    let mut resp = s.metrics.encode().into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    resp
+}
+
+fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
+    let body = json!({
+        "type": format!("{PROBLEM_TYPE_BASE}{kind}"),
+        "title": status.canonical_reason().unwrap_or("error"),
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut resp = (status, body.to_string()).into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    resp
+}
+
+/// `Ok` when the request carries the admin token; the refusal otherwise.
+fn authorize<S>(s: &AdminState<S>, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(expected) = s.config.admin.admin_token.as_deref() else {
+        return Err(problem(
+            StatusCode::NOT_FOUND,
+            "admin-disabled",
+            "the key API is off: set [admin] admin_token (or IDEMGATE_ADMIN_TOKEN) to turn it on",
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), expected.as_bytes()) {
+        Ok(())
+    } else {
+        let mut resp = problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid admin bearer token is required",
+        );
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"idemgate-admin\""),
+        );
+        Err(resp)
+    }
+}
+
+/// Compare without an early exit, so timing does not reveal how much of the token matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() != b.len()) as u8;
+    for (i, x) in b.iter().enumerate() {
+        diff |= x ^ a.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// The store address of `key` for the scope the query gives: `route` (a request path, to pick
+/// the route's policy; default: no route) and one parameter per scope header of that policy.
+fn scoped<S>(
+    s: &AdminState<S>,
+    key: &str,
+    query: &HashMap<String, String>,
+) -> Result<crate::idempotency::key::ScopedKey, Response> {
+    let route = s
+        .routes
+        .policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
+    let key = IdempotencyKey::parse(key.as_bytes(), route.key_max_len)
+        .map_err(|e| problem(StatusCode::BAD_REQUEST, "invalid-key", &e.to_string()))?;
+    let mut scope = HeaderMap::new();
+    for name in &route.scope_headers {
+        if let Some(v) = query.get(name.as_str()) {
+            let v = HeaderValue::from_str(v).map_err(|_| {
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "invalid-scope",
+                    &format!("bad value for {name}"),
+                )
+            })?;
+            scope.insert(name.clone(), v);
+        }
+    }
+    Ok(key.scoped(&scope, &route.scope_headers))
+}
+
+async fn inspect<S: Inspect>(
+    State(s): State<Arc<AdminState<S>>>,
+    Path(key): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = authorize(&s, &headers) {
+        return refused;
+    }
+    let scoped = match scoped(&s, &key, &query) {
+        Ok(k) => k,
+        Err(resp) => return resp,
+    };
+    let found = match s.store.inspect(&scoped).await {
+        Ok(found) => found,
+        Err(e) => {
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                &e.to_string(),
+            )
+        }
+    };
+    let Some(found) = found else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "no-such-key",
+            "no record for this key and scope",
+        );
+    };
+    let with_body = query.get("body").is_some_and(|v| v == "1" || v == "true");
+    let entry = &found.entry;
+    let mut out = json!({
+        "store_key": hex(&scoped.0),
+        "fingerprint": hex(&entry.fingerprint.0),
+        "written_at": rfc3339_ms(entry.written_ms),
+        "expires_in_ms": found.expires_in.map(|d| d.as_millis() as u64),
+        "stored_bytes": found.stored_bytes,
+    });
+    let fields = out.as_object_mut().expect("an object");
+    match &entry.state {
+        EntryState::InFlight => {
+            fields.insert("state".into(), "in_flight".into());
+        }
+        EntryState::NotReplayable => {
+            fields.insert("state".into(), "not_replayable".into());
+        }
+        EntryState::Completed(r) => {
+            fields.insert("state".into(), "completed".into());
+            fields.insert("status".into(), r.status.as_u16().into());
+            let header_bytes: usize = r
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum();
+            fields.insert("header_bytes".into(), header_bytes.into());
+            fields.insert("body_bytes".into(), r.body.len().into());
+            let trace = r.traceparent.as_ref().and_then(|t| t.to_str().ok());
+            fields.insert("traceparent".into(), trace.map_or(Value::Null, Value::from));
+            if with_body {
+                fields.insert(
+                    "body_base64".into(),
+                    base64::engine::general_purpose::STANDARD
+                        .encode(&r.body)
+                        .into(),
+                );
+            }
+        }
+    }
+    Json(out).into_response()
+}
+
+async fn evict<S: Inspect>(
+    State(s): State<Arc<AdminState<S>>>,
+    Path(key): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = authorize(&s, &headers) {
+        return refused;
+    }
+    let scoped = match scoped(&s, &key, &query) {
+        Ok(k) => k,
+        Err(resp) => return resp,
+    };
+    match s.store.evict(&scoped).await {
+        Ok(true) => {
+            tracing::warn!(store_key = %hex(&scoped.0[..6]), "admin evicted one record");
+            Json(json!({ "evicted": 1 })).into_response()
+        }
+        Ok(false) => problem(
+            StatusCode::NOT_FOUND,
+            "no-such-key",
+            "no record for this key and scope",
+        ),
+        Err(e) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            &e.to_string(),
+        ),
+    }
+}
+
+async fn evict_all<S: Inspect>(
+    State(s): State<Arc<AdminState<S>>>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = authorize(&s, &headers) {
+        return refused;
+    }
+    if query.get("confirm").map(String::as_str) != Some("all") {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "confirmation-required",
+            "evicting every record needs ?confirm=all",
+        );
+    }
+    match s.store.evict_all().await {
+        Ok(n) => {
+            tracing::warn!(evicted = n, "admin evicted every record");
+            Json(json!({ "evicted": n })).into_response()
+        }
+        Err(e) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            &e.to_string(),
+        ),
+    }
+}
+
+fn rfc3339_ms(ms: u64) -> String {
+    let t = std::time::UNIX_EPOCH + Duration::from_millis(ms);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"secret-token-123", b"secret-token-123"));
+        assert!(!constant_time_eq(b"secret-token-124", b"secret-token-123"));
+        assert!(!constant_time_eq(b"secret", b"secret-token-123"));
+        assert!(!constant_time_eq(b"secret-token-1234", b"secret-token-123"));
+        assert!(!constant_time_eq(b"", b"secret-token-123"));
+    }
+}

@@ -1,0 +1,256 @@
+//! Prometheus metrics (prometheus-client, the Prometheus project's own Rust client: typed
+//! families that register themselves with help strings, OpenMetrics text out).
+//!
+//! Per-request work is kept to atomic increments: every (route, outcome) counter and every
+//! store-operation histogram is resolved once, when the route table is built, not per request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// What happened to a request, as counted by `idemgate_requests_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Outcome {
+    /// A keyed request that ran the upstream (first execution).
+    miss,
+    /// A replay of a stored response.
+    replayed,
+    /// A duplicate of an in-flight request, answered 409.
+    in_flight_conflict,
+    /// The key reused with a different request.
+    mismatch,
+    /// The key's response was too large to store; answered 409.
+    not_replayable,
+    /// Forwarded without idempotency: no key, or a method the route does not cover.
+    passthrough,
+    /// The store could not be reached (answered 503, or forwarded under `on_store_error = "pass"`).
+    store_error,
+    /// Refused before anything else: bad or missing key, unreadable or oversized body.
+    rejected_invalid,
+}
+
+impl Outcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Outcome; 8] = [
+        Outcome::miss,
+        Outcome::replayed,
+        Outcome::in_flight_conflict,
+        Outcome::mismatch,
+        Outcome::not_replayable,
+        Outcome::passthrough,
+        Outcome::store_error,
+        Outcome::rejected_invalid,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::miss => "miss",
+            Outcome::replayed => "replayed",
+            Outcome::in_flight_conflict => "in_flight_conflict",
+            Outcome::mismatch => "mismatch",
+            Outcome::not_replayable => "not_replayable",
+            Outcome::passthrough => "passthrough",
+            Outcome::store_error => "store_error",
+            Outcome::rejected_invalid => "rejected_invalid",
+        }
+    }
+}
+
+/// A store operation, as labelled in `idemgate_store_operation_seconds{operation}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum StoreOp {
+    /// Claim or read a key.
+    claim,
+    /// Record a completed response.
+    complete,
+    /// Release a claim.
+    release,
+    /// Renew a lease.
+    renew,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OpLabels {
+    operation: StoreOp,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// The process's metrics; cheap to clone, clones share the values.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    overhead: Histogram,
+    upstream: Histogram,
+    store_ops: HistogramFamily<OpLabels>,
+    in_flight: Gauge,
+    replayed_bytes: Counter,
+    store_errors_passed: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs to about 26 s.
+    Histogram::new(exponential_buckets(0.00005, 2.0, 20))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every idemgate family registered.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "idemgate_requests",
+            "Requests by route and outcome",
+            requests.clone(),
+        );
+        let overhead = latency_histogram();
+        registry.register(
+            "idemgate_overhead_seconds",
+            "Time the gateway itself adds to a request (total minus time waiting for the upstream)",
+            overhead.clone(),
+        );
+        let upstream = latency_histogram();
+        registry.register(
+            "idemgate_upstream_duration_seconds",
+            "Time from forwarding a request to having the upstream's response (head, and body when recorded)",
+            upstream.clone(),
+        );
+        let store_ops: HistogramFamily<OpLabels> = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "idemgate_store_operation_seconds",
+            "Latency of store operations by operation",
+            store_ops.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "idemgate_in_flight_claims",
+            "Keys this process holds claimed while their upstream call runs",
+            in_flight.clone(),
+        );
+        let replayed_bytes = Counter::default();
+        registry.register(
+            "idemgate_replayed_bytes",
+            "Response body bytes served from stored records",
+            replayed_bytes.clone(),
+        );
+        let store_errors_passed = Counter::default();
+        registry.register(
+            "idemgate_store_error_passthrough",
+            "Keyed requests forwarded WITHOUT idempotency because the store was down (on_store_error = \"pass\")",
+            store_errors_passed.clone(),
+        );
+        Metrics {
+            inner: Arc::new(Inner {
+                registry,
+                requests,
+                overhead,
+                upstream,
+                store_ops,
+                in_flight,
+                replayed_bytes,
+                store_errors_passed,
+            }),
+        }
+    }
+
+    /// The counters of one route, one per outcome, resolved now so requests only increment.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        RouteMetrics {
+            outcomes: Outcome::ALL.map(|outcome| {
+                self.inner
+                    .requests
+                    .get_or_create(&RequestLabels {
+                        route: route.to_string(),
+                        outcome,
+                    })
+                    .clone()
+            }),
+        }
+    }
+
+    /// The histogram of one store operation.
+    pub fn store_op(&self, operation: StoreOp) -> Histogram {
+        self.inner
+            .store_ops
+            .get_or_create(&OpLabels { operation })
+            .clone()
+    }
+
+    /// Record the gateway's own time for one request.
+    pub fn overhead(&self, d: Duration) {
+        self.inner.overhead.observe(d.as_secs_f64());
+    }
+
+    /// Record one upstream call.
+    pub fn upstream(&self, d: Duration) {
+        self.inner.upstream.observe(d.as_secs_f64());
+    }
+
+    /// The in-flight claims gauge.
+    pub fn in_flight(&self) -> &Gauge {
+        &self.inner.in_flight
+    }
+
+    /// Count replayed body bytes.
+    pub fn replayed_bytes(&self, n: usize) {
+        self.inner.replayed_bytes.inc_by(n as u64);
+    }
+
+    /// Count a keyed request forwarded without idempotency because the store was down.
+    pub fn store_error_passed(&self) {
+        self.inner.store_errors_passed.inc();
+    }
+
+    /// The OpenMetrics text exposition of every family.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.inner.registry)
+            .expect("writing to a String");
+        out
+    }
+}
+
+/// One route's outcome counters.
+#[derive(Clone, Debug)]
+pub struct RouteMetrics {
+    outcomes: [Counter; 8],
+}
+
+impl RouteMetrics {
+    /// Count one request with `outcome`.
+    pub fn count(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].inc();
+    }
+}
