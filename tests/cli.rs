@@ -60,3 +60,70 @@ fn check_config_accepts_the_shipped_example() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
 }
+
+fn idemgate_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    cmd.args(args).env("RUST_LOG", "off");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn environment_overrides_beat_the_file_and_secrets_stay_hidden() {
+    let file = write("upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"1h\"\n");
+    let out = idemgate_env(
+        &["check-config", file.path().to_str().unwrap()],
+        &[
+            ("IDEMGATE_DEFAULTS__TTL", "2h"),
+            ("IDEMGATE_STORE__BACKEND", "redis"),
+            (
+                "IDEMGATE_STORE__URL",
+                "redis://app:hunter2-secret@127.0.0.1:6379/0",
+            ),
+            ("IDEMGATE_ADMIN_TOKEN", "admin-token-very-secret"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ttl: 7200s"), "{stdout}");
+    assert!(
+        stdout.contains("redis redis://app:***@127.0.0.1:6379/0"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("hunter2-secret"),
+        "the Redis password is never printed"
+    );
+    assert!(
+        !stdout.contains("admin-token-very-secret"),
+        "the admin token is never printed"
+    );
+}
+
+#[test]
+fn a_container_needs_no_file() {
+    let out = idemgate_env(
+        &["check-config"],
+        &[("IDEMGATE_UPSTREAM", "http://127.0.0.1:9")],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = idemgate_env(
+        &["check-config"],
+        &[
+            ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+            ("IDEMGATE_DEFAULTS__LOCK_TTL", "0s"),
+        ],
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("defaults.lock_ttl"));
+}

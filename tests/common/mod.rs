@@ -321,6 +321,8 @@ async fn handle(
 /// The gateway running in this process on a real socket; stopped on drop.
 pub struct Gateway {
     pub addr: SocketAddr,
+    /// The admin listener, when the config has one.
+    pub admin: Option<SocketAddr>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -336,6 +338,7 @@ impl Gateway {
         let app = idemgate::app::App::new(config)
             .await
             .expect("gateway failed to start");
+        let admin = app.admin_addr();
         let task = tokio::spawn(async move {
             app.serve(listener, async {
                 let _ = rx.await;
@@ -345,6 +348,7 @@ impl Gateway {
         });
         Gateway {
             addr,
+            admin,
             shutdown: Some(tx),
             task: Some(task),
         }

@@ -1,0 +1,319 @@
+//! Operating the gateway: metrics, the admin listener and its key API, trace context.
+
+mod common;
+
+use common::{send, Backend, TestEnv};
+
+const TOKEN: &str = "test-admin-token-0123456789";
+const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn admin_config() -> String {
+    format!("[admin]\nlisten = \"127.0.0.1:0\"\nadmin_token = \"{TOKEN}\"\n")
+}
+
+fn admin_url(env: &TestEnv, path: &str) -> String {
+    format!(
+        "http://{}{}",
+        env.gateway.admin.expect("admin listener"),
+        path
+    )
+}
+
+/// `idemgate_requests_total{route="defaults",outcome="<outcome>"}` from a scrape.
+fn requests(scrape: &str, outcome: &str) -> u64 {
+    let prefix = format!("idemgate_requests_total{{route=\"defaults\",outcome=\"{outcome}\"}} ");
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+async fn scrape(env: &TestEnv) -> String {
+    let resp = env
+        .client
+        .get(admin_url(env, "/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.text().await.unwrap()
+}
+
+on_both_backends!(
+    metrics_count_every_outcome,
+    key_api_requires_the_token,
+    inspect_shows_the_record_and_trace,
+    eviction_lets_the_key_run_again,
+);
+
+async fn metrics_count_every_outcome(b: Backend) {
+    let upstream = common::Upstream::start()
+        .await
+        .delay(std::time::Duration::from_millis(300));
+    let env = TestEnv::start_with(b, upstream, &admin_config()).await;
+    let before = scrape(&env).await;
+    for outcome in [
+        "miss",
+        "replayed",
+        "in_flight_conflict",
+        "mismatch",
+        "passthrough",
+        "rejected_invalid",
+    ] {
+        assert_eq!(requests(&before, outcome), 0, "{outcome}");
+    }
+    let first = tokio::spawn(send(env.post_keyed("/v1/p", "m").body("x")));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "m").body("x")).await.status,
+        409
+    );
+    first.await.unwrap();
+    assert!(send(env.post_keyed("/v1/p", "m").body("x"))
+        .await
+        .replayed());
+    assert!(send(env.post_keyed("/v1/p", "m").body("x"))
+        .await
+        .replayed());
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "m").body("other"))
+            .await
+            .status,
+        409
+    );
+    send(env.post("/v1/p").body("x")).await;
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "").body("x")).await.status,
+        400
+    );
+
+    let after = scrape(&env).await;
+    assert_eq!(requests(&after, "miss"), 1);
+    assert_eq!(requests(&after, "in_flight_conflict"), 1);
+    assert_eq!(requests(&after, "replayed"), 2);
+    assert_eq!(requests(&after, "mismatch"), 1);
+    assert_eq!(requests(&after, "passthrough"), 1);
+    assert_eq!(requests(&after, "rejected_invalid"), 1);
+    for family in [
+        "idemgate_overhead_seconds_count",
+        "idemgate_upstream_duration_seconds_count",
+        "idemgate_store_operation_seconds_count{operation=\"claim\"}",
+        "idemgate_in_flight_claims",
+        "idemgate_replayed_bytes_total",
+    ] {
+        assert!(after.contains(family), "{family} missing from:\n{after}");
+    }
+    assert!(after.contains("# HELP idemgate_requests Requests by route and outcome"));
+    assert!(
+        !after.contains("idemgate_in_flight_claims 1"),
+        "no claim is held once all answered"
+    );
+}
+
+async fn key_api_requires_the_token(b: Backend) {
+    let env = TestEnv::start(b, &admin_config()).await;
+    assert_eq!(
+        env.client
+            .get(admin_url(&env, "/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        env.client
+            .get(admin_url(&env, "/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let url = admin_url(&env, "/keys/k1");
+    let none = env.client.get(&url).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    assert!(none.headers().contains_key("www-authenticate"));
+    let wrong = env
+        .client
+        .get(&url)
+        .bearer_auth("test-admin-token-0123456780")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let right = env
+        .client
+        .get(&url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), 404, "authorised, and no such key");
+    let all = env
+        .client
+        .delete(admin_url(&env, "/keys"))
+        .bearer_auth("nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(all.status(), 401);
+
+    // Without a token in the config the key API is off, health and metrics stay on.
+    let env = TestEnv::start(b, "[admin]\nlisten = \"127.0.0.1:0\"\n").await;
+    let off = env
+        .client
+        .get(admin_url(&env, "/keys/k1"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(off.status(), 404);
+    assert!(off.text().await.unwrap().contains("admin-disabled"));
+    assert_eq!(
+        env.client
+            .get(admin_url(&env, "/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+async fn inspect_shows_the_record_and_trace(b: Backend) {
+    let env = TestEnv::start(b, &admin_config()).await;
+    let first = send(
+        env.post_keyed("/v1/p", "inspect-me")
+            .bearer_auth("alice")
+            .header("traceparent", TRACE)
+            .body("x"),
+    )
+    .await;
+    assert_eq!(
+        env.upstream.last_headers()["traceparent"],
+        TRACE,
+        "forwarded to the upstream"
+    );
+    let url = admin_url(&env, "/keys/inspect-me?authorization=Bearer%20alice");
+    let seen: serde_json::Value = env
+        .client
+        .get(&url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen["state"], "completed");
+    assert_eq!(seen["status"], 201);
+    assert_eq!(seen["body_bytes"], first.body.len());
+    assert_eq!(seen["traceparent"], TRACE, "stored with the record");
+    assert!(seen["expires_in_ms"].as_u64().unwrap() > 86_000_000);
+    assert!(seen["written_at"].as_str().unwrap().ends_with('Z'));
+    assert!(seen.get("body_base64").is_none(), "no body unless asked");
+    let with_body: serde_json::Value = env
+        .client
+        .get(format!("{url}&body=1"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    use base64::Engine;
+    let body = base64::engine::general_purpose::STANDARD
+        .decode(with_body["body_base64"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(body, first.body.to_vec());
+    // Another caller's scope does not see it.
+    let other = env
+        .client
+        .get(admin_url(
+            &env,
+            "/keys/inspect-me?authorization=Bearer%20bob",
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 404);
+}
+
+async fn eviction_lets_the_key_run_again(b: Backend) {
+    let env = TestEnv::start(b, &admin_config()).await;
+    send(env.post_keyed("/v1/p", "evict-me").body("x")).await;
+    send(env.post_keyed("/v1/p", "other-1").body("x")).await;
+    send(env.post_keyed("/v1/p", "other-2").body("x")).await;
+    assert!(send(env.post_keyed("/v1/p", "evict-me").body("x"))
+        .await
+        .replayed());
+    let gone = env
+        .client
+        .delete(admin_url(&env, "/keys/evict-me"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 200);
+    let again = send(env.post_keyed("/v1/p", "evict-me").body("x")).await;
+    assert!(
+        !again.replayed(),
+        "evicted: the next request runs again (and the local cache forgot it)"
+    );
+    assert_eq!(env.upstream.calls(), 4);
+
+    let refused = env
+        .client
+        .delete(admin_url(&env, "/keys"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        refused.status(),
+        400,
+        "the emergency switch needs ?confirm=all"
+    );
+    let all: serde_json::Value = env
+        .client
+        .delete(admin_url(&env, "/keys?confirm=all"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(all["evicted"], 3);
+    for key in ["evict-me", "other-1", "other-2"] {
+        assert!(
+            !send(env.post_keyed("/v1/p", key).body("x"))
+                .await
+                .replayed(),
+            "{key}"
+        );
+    }
+    assert_eq!(env.upstream.calls(), 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_store() {
+    let mut env = TestEnv::start(Backend::Redis, &admin_config()).await;
+    let url = admin_url(&env, "/readyz");
+    assert_eq!(env.client.get(&url).send().await.unwrap().status(), 200);
+    env.redis.as_mut().unwrap().kill();
+    assert_eq!(env.client.get(&url).send().await.unwrap().status(), 503);
+    env.redis.as_mut().unwrap().restart().await;
+    let mut ready = false;
+    for _ in 0..50 {
+        if env.client.get(&url).send().await.unwrap().status() == 200 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ready, "ready again after Redis came back");
+}
