@@ -1,0 +1,33 @@
+# idemgate container image: a multi-stage build, a small non-root runtime.
+#   docker build -t idemgate .
+#   docker run -p 8080:8080 -p 9090:9090 -e IDEMGATE_UPSTREAM=http://api:9000 idemgate
+# Every setting can come from IDEMGATE_... variables (see README, "Configuration from the
+# environment"); the example config baked in below is the starting point.
+
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+# The workspace manifest names the loadtest member, so its manifest and sources come along.
+COPY Cargo.toml Cargo.lock ./
+COPY loadtest/Cargo.toml loadtest/Cargo.toml
+COPY loadtest/src loadtest/src
+COPY src src
+RUN cargo build --release --locked --package idemgate
+
+FROM debian:bookworm-slim AS runtime
+# ca-certificates: for rediss:// to a Redis with a certificate from a public CA.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin idemgate
+COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
+COPY config/example.toml /etc/idemgate/idemgate.toml
+USER 10001
+# Traffic and the admin listener (health, readiness, metrics) on all interfaces in a container.
+ENV IDEMGATE_LISTEN=0.0.0.0:8080 \
+    IDEMGATE_ADMIN__LISTEN=0.0.0.0:9090
+EXPOSE 8080 9090
+HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
+    CMD ["/usr/local/bin/idemgate", "healthcheck", "--url", "http://127.0.0.1:9090/healthz"]
+ENTRYPOINT ["/usr/local/bin/idemgate"]
+CMD ["--config", "/etc/idemgate/idemgate.toml"]
