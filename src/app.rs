@@ -69,9 +69,8 @@ impl App {
                 });
                 StoreHandle::Memory(store, AbortOnDrop(purger))
             }
-            StoreBackend::Redis { url } => {
-                let store =
-                    RedisStore::connect(url, &config.store.prefix, config.store.timeout).await?;
+            StoreBackend::Redis { .. } => {
+                let store = connect_redis(&config).await?;
                 match store.durability_warnings().await {
                     Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
                     Err(e) => {
@@ -157,12 +156,7 @@ impl App {
                 let make = move || {
                     let (c, shared, cache) = (c.clone(), shared.clone(), cache.clone());
                     async move {
-                        let StoreBackend::Redis { url } = &c.store.backend else {
-                            unreachable!("a Redis handle comes from a Redis config")
-                        };
-                        let redis = match RedisStore::connect(url, &c.store.prefix, c.store.timeout)
-                            .await
-                        {
+                        let redis = match connect_redis(&c).await {
                             Ok(own) => own,
                             Err(e) => {
                                 warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
@@ -184,6 +178,24 @@ impl App {
         }
         result
     }
+}
+
+/// Connect to the configured Redis, with the configured CA for `rediss://`.
+async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
+    let StoreBackend::Redis { url } = &config.store.backend else {
+        unreachable!("only called for a Redis config")
+    };
+    let ca = match &config.store.tls_ca_file {
+        Some(path) => Some(std::fs::read(path).map_err(|e| {
+            StoreError::Redis(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "cannot read store.tls_ca_file",
+                format!("{path}: {e}"),
+            )))
+        })?),
+        None => None,
+    };
+    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca).await
 }
 
 /// [`App::new`] then [`App::serve`].

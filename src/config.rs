@@ -151,6 +151,7 @@ struct RawStore {
     max_bytes: Option<HumanSize>,
     local_cache: Option<HumanSize>,
     local_cache_ttl: Option<HumanDuration>,
+    tls_ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -237,6 +238,8 @@ pub struct StoreConfig {
     /// Redis: the longest a response stays in the local cache (bounds how long an eviction made
     /// through another replica goes unnoticed here).
     pub local_cache_ttl: Duration,
+    /// Redis over TLS (`rediss://`): a PEM file of the CA(s) to trust instead of the system's.
+    pub tls_ca_file: Option<String>,
 }
 
 /// The `[admin]` table, validated.
@@ -599,6 +602,15 @@ impl Config {
             }
         };
 
+        let tls_ca_file = raw.store.tls_ca_file;
+        if let Some(path) = &tls_ca_file {
+            if !matches!(&backend, StoreBackend::Redis { url } if url.starts_with("rediss://")) {
+                return Err(invalid("store.tls_ca_file", "needs a rediss:// store.url"));
+            }
+            if let Err(e) = std::fs::metadata(path) {
+                return Err(invalid("store.tls_ca_file", format!("{path}: {e}")));
+            }
+        }
         if raw.defaults.path.is_some() {
             return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
         }
@@ -636,6 +648,7 @@ impl Config {
                 max_bytes,
                 local_cache,
                 local_cache_ttl,
+                tls_ca_file,
             },
             defaults,
             routes,
@@ -740,6 +753,10 @@ mod tests {
         ))
         .contains("require_kye"));
         assert!(err(&format!("{base}[defaults]\npath = \"/a\"")).contains("defaults.path"));
+        let plain = "[store]\nbackend = \"redis\"\nurl = \"redis://h:6379\"\ntls_ca_file = \"/etc/hostname\"";
+        assert!(err(&format!("{base}{plain}")).contains("store.tls_ca_file"));
+        let missing = "[store]\nbackend = \"redis\"\nurl = \"rediss://h:6379\"\ntls_ca_file = \"/nonexistent/ca.pem\"";
+        assert!(err(&format!("{base}{missing}")).contains("store.tls_ca_file"));
     }
 
     #[test]

@@ -133,13 +133,20 @@ fn a_container_needs_no_file() {
 /// HEALTHCHECK command.
 #[test]
 fn the_container_entrypoint_and_healthcheck_work_without_docker() {
-    let dockerfile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
     assert!(dockerfile.contains("COPY config/example.toml /etc/idemgate/idemgate.toml"));
     assert!(dockerfile.contains(r#"CMD ["--config", "/etc/idemgate/idemgate.toml"]"#));
     assert!(dockerfile.contains(r#""healthcheck", "--url", "http://127.0.0.1:9090/healthz""#));
     assert!(dockerfile.contains("USER 10001"));
 
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
     let (port, admin) = (free(), free());
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml");
     let mut gateway = Command::new(env!("CARGO_BIN_EXE_idemgate"))
@@ -158,9 +165,16 @@ fn the_container_entrypoint_and_healthcheck_work_without_docker() {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let down = idemgate(&["healthcheck", "--url", &format!("http://127.0.0.1:{}/healthz", free())]);
+    let down = idemgate(&[
+        "healthcheck",
+        "--url",
+        &format!("http://127.0.0.1:{}/healthz", free()),
+    ]);
     let _ = gateway.kill();
     let _ = gateway.wait();
-    assert!(healthy, "the healthcheck command must pass against the running gateway");
+    assert!(
+        healthy,
+        "the healthcheck command must pass against the running gateway"
+    );
     assert!(!down.status.success(), "and fail where nothing answers");
 }

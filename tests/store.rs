@@ -186,3 +186,65 @@ async fn renew_extends_only_own_lease(b: Backend) {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca() {
+    let server = common::TlsRedisServer::start().await;
+    let url = format!("rediss://127.0.0.1:{}/0", server.port);
+    let ca = std::fs::read(&server.ca_file).unwrap();
+    let store = RedisStore::connect_with_ca(&url, "tls:", Duration::from_secs(2), Some(ca))
+        .await
+        .expect("TLS connection with the CA");
+    let s = StoreUnderTest::Redis(store);
+    let (k, fp, t) = (ScopedKey([8; 32]), Fingerprint([9; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, Duration::from_secs(5)).await,
+        Claim::Claimed
+    ));
+    assert!(
+        s.complete(&k, &fp, &t, &response("over tls"), Duration::from_secs(60))
+            .await
+    );
+    let again = s
+        .claim(&k, &fp, &Token::random(), Duration::from_secs(5))
+        .await;
+    assert_eq!(completed_body(again).as_deref(), Some(&b"over tls"[..]));
+    // Without the CA the self-signed certificate is not trusted: no silent downgrade.
+    assert!(RedisStore::connect(&url, "tls:", Duration::from_secs(2))
+        .await
+        .is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_acl_user() {
+    let server = RedisServer::start().await;
+    let mut admin = server.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "gateway",
+                "on",
+                ">s3cret-pass",
+                "~acl:*",
+                "+@all",
+            ][..],
+        )
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("redis://gateway:s3cret-pass@127.0.0.1:{}/0", server.port);
+    let store = RedisStore::connect(&url, "acl:", Duration::from_secs(2))
+        .await
+        .expect("ACL login");
+    let s = StoreUnderTest::Redis(store);
+    let (k, fp, t) = (ScopedKey([10; 32]), Fingerprint([11; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, Duration::from_secs(5)).await,
+        Claim::Claimed
+    ));
+    let wrong = format!("redis://gateway:wrong@127.0.0.1:{}/0", server.port);
+    assert!(RedisStore::connect(&wrong, "acl:", Duration::from_secs(2))
+        .await
+        .is_err());
+}

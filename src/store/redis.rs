@@ -45,7 +45,33 @@ impl RedisStore {
     /// Connect to `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS). `timeout`
     /// bounds connecting and each answer: past it the store counts as down for that request.
     pub async fn connect(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
+        Self::connect_with_ca(url, prefix, timeout, None).await
+    }
+
+    /// [`RedisStore::connect`], trusting `ca_pem` (PEM certificates) for a `rediss://` server
+    /// whose certificate comes from a private CA; without it the system's roots are used.
+    pub async fn connect_with_ca(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+        ca_pem: Option<Vec<u8>>,
+    ) -> Result<Self, StoreError> {
+        let client = if url.starts_with("rediss://") {
+            // One process-wide TLS provider; a second install is refused harmlessly.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            match ca_pem {
+                Some(root_cert) => redis::Client::build_with_tls(
+                    url,
+                    redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(root_cert),
+                    },
+                )?,
+                None => redis::Client::open(url)?,
+            }
+        } else {
+            redis::Client::open(url)?
+        };
         // Reconnects happen in the background after a failure; a request never waits for more
         // than `timeout` on a dead server, and a restarted server is picked up on the next command.
         let config = ConnectionManagerConfig::new()

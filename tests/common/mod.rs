@@ -599,3 +599,74 @@ impl Drop for GatewayProcess {
         self.kill9();
     }
 }
+
+// === redis-server over TLS ===
+
+/// A redis-server that speaks only TLS, with a fresh self-signed certificate for 127.0.0.1.
+pub struct TlsRedisServer {
+    child: Child,
+    pub port: u16,
+    /// The PEM certificate clients must trust.
+    pub ca_file: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsRedisServer {
+    pub async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec![
+            "127.0.0.1".to_string(),
+            "localhost".to_string(),
+        ])
+        .unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+            .arg("--tls-cert-file")
+            .arg(&cert_file)
+            .arg("--tls-key-file")
+            .arg(&key_file)
+            .arg("--tls-ca-cert-file")
+            .arg(&cert_file)
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "TLS redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        TlsRedisServer {
+            child,
+            port,
+            ca_file: cert_file,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for TlsRedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
