@@ -212,11 +212,14 @@ pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let Some((userinfo, host)) = rest.split_once('@') else {
+    // The last '@' ends the userinfo: a password may itself contain '@'.
+    let Some((userinfo, host)) = rest.rsplit_once('@') else {
         return url.to_string();
     };
-    let user = userinfo.split_once(':').map_or("", |(u, _)| u);
-    format!("{scheme}://{user}:***@{host}")
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
 }
 
 /// The `[store]` table, validated.
@@ -525,6 +528,14 @@ impl Config {
         let upstream = parse_upstream(&upstream)?;
 
         let prefix = raw.store.prefix.unwrap_or_else(|| "idemgate:".to_string());
+        // The prefix scopes every key this gateway writes, and the admin API's evict-all deletes
+        // everything under it: an empty one would mean the whole database.
+        if prefix.is_empty() || prefix.contains(['*', '?', '[', ']', '\\']) {
+            return Err(invalid(
+                "store.prefix",
+                "must be non-empty and free of the glob characters * ? [ ] \\",
+            ));
+        }
         let timeout = match raw.store.timeout {
             Some(HumanDuration(d)) if d.is_zero() => {
                 return Err(invalid("store.timeout", "must be greater than zero"))
@@ -742,6 +753,8 @@ mod tests {
             .contains("defaults.mismatch_status"));
         assert!(err(&format!("{base}[store]\nbackend = \"redis\"")).contains("store.url"));
         assert!(err(&format!("{base}[store]\nbackend = \"etcd\"")).contains("store.backend"));
+        assert!(err(&format!("{base}[store]\nprefix = \"\"")).contains("store.prefix"));
+        assert!(err(&format!("{base}[store]\nprefix = \"a*\"")).contains("store.prefix"));
         assert!(err(&format!("{base}[defaults]\nttll = \"1s\"")).contains("ttll"));
         assert!(err(&format!(
             "{base}[[routes]]\npath = \"/a/{{id}}\"\n[[routes]]\npath = \"/a/{{other}}\""
@@ -871,5 +884,7 @@ mod tests {
         );
         assert_eq!(redact_url("rediss://:pw@h:6379"), "rediss://:***@h:6379");
         assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact_url("redis://u:p@ss@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact_url("redis://user@h:1/0"), "redis://user@h:1/0");
     }
 }

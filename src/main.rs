@@ -118,6 +118,9 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         config.store.local_cache,
         config.store.local_cache_ttl
     );
+    if let Some(ca) = &config.store.tls_ca_file {
+        println!("store TLS CA   = {ca}");
+    }
     println!("admin          = {:?}", config.admin);
     println!("[defaults] {:#?}", config.defaults);
     for r in &config.routes {

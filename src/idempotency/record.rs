@@ -1,9 +1,10 @@
 //! What the store keeps per key, and its compact binary encoding.
 //!
-//! Layout of an encoded entry (all integers big-endian), version 1:
+//! Layout of an encoded entry (all integers big-endian), version 2 (version 1, still read, had
+//! no written-at time and no traceparent):
 //!
 //! ```text
-//! [0]      format version (1)
+//! [0]      format version (2)
 //! [1]      state: b'P' in flight, b'C' completed (response follows), b'N' completed, not replayable
 //! [2..34]  request fingerprint (SHA-256)
 //! [34..50] claim token (fences completion and release against a newer holder)
@@ -28,7 +29,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use super::fingerprint::Fingerprint;
 
 /// The encoding version written by this build.
-pub const FORMAT_VERSION: u8 = 1;
+pub const FORMAT_VERSION: u8 = 2;
 /// Offset of the state byte.
 pub const STATE_AT: usize = 1;
 /// Offset of the token.
@@ -171,19 +172,27 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
 
 /// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
 pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
-    if raw.len() < HEADER_LEN {
+    // Version 1 (the first release) is still read: no written-at time, no traceparent.
+    let (header_len, v1) = match raw.first() {
+        Some(1) => (WRITTEN_AT, true),
+        Some(2) => (HEADER_LEN, false),
+        Some(_) => return Err(DecodeError("unknown version")),
+        None => return Err(DecodeError("too short")),
+    };
+    if raw.len() < header_len {
         return Err(DecodeError("too short"));
-    }
-    if raw[0] != FORMAT_VERSION {
-        return Err(DecodeError("unknown version"));
     }
     let fingerprint = Fingerprint(raw[2..34].try_into().expect("32 bytes"));
     let token = Token(raw[TOKEN_AT..WRITTEN_AT].try_into().expect("16 bytes"));
-    let written_ms = u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"));
+    let written_ms = if v1 {
+        0
+    } else {
+        u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"))
+    };
     let state = match raw[STATE_AT] {
         b'P' => EntryState::InFlight,
         b'N' => EntryState::NotReplayable,
-        b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(HEADER_LEN..))?)),
+        b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), !v1)?)),
         _ => return Err(DecodeError("unknown state")),
     };
     Ok((
@@ -197,7 +206,7 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
     ))
 }
 
-fn decode_response(mut buf: Bytes) -> Result<StoredResponse, DecodeError> {
+fn decode_response(mut buf: Bytes, with_trace: bool) -> Result<StoredResponse, DecodeError> {
     let need = |buf: &Bytes, n: usize| {
         if buf.remaining() < n {
             Err(DecodeError("truncated"))
@@ -221,8 +230,12 @@ fn decode_response(mut buf: Bytes) -> Result<StoredResponse, DecodeError> {
             .map_err(|_| DecodeError("bad header value"))?;
         headers.push((name, value));
     }
-    need(&buf, 1)?;
-    let t = buf.get_u8() as usize;
+    let t = if with_trace {
+        need(&buf, 1)?;
+        buf.get_u8() as usize
+    } else {
+        0
+    };
     need(&buf, t)?;
     let traceparent = match t {
         0 => None,
@@ -313,5 +326,35 @@ mod tests {
         .to_vec();
         c.truncate(c.len() - 1);
         assert!(decode(Bytes::from(c)).is_err());
+    }
+
+    #[test]
+    fn version_1_records_stay_readable() {
+        // A completed v1 record: no written-at time, no traceparent byte.
+        let mut v1 = vec![1u8, b'C'];
+        v1.extend_from_slice(&[7; 32]);
+        v1.extend_from_slice(&[3; 16]);
+        v1.extend_from_slice(&201u16.to_be_bytes());
+        v1.extend_from_slice(&1u16.to_be_bytes());
+        v1.extend_from_slice(&1u16.to_be_bytes());
+        v1.extend_from_slice(b"x");
+        v1.extend_from_slice(&1u32.to_be_bytes());
+        v1.extend_from_slice(b"y");
+        v1.extend_from_slice(b"old body");
+        let (entry, token) = decode(Bytes::from(v1)).unwrap();
+        assert_eq!(token, Token([3; 16]));
+        assert_eq!(entry.written_ms, 0);
+        match entry.state {
+            EntryState::Completed(r) => {
+                assert_eq!(r.status, StatusCode::CREATED);
+                assert_eq!(r.body.as_ref(), b"old body");
+                assert!(r.traceparent.is_none());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(
+            decode(Bytes::from_static(&[9, b'P'])).is_err(),
+            "unknown versions are refused"
+        );
     }
 }
