@@ -431,9 +431,7 @@ impl<S: Store> Inner<S> {
                 Ok(Response::from_parts(head, Body::new(body)))
             }
             Ok(UpstreamResult::Whole(head, body)) => {
-                // Detached from the connection's read buffers, so that a kept record (in the
-                // embedded store or the local cache) holds only its own bytes.
-                let stored = StoredResponse {
+                let stored = Arc::new(StoredResponse {
                     status: head.status,
                     headers: head
                         .headers
@@ -442,8 +440,7 @@ impl<S: Store> Inner<S> {
                         .collect(),
                     body,
                     traceparent,
-                }
-                .detached();
+                });
                 let state = EntryState::Completed(stored.clone());
                 self.complete(key, fingerprint, token, &state, policy.ttl)
                     .await;

@@ -2,7 +2,8 @@
 //! of shared/background/001: memory first, the durable store behind it).
 //!
 //! Completed records never change, so a replica may replay one from its own memory without
-//! asking Redis: a replay from the cache costs no round trip. Everything that can change (claims,
+//! asking Redis: after the first replay through a process, the next ones cost no round trip.
+//! (Records enter the cache when first read back, not when written: most keys are never retried.) Everything that can change (claims,
 //! in-flight and mismatch decisions) always goes to the store underneath. An entry lives at most
 //! as long as the record in the store and at most `max_age`, and the cache holds at most
 //! `max_bytes` of responses (least recently used first out).
@@ -194,9 +195,8 @@ impl<S: Store> Store for CachedStore<S> {
             .inner
             .complete(key, fingerprint, token, state, ttl)
             .await?;
-        if let (true, EntryState::Completed(response)) = (done, state) {
-            self.cache.put(key, fingerprint, response, ttl);
-        }
+        // Not cached here: most keys are never retried, so a record enters the cache when it is
+        // first read back (a replay), not when it is written.
         Ok(done)
     }
 
@@ -270,8 +270,15 @@ mod tests {
             .complete(&k, &fp, &t, &response(b"ok"), Duration::from_secs(10))
             .await
             .unwrap());
+        assert_eq!(store.cache().len(), 0, "written records are not cached");
+        // The first replay reads the store and fills the cache...
+        let first = store
+            .claim(&k, &fp, &Token([6; 16]), Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(matches!(first, Claim::Existing(_)));
         assert_eq!(store.cache().len(), 1);
-        // Even with the record gone underneath, the cache answers the replay...
+        // ...so even with the record gone underneath, the cache answers the next replay...
         inner.purge_all();
         let hit = store
             .claim(&k, &fp, &Token([4; 16]), Duration::from_secs(5))

@@ -287,11 +287,17 @@ impl Store for MemoryStore {
         if !ours {
             return Ok(false);
         }
+        // Kept in memory: detached from the upstream connection's read buffers, so the record
+        // holds only its own bytes.
+        let state = match state {
+            EntryState::Completed(r) => EntryState::Completed(r.detached()),
+            other => other.clone(),
+        };
         let slot = Slot {
             token: *token,
             entry: Entry {
                 fingerprint: *fingerprint,
-                state: state.clone(),
+                state,
                 expires_in: None,
                 written_ms: now_ms(),
             },
