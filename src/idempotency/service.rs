@@ -54,6 +54,9 @@ pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// Pass-through responses up to this size with a known length are buffered and sent whole.
+const PASS_THROUGH_BUFFER: u64 = 16 * 1024;
+
 /// How long a duplicate of an in-flight request is told to wait (`Retry-After`).
 const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -599,7 +602,20 @@ impl<S: Store> Inner<S> {
             Ok(Ok(resp)) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
-                Response::from_parts(head, Body::new(body))
+                // A small response of known length is read whole and sent in one write (as
+                // nginx's proxy buffering does); anything else streams through.
+                let small = content_length(&head.headers).is_some_and(|n| n <= PASS_THROUGH_BUFFER);
+                if small {
+                    match body.collect().await {
+                        Ok(whole) => Response::from_parts(head, Body::from(whole.to_bytes())),
+                        Err(e) => {
+                            warn!(error = %e, "pass-through response body failed midway");
+                            GatewayError::Upstream.into_response()
+                        }
+                    }
+                } else {
+                    Response::from_parts(head, Body::new(body))
+                }
             }
             Ok(Err(e)) => {
                 warn!(error = %e, "pass-through request failed");
@@ -666,6 +682,14 @@ fn is_storable(status: StatusCode, cache_server_errors: bool) -> bool {
         500..=599 => cache_server_errors,
         _ => false,
     }
+}
+
+/// The `Content-Length` of a message, when it has a valid one.
+fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Buffer a keyed request's body, refusing more than `limit` bytes with 413.
