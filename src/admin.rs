@@ -165,18 +165,26 @@ fn scoped<S>(
     Ok(key.scoped(&scope, &route.scope_headers))
 }
 
+/// The store address of `key` for a caller holding the admin token; the refusal otherwise.
+fn authorized_key<S>(
+    s: &AdminState<S>,
+    headers: &HeaderMap,
+    key: &str,
+    query: &HashMap<String, String>,
+) -> Result<crate::idempotency::key::ScopedKey, Response> {
+    authorize(s, headers)?;
+    scoped(s, key, query)
+}
+
 async fn inspect<S: Inspect>(
     State(s): State<Arc<AdminState<S>>>,
     Path(key): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(refused) = authorize(&s, &headers) {
-        return refused;
-    }
-    let scoped = match scoped(&s, &key, &query) {
+    let scoped = match authorized_key(&s, &headers, &key, &query) {
         Ok(k) => k,
-        Err(resp) => return resp,
+        Err(refused) => return refused,
     };
     let found = match s.store.inspect(&scoped).await {
         Ok(found) => found,
@@ -243,12 +251,9 @@ async fn evict<S: Inspect>(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(refused) = authorize(&s, &headers) {
-        return refused;
-    }
-    let scoped = match scoped(&s, &key, &query) {
+    let scoped = match authorized_key(&s, &headers, &key, &query) {
         Ok(k) => k,
-        Err(resp) => return resp,
+        Err(refused) => return refused,
     };
     match s.store.evict(&scoped).await {
         Ok(true) => {

@@ -60,6 +60,17 @@ pub struct Report {
 }
 
 impl Report {
+    fn empty() -> Self {
+        Report {
+            requests: 0,
+            ok: 0,
+            conflicts: 0,
+            errors: 0,
+            elapsed: Duration::ZERO,
+            hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+        }
+    }
+
     pub fn rps(&self) -> f64 {
         self.requests as f64 / self.elapsed.as_secs_f64()
     }
@@ -94,14 +105,7 @@ pub async fn run(
             connection(addr, &path, keys, counter, deadline, interval, offset).await
         }));
     }
-    let mut report = Report {
-        requests: 0,
-        ok: 0,
-        conflicts: 0,
-        errors: 0,
-        elapsed: Duration::ZERO,
-        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
-    };
+    let mut report = Report::empty();
     for t in tasks {
         let r = t.await.unwrap();
         report.requests += r.requests;
@@ -123,14 +127,7 @@ async fn connection(
     interval: Option<Duration>,
     offset: Option<Duration>,
 ) -> Report {
-    let mut r = Report {
-        requests: 0,
-        ok: 0,
-        conflicts: 0,
-        errors: 0,
-        elapsed: Duration::ZERO,
-        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
-    };
+    let mut r = Report::empty();
     let body = Bytes::from_static(b"{\"amount\":1000,\"currency\":\"eur\"}");
     let mut sender = None;
     let mut next = Instant::now() + offset.unwrap_or_default();
