@@ -36,7 +36,7 @@ use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, field, info_span, warn, Instrument, Span};
+use tracing::{debug, debug_span, error, field, info_span, warn, Instrument, Span};
 
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, ScopedKey};
@@ -241,7 +241,9 @@ impl<S: Store> Inner<S> {
             }
             Err(e) => return refuse(e),
         };
-        let span = info_span!(
+        // At debug level: at the default `info` the span and its formatted fields would cost about a
+        // fifth of the replay path (measured with loadtest; see the README, "Tracing and logs").
+        let span = debug_span!(
             "idempotent_request",
             method = %req.method(),
             route = %policy.route,
@@ -305,7 +307,7 @@ impl<S: Store> Inner<S> {
                         .spawn(async move { this.release(&scoped, &token).await });
                     match policy.on_store_error {
                         OnStoreError::Reject => {
-                            error!(error = %e, "store unavailable; refusing the keyed request (on_store_error = reject)");
+                            error!(error = %e, route = %policy.route, key = %key.short_hash(), "store unavailable; refusing the keyed request (on_store_error = reject)");
                             return (
                                 Outcome::store_error,
                                 Err(GatewayError::StoreUnavailable),
@@ -313,7 +315,7 @@ impl<S: Store> Inner<S> {
                             );
                         }
                         OnStoreError::Pass => {
-                            warn!(error = %e, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                            warn!(error = %e, route = %policy.route, key = %key.short_hash(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
                             self.metrics.store_error_passed();
                             let req = Request::from_parts(parts, Body::from(body));
                             let (resp, upstream) = self.pass_through(req, &policy).await;
@@ -387,7 +389,16 @@ impl<S: Store> Inner<S> {
                             debug!("client went away; the response was recorded for its retry");
                         }
                     };
-                    self.tasks.spawn(work.instrument(Span::current()));
+                    // The claimed call gets a span of its own at info level (the request's span is
+                    // debug-level), so that every warning of the miss path (timeouts, upstream
+                    // failures, lost leases, store failures) names its route and key.
+                    let call_span = info_span!(
+                        parent: Span::current(),
+                        "claimed_call",
+                        route = %route.policy.route,
+                        key = %key.short_hash(),
+                    );
+                    self.tasks.spawn(work.instrument(call_span));
                     let (result, upstream) = rx
                         .await
                         .unwrap_or((Err(GatewayError::Upstream), NO_UPSTREAM));
