@@ -190,7 +190,7 @@ pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Pr
         Command::new(gateway_bin())
             .arg("--config")
             .arg(&path)
-            .env("RUST_LOG", "error"),
+            .env("RUST_LOG", "info"),
         addr,
     )
 }
