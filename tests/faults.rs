@@ -11,6 +11,7 @@ use tokio::io::AsyncWriteExt;
 const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
 
 on_both_backends!(
+    a_waiter_runs_the_request_when_the_first_one_released_the_key,
     client_abort_still_records_the_response,
     waiting_duplicates_get_the_replay,
     waiters_are_bounded_in_number_and_time,
@@ -431,4 +432,32 @@ async fn a_stalled_redis_leaves_no_claim_behind() {
     let retry = send(env.post_keyed("/v1/p", "stall").body("x")).await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert_eq!(env.upstream.calls(), 1);
+}
+
+async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backend) {
+    let env = TestEnv::start(
+        b,
+        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"",
+    )
+    .await;
+    // The first execution answers 503 after 400 ms: not stored, the key is released...
+    let first = tokio::spawn(send(
+        env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
+            .body("x"),
+    ));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ...so the duplicate waiting on it claims the key and runs the request itself.
+    let waiter = send(
+        env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
+            .body("x"),
+    )
+    .await;
+    assert_eq!(first.await.unwrap().status, 503);
+    assert_eq!(waiter.status, 503);
+    assert!(!waiter.replayed());
+    assert_eq!(
+        env.upstream.calls(),
+        2,
+        "one execution each, one after the other"
+    );
 }
