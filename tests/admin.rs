@@ -28,6 +28,11 @@ fn requests(scrape: &str, outcome: &str) -> u64 {
         .map_or(0, |v| v.trim().parse().unwrap())
 }
 
+/// The status a request gets.
+async fn status(req: reqwest::RequestBuilder) -> u16 {
+    req.send().await.unwrap().status().as_u16()
+}
+
 async fn scrape(env: &TestEnv) -> String {
     let resp = env
         .client
@@ -113,21 +118,11 @@ async fn metrics_count_every_outcome(b: Backend) {
 async fn key_api_requires_the_token(b: Backend) {
     let env = TestEnv::start(b, &admin_config()).await;
     assert_eq!(
-        env.client
-            .get(admin_url(&env, "/healthz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
+        status(env.client.get(admin_url(&env, "/healthz"))).await,
         200
     );
     assert_eq!(
-        env.client
-            .get(admin_url(&env, "/readyz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
+        status(env.client.get(admin_url(&env, "/readyz"))).await,
         200
     );
     let url = admin_url(&env, "/keys/k1");
@@ -171,12 +166,7 @@ async fn key_api_requires_the_token(b: Backend) {
     assert_eq!(off.status(), 404);
     assert!(off.text().await.unwrap().contains("admin-disabled"));
     assert_eq!(
-        env.client
-            .get(admin_url(&env, "/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
+        status(env.client.get(admin_url(&env, "/metrics"))).await,
         200
     );
 }
@@ -303,13 +293,13 @@ async fn eviction_lets_the_key_run_again(b: Backend) {
 async fn readiness_follows_the_store() {
     let mut env = TestEnv::start(Backend::Redis, &admin_config()).await;
     let url = admin_url(&env, "/readyz");
-    assert_eq!(env.client.get(&url).send().await.unwrap().status(), 200);
+    assert_eq!(status(env.client.get(&url)).await, 200);
     env.redis.as_mut().unwrap().kill();
-    assert_eq!(env.client.get(&url).send().await.unwrap().status(), 503);
+    assert_eq!(status(env.client.get(&url)).await, 503);
     env.redis.as_mut().unwrap().restart().await;
     let mut ready = false;
     for _ in 0..50 {
-        if env.client.get(&url).send().await.unwrap().status() == 200 {
+        if status(env.client.get(&url)).await == 200 {
             ready = true;
             break;
         }
