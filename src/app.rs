@@ -12,7 +12,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::admin;
 use crate::config::{Config, StoreBackend};
@@ -70,7 +70,19 @@ impl App {
                 StoreHandle::Memory(store, AbortOnDrop(purger))
             }
             StoreBackend::Redis { .. } => {
-                let store = connect_redis(&config).await?;
+                let store = match connect_redis(&config).await {
+                    Ok(store) => store,
+                    // Unreachable (not misconfigured): start anyway, as if Redis had gone down
+                    // while running. Keyed requests follow on_store_error until it answers;
+                    // unkeyed ones flow.
+                    Err(StoreError::Redis(e))
+                        if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() =>
+                    {
+                        error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
+                        lazy_redis(&config)?
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 match store.durability_warnings().await {
                     Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
                     Err(e) => {
@@ -196,6 +208,19 @@ async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
         None => None,
     };
     RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca).await
+}
+
+/// A Redis handle that connects on first use.
+fn lazy_redis(config: &Config) -> Result<RedisStore, StoreError> {
+    let StoreBackend::Redis { url } = &config.store.backend else {
+        unreachable!("only called for a Redis config")
+    };
+    let ca = config
+        .store
+        .tls_ca_file
+        .as_ref()
+        .and_then(|p| std::fs::read(p).ok());
+    RedisStore::lazy(url, &config.store.prefix, config.store.timeout, ca)
 }
 
 /// [`App::new`] then [`App::serve`].

@@ -461,3 +461,60 @@ async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backen
         "one execution each, one after the other"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_starts_while_redis_is_down_and_catches_up() {
+    let port = common::free_port();
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "listen = \"127.0.0.1:0\"\nupstream = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{port}/0\"\ntimeout = \"300ms\"\n",
+        upstream.url()
+    );
+    // Nothing listens on `port`: the gateway starts all the same.
+    let gateway = common::Gateway::spawn(&config).await;
+    let client = common::client();
+    let url = format!("http://{}/v1/p", gateway.addr);
+    assert_eq!(
+        send(client.post(&url).body("x")).await.status,
+        201,
+        "unkeyed traffic flows"
+    );
+    let refused = send(
+        client
+            .post(&url)
+            .header("idempotency-key", "early")
+            .body("x"),
+    )
+    .await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(upstream.calls(), 1, "nothing keyed was forwarded");
+    // Redis comes up: keyed requests work without a gateway restart.
+    let _redis = RedisServer::start_on_port(port).await;
+    let started = Instant::now();
+    loop {
+        let r = send(
+            client
+                .post(&url)
+                .header("idempotency-key", "early")
+                .body("x"),
+        )
+        .await;
+        if r.status == 201 {
+            break;
+        }
+        assert_eq!(r.status, 503);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no recovery within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(send(
+        client
+            .post(&url)
+            .header("idempotency-key", "early")
+            .body("x")
+    )
+    .await
+    .replayed());
+}

@@ -56,6 +56,21 @@ impl RedisStore {
         timeout: Duration,
         ca_pem: Option<Vec<u8>>,
     ) -> Result<Self, StoreError> {
+        let store = Self::lazy(url, prefix, timeout, ca_pem)?;
+        let _: String = redis::cmd("PING")
+            .query_async(&mut store.conn.clone())
+            .await?;
+        Ok(store)
+    }
+
+    /// A handle that connects on first use (and reconnects by itself after), for starting while
+    /// Redis is unreachable: until it answers, every operation fails as a store error.
+    pub fn lazy(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+        ca_pem: Option<Vec<u8>>,
+    ) -> Result<Self, StoreError> {
         let client = if url.starts_with("rediss://") {
             // One process-wide TLS provider; a second install is refused harmlessly.
             let _ = rustls::crypto::ring::default_provider().install_default();
@@ -79,7 +94,7 @@ impl RedisStore {
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_with_config(client, config).await?;
+        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
         Ok(RedisStore {
             conn,
             prefix: prefix.into(),

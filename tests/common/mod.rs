@@ -78,6 +78,18 @@ impl RedisServer {
         Self::start_with(true).await
     }
 
+    /// Start a redis-server (no persistence) on `port`.
+    pub async fn start_on_port(port: u16) -> Self {
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            appendonly: false,
+        };
+        server.spawn().await;
+        server
+    }
+
     async fn start_with(appendonly: bool) -> Self {
         let mut server = RedisServer {
             child: None,
