@@ -194,6 +194,18 @@ impl App {
 
 /// Connect to the configured Redis, with the configured CA for `rediss://`.
 async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
+    let (url, ca) = redis_settings(config)?;
+    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca).await
+}
+
+/// A Redis handle that connects on first use.
+fn lazy_redis(config: &Config) -> Result<RedisStore, StoreError> {
+    let (url, ca) = redis_settings(config)?;
+    RedisStore::lazy(url, &config.store.prefix, config.store.timeout, ca)
+}
+
+/// The Redis URL and the PEM of `store.tls_ca_file`, if one is set.
+fn redis_settings(config: &Config) -> Result<(&str, Option<Vec<u8>>), StoreError> {
     let StoreBackend::Redis { url } = &config.store.backend else {
         unreachable!("only called for a Redis config")
     };
@@ -207,20 +219,7 @@ async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
         })?),
         None => None,
     };
-    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca).await
-}
-
-/// A Redis handle that connects on first use.
-fn lazy_redis(config: &Config) -> Result<RedisStore, StoreError> {
-    let StoreBackend::Redis { url } = &config.store.backend else {
-        unreachable!("only called for a Redis config")
-    };
-    let ca = config
-        .store
-        .tls_ca_file
-        .as_ref()
-        .and_then(|p| std::fs::read(p).ok());
-    RedisStore::lazy(url, &config.store.prefix, config.store.timeout, ca)
+    Ok((url, ca))
 }
 
 /// [`App::new`] then [`App::serve`].

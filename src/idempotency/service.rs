@@ -503,11 +503,7 @@ impl<S: Store> Inner<S> {
         if !is_storable(head.status, policy.cache_server_errors) {
             return UpstreamResult::Transient(head, body);
         }
-        let declared = head
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared = content_length(&head.headers);
         if declared.is_some_and(|n| n > policy.max_body) {
             return UpstreamResult::TooLarge(head, Vec::new(), body);
         }
@@ -705,11 +701,7 @@ fn content_length(headers: &http::HeaderMap) -> Option<u64> {
 
 /// Buffer a keyed request's body, refusing more than `limit` bytes with 413.
 async fn buffer_request(parts: &Parts, body: Body, limit: u64) -> Result<Bytes, GatewayError> {
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = content_length(&parts.headers);
     if declared.is_some_and(|n| n > limit) {
         return Err(GatewayError::BodyTooLarge { limit });
     }
