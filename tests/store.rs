@@ -14,23 +14,43 @@ use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
 use idemgate::store::{Claim, MemoryStore, RedisStore, Store};
 
-/// Run `f` against a fresh store of `backend` (the redis-server lives as long as the test).
-async fn with_store<F, Fut>(backend: Backend, f: F)
+/// The stores the contract runs against: both backends, and Redis with claims through the Lua
+/// script (what a Redis older than 7.0, which refuses `SET NX GET`, gets).
+enum Kind {
+    Memory,
+    Redis,
+    RedisScriptClaims,
+}
+
+impl From<Backend> for Kind {
+    fn from(b: Backend) -> Self {
+        match b {
+            Backend::Memory => Kind::Memory,
+            Backend::Redis => Kind::Redis,
+        }
+    }
+}
+
+/// Run `f` against a fresh store of `kind` (the redis-server lives as long as the test).
+async fn with_store<F, Fut>(kind: impl Into<Kind>, f: F)
 where
     F: FnOnce(StoreUnderTest) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    match backend {
-        Backend::Memory => f(StoreUnderTest::Memory(MemoryStore::new())).await,
-        Backend::Redis => {
-            let server = RedisServer::start().await;
-            let store = RedisStore::connect(&server.url(), "t:", std::time::Duration::from_secs(2))
-                .await
-                .unwrap();
-            f(StoreUnderTest::Redis(store)).await;
-            drop(server);
-        }
+    let kind = kind.into();
+    if let Kind::Memory = kind {
+        return f(StoreUnderTest::Memory(MemoryStore::new())).await;
     }
+    let server = RedisServer::start().await;
+    let store = RedisStore::connect(&server.url(), "t:", std::time::Duration::from_secs(2))
+        .await
+        .unwrap();
+    let store = match kind {
+        Kind::RedisScriptClaims => store.claim_with_script(),
+        _ => store,
+    };
+    f(StoreUnderTest::Redis(store)).await;
+    drop(server);
 }
 
 enum StoreUnderTest {
@@ -94,7 +114,14 @@ on_both_backends!(
     renew_extends_only_own_lease
 );
 
-async fn claim_is_exclusive(b: Backend) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contract_holds_with_script_claims() {
+    claim_is_exclusive(Kind::RedisScriptClaims).await;
+    stale_holder_is_fenced(Kind::RedisScriptClaims).await;
+    renew_extends_only_own_lease(Kind::RedisScriptClaims).await;
+}
+
+async fn claim_is_exclusive(b: impl Into<Kind>) {
     with_store(b, |s| async move {
         let (k, fp) = (ScopedKey([1; 32]), Fingerprint([2; 32]));
         let (a, other) = (Token::random(), Token::random());
@@ -121,7 +148,7 @@ async fn claim_is_exclusive(b: Backend) {
     .await
 }
 
-async fn stale_holder_is_fenced(b: Backend) {
+async fn stale_holder_is_fenced(b: impl Into<Kind>) {
     with_store(b, |s| async move {
         let (k, fp) = (ScopedKey([3; 32]), Fingerprint([4; 32]));
         let (stale, fresh) = (Token::random(), Token::random());
@@ -159,7 +186,7 @@ async fn stale_holder_is_fenced(b: Backend) {
     .await
 }
 
-async fn renew_extends_only_own_lease(b: Backend) {
+async fn renew_extends_only_own_lease(b: impl Into<Kind>) {
     with_store(b, |s| async move {
         let (k, fp) = (ScopedKey([5; 32]), Fingerprint([6; 32]));
         let t = Token::random();
@@ -247,4 +274,82 @@ async fn redis_acl_user() {
     assert!(RedisStore::connect(&wrong, "acl:", Duration::from_secs(2))
         .await
         .is_err());
+}
+
+fn large(fill: u8) -> EntryState {
+    EntryState::Completed(Arc::new(StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![],
+        body: Bytes::from(vec![fill; 100_000]),
+        traceparent: None,
+    }))
+}
+
+/// Large entries are completed through a staging key (a plain SET, then the fenced script renames
+/// it): the same contract, nothing staged left behind, and a flushed script cache is reloaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_entries_complete_through_a_staging_key() {
+    let server = RedisServer::start().await;
+    let mut admin = server.connection().await;
+    let store = RedisStore::connect(&server.url(), "big:", Duration::from_secs(2))
+        .await
+        .unwrap();
+    let s = StoreUnderTest::Redis(store.clone());
+    let (k, fp) = (ScopedKey([20; 32]), Fingerprint([21; 32]));
+    let (stale, fresh) = (Token::random(), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &stale, Duration::from_millis(150)).await,
+        Claim::Claimed
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        s.claim(&k, &fp, &fresh, Duration::from_secs(5)).await,
+        Claim::Claimed
+    ));
+    // The stale holder's large completion is refused and its staged entry removed.
+    assert!(
+        !s.complete(&k, &fp, &stale, &large(b's'), Duration::from_secs(60))
+            .await
+    );
+    // Redis forgets its scripts: the next completion loads the script again.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        s.complete(&k, &fp, &fresh, &large(b'f'), Duration::from_secs(600))
+            .await
+    );
+    // A retried completion (its first answer lost) is recognised as done.
+    assert!(
+        s.complete(&k, &fp, &fresh, &large(b'f'), Duration::from_secs(600))
+            .await
+    );
+    let seen = s
+        .claim(&k, &fp, &Token::random(), Duration::from_secs(5))
+        .await;
+    assert_eq!(
+        completed_body(seen).as_deref(),
+        Some(&vec![b'f'; 100_000][..])
+    );
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("big:*")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        keys,
+        vec![store.redis_key(&k)],
+        "nothing staged is left behind"
+    );
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(store.redis_key(&k))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 500_000,
+        "the record keeps its own TTL, not the staging one: {pttl}"
+    );
 }

@@ -1,9 +1,13 @@
-//! The Redis store: shared by every gateway replica. Each operation is one Lua script, so one
-//! round trip and atomic on the server (`EVALSHA`, falling back to `EVAL` once per script load).
+//! The Redis store: shared by every gateway replica. Each operation is one round trip and atomic
+//! on the server. A claim is Redis's own `SET key entry NX PX lease GET` (Redis >= 7.0), pipelined
+//! with a `PTTL` of the key; on an older server, which refuses that combination, the claim falls
+//! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
+//! the claim's token (`EVALSHA`, falling back to `EVAL` once per script load).
 //!
 //! One Redis string per key, `prefix + hex(scoped key)`, holding the entry encoded by
 //! [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the record's `ttl`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,11 +28,14 @@ pub struct RedisStore {
     // Key prefix, so several deployments can share one Redis.
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
+    // Whether claims use `SET NX GET`; cleared for good when the server refuses it (Redis < 7).
+    native_claim: Arc<AtomicBool>,
 }
 
 struct Scripts {
     claim: Script,
     complete: Script,
+    complete_staged: Script,
     release: Script,
     renew: Script,
 }
@@ -101,9 +108,11 @@ impl RedisStore {
             scripts: Arc::new(Scripts {
                 claim: Script::new(include_str!("lua/claim.lua")),
                 complete: Script::new(include_str!("lua/complete.lua")),
+                complete_staged: Script::new(include_str!("lua/complete_staged.lua")),
                 release: Script::new(include_str!("lua/release.lua")),
                 renew: Script::new(include_str!("lua/renew.lua")),
             }),
+            native_claim: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -167,13 +176,126 @@ impl RedisStore {
         call: &redis::ScriptInvocation<'_>,
     ) -> Result<T, StoreError> {
         match call.invoke_async(&mut self.conn.clone()).await {
-            Err(e) if e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal() => {
-                Ok(call.invoke_async(&mut self.conn.clone()).await?)
-            }
+            Err(e) if reconnects(&e) => Ok(call.invoke_async(&mut self.conn.clone()).await?),
             result => Ok(result?),
         }
     }
+
+    /// [`RedisStore::invoke`] for a pipeline of plain commands (sent in one write).
+    async fn query<T: redis::FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, StoreError> {
+        match pipe.query_async(&mut self.conn.clone()).await {
+            Err(e) if reconnects(&e) => Ok(pipe.query_async(&mut self.conn.clone()).await?),
+            result => Ok(result?),
+        }
+    }
+
+    /// What `key` held when our claim was tried (with its remaining time to live in ms), or
+    /// `None` when the claim took it.
+    async fn try_claim(
+        &self,
+        key: String,
+        entry: &[u8],
+        lease: Duration,
+    ) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+        if self.native_claim.load(Ordering::Relaxed) {
+            let mut pipe = redis::pipe();
+            pipe.cmd("SET")
+                .arg(&key)
+                .arg(entry)
+                .arg("NX")
+                .arg("PX")
+                .arg(millis(lease))
+                .arg("GET")
+                .cmd("PTTL")
+                .arg(&key);
+            match self.query::<(Option<Vec<u8>>, i64)>(&pipe).await {
+                Ok((held, pttl)) => return Ok(held.map(|v| (v, pttl))),
+                // Redis before 7.0 refuses NX together with GET ("ERR syntax error"): use the
+                // script from now on. Nothing was written.
+                Err(StoreError::Redis(e))
+                    if e.code() == Some("ERR")
+                        && e.detail().is_some_and(|d| d.contains("syntax error")) =>
+                {
+                    tracing::warn!(error = %e, "this Redis refuses SET NX GET (before 7.0); claims use a Lua script instead");
+                    self.native_claim.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut call = self.scripts.claim.prepare_invoke();
+        call.key(key).arg(entry).arg(millis(lease));
+        self.invoke(&call).await
+    }
+
+    /// Complete with a large entry: a plain `SET` of it to a staging key and the fenced script
+    /// that renames it into place, pipelined (one round trip). Through Lua the entry would be
+    /// copied twice more on the server; at 64 KiB that halves Redis's write rate.
+    async fn complete_staged(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        entry: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let record_key = self.redis_key(key);
+        // Unique per claim; under the prefix, so evicting everything also takes stray ones.
+        let staged = format!(
+            "{record_key}:staged:{}",
+            crate::idempotency::key::hex(&token.0)
+        );
+        let script = &self.scripts.complete_staged;
+        let mut pipe = redis::pipe();
+        // The staged entry lives only as long as a lease would: if the script never runs (the
+        // gateway died between), it goes away by itself.
+        pipe.cmd("SET")
+            .arg(&staged)
+            .arg(entry)
+            .arg("PX")
+            .arg(STAGED_TTL_MS)
+            .ignore()
+            .cmd("EVALSHA")
+            .arg(script.get_hash())
+            .arg(2)
+            .arg(&record_key)
+            .arg(&staged)
+            .arg(&token.0[..])
+            .arg(millis(ttl));
+        let moved: (i64,) = match self.query(&pipe).await {
+            // Redis lost its script cache (a restart, SCRIPT FLUSH): load it and send again.
+            Err(StoreError::Redis(e))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                script
+                    .prepare_invoke()
+                    .load_async(&mut self.conn.clone())
+                    .await?;
+                self.query(&pipe).await?
+            }
+            result => result?,
+        };
+        Ok(moved.0 == 1)
+    }
+
+    /// Make claims use the Lua script, as on a Redis older than 7.0 (for tests of that path).
+    pub fn claim_with_script(self) -> Self {
+        self.native_claim.store(false, Ordering::Relaxed);
+        self
+    }
 }
+
+/// Whether `e` means the connection broke, so that one retry on a fresh connection is worth it.
+fn reconnects(e: &redis::RedisError) -> bool {
+    e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal()
+}
+
+/// Entries from this size on are completed through a staging key (see `complete_staged`).
+const STAGE_FROM: usize = 16 * 1024;
+
+/// How long a staged entry lives if the script that moves it never runs.
+const STAGED_TTL_MS: u64 = 60_000;
 
 fn millis(d: Duration) -> u64 {
     d.as_millis().clamp(1, u64::MAX as u128) as u64
@@ -250,12 +372,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let entry = record::encode(fingerprint, token, &EntryState::InFlight);
-        let mut call = self.scripts.claim.prepare_invoke();
-        call.key(self.redis_key(key))
-            .arg(entry.as_ref())
-            .arg(millis(lease));
-        let existing: Option<(Vec<u8>, i64)> = self.invoke(&call).await?;
-        match existing {
+        match self.try_claim(self.redis_key(key), &entry, lease).await? {
             None => Ok(Claim::Claimed),
             Some((raw, pttl)) => match record::decode(Bytes::from(raw))? {
                 // Our own claim, applied although its answer was lost (timeout, dropped
@@ -284,6 +401,9 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let entry = record::encode(fingerprint, token, state);
+        if entry.len() >= STAGE_FROM {
+            return self.complete_staged(key, token, &entry, ttl).await;
+        }
         let mut call = self.scripts.complete.prepare_invoke();
         call.key(self.redis_key(key))
             .arg(&token.0[..])
