@@ -206,7 +206,7 @@ async fn inspect<S: Inspect>(
     let with_body = query.get("body").is_some_and(|v| v == "1" || v == "true");
     let entry = &found.entry;
     let mut out = json!({
-        "store_key": hex(&scoped.0),
+        "store_key": scoped.store_name(),
         "fingerprint": hex(&entry.fingerprint.0),
         "written_at": rfc3339_ms(entry.written_ms),
         "expires_in_ms": found.expires_in.map(|d| d.as_millis() as u64),

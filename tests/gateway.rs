@@ -536,8 +536,8 @@ async fn redis_record_is_compact_and_expires() {
     assert_eq!(keys.len(), 1);
     assert_eq!(
         keys[0].len(),
-        "test:".len() + 64,
-        "prefix + hex SHA-256, never the raw key"
+        "test:".len() + 22,
+        "prefix + 128 bits of SHA-256 in base64, never the raw key"
     );
     let value: Vec<u8> = redis::cmd("GET")
         .arg(&keys[0])

@@ -4,7 +4,7 @@
 //! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
 //! the claim's token (`EVALSHA`, falling back to `EVAL` once per script load).
 //!
-//! One Redis string per key, `prefix + hex(scoped key)`, holding the entry encoded by
+//! One Redis string per key, `prefix + ScopedKey::store_name()`, holding the entry encoded by
 //! [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the record's `ttl`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -157,7 +157,7 @@ impl RedisStore {
 
     /// The Redis key of a scoped key.
     pub fn redis_key(&self, key: &ScopedKey) -> String {
-        format!("{}{}", self.prefix, key.to_hex())
+        format!("{}{}", self.prefix, key.store_name())
     }
 
     /// A clone of the connection, for callers that need raw commands (tests, admin).
