@@ -158,7 +158,8 @@ impl App {
                 // handle, which reconnects by itself, rather than failing the start.
                 let c = config.clone();
                 // One local cache of completed records for the whole process.
-                let cache = LocalCache::new(c.store.local_cache, c.store.local_cache_ttl);
+                let cache = LocalCache::new(c.store.local_cache, c.store.local_cache_ttl)
+                    .counting_hits(metrics.local_cache_hits());
                 let admin = start_admin(admin::router(
                     CachedStore::new(shared.clone(), cache.clone()),
                     metrics,

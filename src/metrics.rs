@@ -106,6 +106,7 @@ struct Inner {
     in_flight: Gauge,
     replayed_bytes: Counter,
     store_errors_passed: Counter,
+    local_cache_hits: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -171,6 +172,12 @@ impl Metrics {
             "Keyed requests forwarded WITHOUT idempotency because the store was down (on_store_error = \"pass\")",
             store_errors_passed.clone(),
         );
+        let local_cache_hits = Counter::default();
+        registry.register(
+            "idemgate_local_cache_hits",
+            "Replays served from this process's local cache of completed records, with no store round trip (Redis only)",
+            local_cache_hits.clone(),
+        );
         Metrics {
             inner: Arc::new(Inner {
                 registry,
@@ -181,6 +188,7 @@ impl Metrics {
                 in_flight,
                 replayed_bytes,
                 store_errors_passed,
+                local_cache_hits,
             }),
         }
     }
@@ -231,6 +239,11 @@ impl Metrics {
     /// Count a keyed request forwarded without idempotency because the store was down.
     pub fn store_error_passed(&self) {
         self.inner.store_errors_passed.inc();
+    }
+
+    /// The counter of replays served from the local cache (given to the cache to count into).
+    pub fn local_cache_hits(&self) -> Counter {
+        self.inner.local_cache_hits.clone()
     }
 
     /// The OpenMetrics text exposition of every family.

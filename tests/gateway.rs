@@ -562,45 +562,80 @@ async fn redis_record_is_compact_and_expires() {
     assert!(ttl > 3_500_000 && ttl <= 3_600_000, "ttl {ttl}");
 }
 
-async fn evalsha_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
-        .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("calls=")))
-        .map_or(0, |n| n.parse().unwrap())
+/// Counts the round trips clients make to Redis, from Redis's own statistics: each request
+/// these tests send arrives as one read event (`total_reads_processed`), and so does each INFO
+/// this counter sends, which it takes off.
+struct RoundTrips {
+    conn: redis::aio::MultiplexedConnection,
+    last: u64,
+}
+
+impl RoundTrips {
+    async fn start(redis: &common::RedisServer) -> Self {
+        let mut conn = redis.connection().await;
+        let last = Self::reads(&mut conn).await;
+        RoundTrips { conn, last }
+    }
+
+    async fn reads(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .query_async(conn)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_reads_processed:"))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    }
+
+    /// Round trips since the last call (not counting this counter's own).
+    async fn since(&mut self) -> u64 {
+        let now = Self::reads(&mut self.conn).await;
+        let trips = now - self.last - 1;
+        self.last = now;
+        trips
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_come_from_the_local_cache_without_a_round_trip() {
-    let env = TestEnv::start(Backend::Redis, "").await;
-    let mut conn = env.redis.as_ref().unwrap().connection().await;
+    let env = TestEnv::start(Backend::Redis, "[admin]\nlisten = \"127.0.0.1:0\"").await;
+    // Warm up: connections, the startup checks and the script cache cost round trips of their own.
+    send(env.post_keyed("/v1/p", "warm-up").body("x")).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut trips = RoundTrips::start(env.redis.as_ref().unwrap()).await;
     let first = send(env.post_keyed("/v1/p", "cached").body("x")).await;
+    assert_eq!(trips.since().await, 2, "a miss: claim, complete");
     // The first replay reads Redis (one round trip) and fills this process's cache...
-    let before = evalsha_calls(&mut conn).await;
     assert!(send(env.post_keyed("/v1/p", "cached").body("x"))
         .await
         .replayed());
-    assert_eq!(evalsha_calls(&mut conn).await, before + 1);
+    assert_eq!(trips.since().await, 1);
     // ...the next ones come from it.
-    let before = before + 1;
     for _ in 0..5 {
         let again = send(env.post_keyed("/v1/p", "cached").body("x")).await;
         assert!(again.replayed());
         assert_eq!(again.body, first.body);
     }
-    assert_eq!(
-        evalsha_calls(&mut conn).await,
-        before,
-        "replays must not touch Redis"
-    );
+    assert_eq!(trips.since().await, 0, "replays must not touch Redis");
     // A different request with the key still goes to the store, which decides: mismatch.
     let other = send(env.post_keyed("/v1/p", "cached").body("y")).await;
     assert_eq!(other.problem_type(), MISMATCH);
-    assert_eq!(evalsha_calls(&mut conn).await, before + 1);
+    assert_eq!(trips.since().await, 1);
+    // The gateway's own count agrees.
+    let admin = env.gateway.admin.expect("admin listener");
+    let metrics = common::client()
+        .get(format!("http://{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("idemgate_local_cache_hits_total 5"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -610,7 +645,6 @@ async fn without_the_local_cache_a_replay_is_one_round_trip() {
     let config = common::config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "")
         .replace("prefix = \"test:\"", "prefix = \"test:\"\nlocal_cache = 0");
     let gateway = common::Gateway::spawn(&config).await;
-    let mut conn = env.redis.as_ref().unwrap().connection().await;
     let url = format!("http://{}/v1/p", gateway.addr);
     send(
         env.client
@@ -619,7 +653,7 @@ async fn without_the_local_cache_a_replay_is_one_round_trip() {
             .body("x"),
     )
     .await;
-    let before = evalsha_calls(&mut conn).await;
+    let mut trips = RoundTrips::start(env.redis.as_ref().unwrap()).await;
     for _ in 0..5 {
         assert!(send(
             env.client
@@ -630,5 +664,5 @@ async fn without_the_local_cache_a_replay_is_one_round_trip() {
         .await
         .replayed());
     }
-    assert_eq!(evalsha_calls(&mut conn).await, before + 5);
+    assert_eq!(trips.since().await, 5);
 }

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use super::{Claim, Store, StoreError};
@@ -26,6 +27,8 @@ pub struct LocalCache {
     max_age: Duration,
     // False when configured with zero bytes: every call goes to the store.
     enabled: bool,
+    // Counts the reads it answered (`idemgate_local_cache_hits_total`).
+    hits: Counter,
 }
 
 #[derive(Clone)]
@@ -73,7 +76,14 @@ impl LocalCache {
             )),
             max_age,
             enabled: max_bytes > 0 && !max_age.is_zero(),
+            hits: Counter::default(),
         }
+    }
+
+    /// Count the reads this cache answers into `hits`.
+    pub fn counting_hits(mut self, hits: Counter) -> Self {
+        self.hits = hits;
+        self
     }
 
     /// Forget `key` (after an eviction through the admin API, say).
@@ -105,7 +115,11 @@ impl LocalCache {
             self.cache.remove(key);
             return None;
         }
-        (hit.fingerprint == *fingerprint).then_some(hit.response)
+        if hit.fingerprint != *fingerprint {
+            return None;
+        }
+        self.hits.inc();
+        Some(hit.response)
     }
 
     fn put(
