@@ -310,7 +310,7 @@ impl<S: Store> Inner<S> {
                         client_key: key.clone(),
                     };
                     let this = self.clone();
-                    self.tasks.spawn(async move { this.release(&held).await });
+                    self.tasks.spawn(async move { this.take_back(&held).await });
                     match policy.on_store_error {
                         OnStoreError::Reject => {
                             error!(error = %e, route = %policy.route, key = %key.short_hash(), "store unavailable; refusing the keyed request (on_store_error = reject)");
@@ -574,6 +574,23 @@ impl<S: Store> Inner<S> {
             Err(e) => {
                 error!(%route, key = %held.tag(), error = %e, "store failed to record the response; delivered anyway, key stays in flight until its lease ends")
             }
+        }
+    }
+
+    /// Take back a claim whose answer was lost. It may still be applied after the error: stuck
+    /// behind a stalled Redis, or sent on a connection that was replaced while the release goes
+    /// on the new one, so that Redis may run the two in either order. So the release is tried
+    /// again as Redis recovers (0.1 s doubling, about 6 s in all) until it removes the claim.
+    /// Fenced by the token: it never removes anyone else's claim.
+    async fn take_back(&self, held: &Held) {
+        let mut delay = Duration::from_millis(100);
+        for _ in 0..6 {
+            if let Ok(true) = self.store.release(&held.key, &held.token).await {
+                debug!(route = %held.route.route, key = %held.tag(), "claim with a lost answer taken back");
+                return;
+            }
+            tokio::time::sleep(delay).await;
+            delay *= 2;
         }
     }
 
