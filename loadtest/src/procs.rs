@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 /// A child process killed on drop.
 pub struct Proc {
     pub addr: SocketAddr,
+    /// The gateway's admin listener (metrics).
+    pub admin: Option<SocketAddr>,
     child: Child,
 }
 
@@ -54,7 +56,11 @@ fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-    let proc = Proc { addr, child };
+    let proc = Proc {
+        addr,
+        admin: None,
+        child,
+    };
     let deadline = Instant::now() + Duration::from_secs(15);
     while std::net::TcpStream::connect(addr).is_err() {
         assert!(
@@ -175,8 +181,9 @@ pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Pr
     } else {
         format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"bench:\"")
     };
+    let admin = free_addr();
     let conf = format!(
-        "listen = \"{addr}\"\nupstream = \"http://{upstream}\"\n\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n"
+        "listen = \"{addr}\"\nupstream = \"http://{upstream}\"\n\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n\n[admin]\nlisten = \"{admin}\"\n"
     );
     let path = dir.join(format!("gateway-{}.toml", addr.port()));
     std::fs::write(&path, conf).unwrap();
@@ -185,12 +192,14 @@ pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Pr
     } else {
         "gateway (redis)"
     };
-    spawn(
+    let mut proc = spawn(
         name,
         Command::new(gateway_bin())
             .arg("--config")
             .arg(&path)
             .env("RUST_LOG", "info"),
         addr,
-    )
+    );
+    proc.admin = Some(admin);
+    proc
 }
