@@ -196,13 +196,16 @@ impl App {
 /// Connect to the configured Redis, with the configured CA for `rediss://`.
 async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
     let (url, ca) = redis_settings(config)?;
-    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca).await
+    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca)
+        .await
+        .map(|s| s.with_compression(config.store.compression))
 }
 
 /// A Redis handle that connects on first use.
 fn lazy_redis(config: &Config) -> Result<RedisStore, StoreError> {
     let (url, ca) = redis_settings(config)?;
     RedisStore::lazy(url, &config.store.prefix, config.store.timeout, ca)
+        .map(|s| s.with_compression(config.store.compression))
 }
 
 /// The Redis URL and the PEM of `store.tls_ca_file`, if one is set.

@@ -118,6 +118,18 @@ pub enum OnStoreError {
     Pass,
 }
 
+/// How the Redis store keeps response bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// LZ4 for bodies of 1 KiB and more without a `Content-Encoding`, kept only when it saves
+    /// at least an eighth.
+    #[default]
+    Lz4,
+    /// Bodies as they came.
+    None,
+}
+
 /// The file as written. Unknown fields are errors, so a typo never silently does nothing.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -152,6 +164,7 @@ struct RawStore {
     local_cache: Option<HumanSize>,
     local_cache_ttl: Option<HumanDuration>,
     tls_ca_file: Option<String>,
+    compression: Option<Compression>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -243,6 +256,8 @@ pub struct StoreConfig {
     pub local_cache_ttl: Duration,
     /// Redis over TLS (`rediss://`): a PEM file of the CA(s) to trust instead of the system's.
     pub tls_ca_file: Option<String>,
+    /// Redis: how stored bodies are compressed.
+    pub compression: Compression,
 }
 
 /// The `[admin]` table, validated.
@@ -660,6 +675,7 @@ impl Config {
                 local_cache,
                 local_cache_ttl,
                 tls_ca_file,
+                compression: raw.store.compression.unwrap_or_default(),
             },
             defaults,
             routes,

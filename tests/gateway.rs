@@ -562,6 +562,77 @@ async fn redis_record_is_compact_and_expires() {
     assert!(ttl > 3_500_000 && ttl <= 3_600_000, "ttl {ttl}");
 }
 
+/// The one record's value in Redis, for a test that wrote one.
+async fn only_record(conn: &mut redis::aio::MultiplexedConnection) -> Vec<u8> {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("test:*")
+        .query_async(conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    redis::cmd("GET")
+        .arg(&keys[0])
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stores_compressible_bodies_compressed_and_replays_them_whole() {
+    let json: Vec<u8> = (0..600)
+        .flat_map(|i| {
+            format!(
+                "{{\"id\":\"pi_{i:06}\",\"amount\":{},\"status\":\"succeeded\"}},",
+                i * 7
+            )
+            .into_bytes()
+        })
+        .collect();
+    // Default: LZ4.
+    let env = TestEnv::start(Backend::Redis, "").await;
+    let first = send(env.post_keyed("/echo", "lz4").body(json.clone())).await;
+    assert_eq!(first.body, json);
+    let mut conn = env.redis.as_ref().unwrap().connection().await;
+    let stored = only_record(&mut conn).await;
+    assert!(
+        stored.len() * 3 < json.len(),
+        "{} bytes stored for {}",
+        stored.len(),
+        json.len()
+    );
+    // A replay read back from Redis (another process: no local cache) is the same bytes.
+    drop(env.gateway);
+    let config = common::config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "");
+    let other = common::Gateway::spawn(&config).await;
+    let replay = send(
+        env.client
+            .post(format!("http://{}/echo", other.addr))
+            .header("idempotency-key", "lz4")
+            .body(json.clone()),
+    )
+    .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, json);
+    assert_eq!(env.upstream.calls(), 1);
+
+    // compression = "none": the body is stored as it came.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    drop(other);
+    let config = config.replace(
+        "prefix = \"test:\"",
+        "prefix = \"test:\"\ncompression = \"none\"",
+    );
+    let plain = common::Gateway::spawn(&config).await;
+    send(
+        env.client
+            .post(format!("http://{}/echo", plain.addr))
+            .header("idempotency-key", "plain")
+            .body(json.clone()),
+    )
+    .await;
+    assert!(only_record(&mut conn).await.len() > json.len());
+}
+
 /// Counts the round trips clients make to Redis, from Redis's own statistics: each request
 /// these tests send arrives as one read event (`total_reads_processed`), and so does each INFO
 /// this counter sends, which it takes off.

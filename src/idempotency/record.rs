@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! [0]      format version (2)
-//! [1]      state: b'P' in flight, b'C' completed (response follows), b'N' completed, not replayable
+//! [1]      state: b'P' in flight, b'C' completed (response follows), b'Z' the same with an
+//!          LZ4-compressed body, b'N' completed, not replayable
 //! [2..34]  request fingerprint (SHA-256)
 //! [34..50] claim token (fences completion and release against a newer holder)
 //! [50..58] when this entry was written, in ms since the Unix epoch
@@ -13,7 +14,7 @@
 //! u16      status
 //! u16      header count, then per header: u16 name length, name, u32 value length, value
 //! u8       length of the original request's W3C traceparent (0: none), then its bytes
-//! rest     body bytes
+//! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
 //! ```
 //!
 //! The Redis Lua scripts read bytes 1, 2..34 and 34..50 directly (`string.sub(v, 2, 2)` etc.), so
@@ -124,12 +125,50 @@ pub fn now_ms() -> u64 {
 #[error("corrupt or unknown record encoding: {0}")]
 pub struct DecodeError(&'static str);
 
-/// Encode an entry (with its token) for the store.
+/// Bodies from this size on are worth trying to compress.
+pub const COMPRESS_FROM: usize = 1024;
+
+/// The most a compressed body may claim to expand to (a corrupt length must not allocate more).
+const MAX_EXPANDED: usize = 1 << 30;
+
+/// Encode an entry (with its token) for the store, bodies as they are.
 pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
+    encode_with(fingerprint, token, state, false)
+}
+
+/// Encode an entry; with `compress`, a body of [`COMPRESS_FROM`] bytes or more that the
+/// upstream did not encode itself (no `Content-Encoding`) is stored LZ4-compressed when that
+/// saves at least an eighth of it.
+pub fn encode_with(
+    fingerprint: &Fingerprint,
+    token: &Token,
+    state: &EntryState,
+    compress: bool,
+) -> Bytes {
+    let compressed = match state {
+        EntryState::Completed(r)
+            if compress
+                && r.body.len() >= COMPRESS_FROM
+                && !r
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n == http::header::CONTENT_ENCODING) =>
+        {
+            let packed = lz4_flex::block::compress_prepend_size(&r.body);
+            (packed.len() <= r.body.len() - r.body.len() / 8).then_some(packed)
+        }
+        _ => None,
+    };
     let (tag, resp) = match state {
         EntryState::InFlight => (b'P', None),
+        EntryState::Completed(r) if compressed.is_some() => (b'Z', Some(r)),
         EntryState::Completed(r) => (b'C', Some(r)),
         EntryState::NotReplayable => (b'N', None),
+    };
+    let body: &[u8] = match (&compressed, resp) {
+        (Some(packed), _) => packed,
+        (None, Some(r)) => &r.body,
+        (None, None) => &[],
     };
     let size = HEADER_LEN
         + resp.map_or(0, |r| {
@@ -140,7 +179,7 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
                 .sum::<usize>()
                 + 1
                 + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
-                + r.body.len()
+                + body.len()
         });
     let mut out = BytesMut::with_capacity(size);
     out.put_u8(FORMAT_VERSION);
@@ -165,7 +204,7 @@ pub fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> B
             }
             None => out.put_u8(0),
         }
-        out.put_slice(&r.body);
+        out.put_slice(body);
     }
     out.freeze()
 }
@@ -193,6 +232,18 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         b'P' => EntryState::InFlight,
         b'N' => EntryState::NotReplayable,
         b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), !v1)?)),
+        b'Z' if !v1 => {
+            let mut r = decode_response(raw.slice(header_len..), true)?;
+            let (expanded, _) = lz4_flex::block::uncompressed_size(&r.body)
+                .map_err(|_| DecodeError("truncated compressed body"))?;
+            if expanded > MAX_EXPANDED {
+                return Err(DecodeError("implausible compressed body length"));
+            }
+            r.body = lz4_flex::block::decompress_size_prepended(&r.body)
+                .map_err(|_| DecodeError("corrupt compressed body"))?
+                .into();
+            EntryState::Completed(Arc::new(r))
+        }
         _ => return Err(DecodeError("unknown state")),
     };
     Ok((
@@ -356,5 +407,83 @@ mod tests {
             decode(Bytes::from_static(&[9, b'P'])).is_err(),
             "unknown versions are refused"
         );
+    }
+
+    fn completed(body: Vec<u8>, encoding: Option<&'static str>) -> EntryState {
+        let mut headers = vec![(
+            HeaderName::from_static("content-type"),
+            HeaderValue::from_static("application/json"),
+        )];
+        if let Some(e) = encoding {
+            headers.push((
+                HeaderName::from_static("content-encoding"),
+                HeaderValue::from_static(e),
+            ));
+        }
+        EntryState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::from(body),
+            traceparent: None,
+        }))
+    }
+
+    fn body_of(raw: Bytes) -> Bytes {
+        match decode(raw).unwrap().0.state {
+            EntryState::Completed(r) => r.body.clone(),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn compressible_bodies_are_stored_compressed_and_read_back_whole() {
+        let json: Vec<u8> = (0..2000)
+            .flat_map(|i| {
+                format!("{{\"id\":\"pi_{i:08}\",\"status\":\"succeeded\"}},").into_bytes()
+            })
+            .collect();
+        let (fp, tok) = (Fingerprint([1; 32]), Token::random());
+        let state = completed(json.clone(), None);
+        let plain = encode(&fp, &tok, &state);
+        let packed = encode_with(&fp, &tok, &state, true);
+        assert_eq!(plain[STATE_AT], b'C');
+        assert_eq!(packed[STATE_AT], b'Z');
+        assert!(
+            packed.len() * 3 < plain.len(),
+            "{} vs {}",
+            packed.len(),
+            plain.len()
+        );
+        assert_eq!(body_of(packed.clone()), json);
+        // The fixed fields the Lua scripts read are where they always are.
+        assert_eq!(&packed[TOKEN_AT..WRITTEN_AT], &tok.0);
+        // A corrupt compressed body is an error, not a wrong replay.
+        let mut bad = packed.to_vec();
+        let n = bad.len();
+        bad[n - 20..].fill(0xff);
+        assert!(decode(Bytes::from(bad)).is_err());
+    }
+
+    #[test]
+    fn bodies_that_do_not_shrink_are_stored_as_they_are() {
+        let (fp, tok) = (Fingerprint([1; 32]), Token::random());
+        // Already encoded by the upstream, too small, or incompressible: stored as is.
+        let gz = completed(vec![b'a'; 10_000], Some("gzip"));
+        assert_eq!(encode_with(&fp, &tok, &gz, true)[STATE_AT], b'C');
+        let small = completed(vec![b'a'; COMPRESS_FROM - 1], None);
+        assert_eq!(encode_with(&fp, &tok, &small, true)[STATE_AT], b'C');
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let noise: Vec<u8> = (0..10_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let random = completed(noise.clone(), None);
+        let raw = encode_with(&fp, &tok, &random, true);
+        assert_eq!(raw[STATE_AT], b'C');
+        assert_eq!(body_of(raw), noise);
     }
 }

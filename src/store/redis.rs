@@ -16,6 +16,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
 use super::{Claim, Store, StoreError};
+use crate::config::Compression;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{self, Entry, EntryState, Token};
@@ -30,6 +31,8 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     // Whether claims use `SET NX GET`; cleared for good when the server refuses it (Redis < 7).
     native_claim: Arc<AtomicBool>,
+    // How completed bodies are written.
+    compression: Compression,
 }
 
 struct Scripts {
@@ -113,6 +116,7 @@ impl RedisStore {
                 renew: Script::new(include_str!("lua/renew.lua")),
             }),
             native_claim: Arc::new(AtomicBool::new(true)),
+            compression: Compression::None,
         })
     }
 
@@ -279,6 +283,12 @@ impl RedisStore {
         Ok(moved.0 == 1)
     }
 
+    /// Write completed bodies with `compression` (records are read whatever their encoding).
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     /// Make claims use the Lua script, as on a Redis older than 7.0 (for tests of that path).
     pub fn claim_with_script(self) -> Self {
         self.native_claim.store(false, Ordering::Relaxed);
@@ -400,7 +410,12 @@ impl Store for RedisStore {
         state: &EntryState,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let entry = record::encode(fingerprint, token, state);
+        let entry = record::encode_with(
+            fingerprint,
+            token,
+            state,
+            self.compression == Compression::Lz4,
+        );
         if entry.len() >= STAGE_FROM {
             return self.complete_staged(key, token, &entry, ttl).await;
         }
