@@ -244,6 +244,13 @@ async fn bench(cli: Cli) -> ExitCode {
         )
         .await;
         stored_bytes(&mut b, &mut redis_conn, red.addr, size).await;
+        incompressible_stored_bytes(
+            &mut b,
+            &mut redis_conn,
+            (dir.path(), &redis_url, up.addr),
+            size,
+        )
+        .await;
         phase(&mut b, "gateway replay, memory", mem.addr, hot(), None).await;
         phase(
             &mut b,
@@ -515,7 +522,54 @@ async fn stored_bytes(
     ));
 }
 
+/// The worst case of [`stored_bytes`]: a response compression cannot shrink (random bytes),
+/// through a gateway of its own key prefix so that its one record is easy to find.
+async fn incompressible_stored_bytes(
+    b: &mut Bench,
+    conn: &mut redis::aio::MultiplexedConnection,
+    (dir, redis_url, upstream): (&std::path::Path, &str, SocketAddr),
+    size: usize,
+) {
+    let gw = procs::gateway_with_prefix(dir, redis_url, upstream, "", "noise:");
+    let headers = post_for_headers(gw.addr, "/incompressible", Some("noise-1")).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("noise:*")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let Some(key) = keys.first() else {
+        b.insane
+            .push("no record found in Redis for the incompressible response".into());
+        return;
+    };
+    let usage: u64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .arg("SAMPLES")
+        .arg(0)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let value_len: u64 = redis::cmd("STRLEN")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let budget = (headers + size + 256) as u64;
+    let verdict = if usage <= budget { "within" } else { "OVER" };
+    b.notes.push(format!(
+        "{} incompressible body (random bytes): one record takes {usage} bytes in Redis (MEMORY USAGE; value {value_len} bytes) for a response of {headers} header bytes + {size} body bytes: {verdict} the headers + body + 256 = {budget} target",
+        human(size)
+    ));
+}
+
 async fn response_header_bytes(gateway: SocketAddr) -> usize {
+    post_for_headers(gateway, "/v1/payments", None).await
+}
+
+/// POST `path` through `gateway`, with `key` as its Idempotency-Key when given; the response's
+/// header bytes (names and values).
+async fn post_for_headers(gateway: SocketAddr, path: &str, key: Option<&str>) -> usize {
     let stream = tokio::net::TcpStream::connect(gateway).await.unwrap();
     let (mut s, conn) = hyper::client::conn::http1::handshake::<
         _,
@@ -524,8 +578,11 @@ async fn response_header_bytes(gateway: SocketAddr) -> usize {
     .await
     .unwrap();
     tokio::spawn(conn);
-    let req = http::Request::post("/v1/payments")
-        .header("host", "bench")
+    let mut req = http::Request::post(path).header("host", "bench");
+    if let Some(key) = key {
+        req = req.header("idempotency-key", key);
+    }
+    let req = req
         .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
         .unwrap();
     let resp = s.send_request(req).await.unwrap();

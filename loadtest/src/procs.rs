@@ -175,11 +175,22 @@ pub fn gateway_bin() -> PathBuf {
 
 /// Start the gateway with `store` ("memory" or a redis URL) in front of `upstream`.
 pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Proc {
+    gateway_with_prefix(dir, store, upstream, extra, "bench:")
+}
+
+/// [`gateway`] with Redis keys under `prefix`.
+pub fn gateway_with_prefix(
+    dir: &Path,
+    store: &str,
+    upstream: SocketAddr,
+    extra: &str,
+    prefix: &str,
+) -> Proc {
     let addr = free_addr();
     let store_toml = if store == "memory" {
         "backend = \"memory\"".to_string()
     } else {
-        format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"bench:\"")
+        format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"{prefix}\"")
     };
     let admin = free_addr();
     let conf = format!(
