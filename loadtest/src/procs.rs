@@ -27,6 +27,18 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // SIGTERM first, so that a master process (nginx) stops its workers too; a SIGKILLed
+        // nginx master leaves its workers running, still listening.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
