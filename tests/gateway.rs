@@ -562,6 +562,41 @@ async fn redis_record_is_compact_and_expires() {
     assert!(ttl > 3_500_000 && ttl <= 3_600_000, "ttl {ttl}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_kept_alive_and_reused() {
+    let env = TestEnv::start(Backend::Memory, "").await;
+    drop(env.gateway);
+    // One worker, so that every request goes through one pool.
+    let config = common::config_for(Backend::Memory, None, &env.upstream.url(), "")
+        .replace("[store]", "workers = 1\n\n[store]");
+    let gateway = common::Gateway::spawn(&config).await;
+    let url = |path: &str| format!("http://{}{path}", gateway.addr);
+    for i in 0..5 {
+        // Small and streamed pass-through bodies, a miss, its replay, a 204 without a body.
+        let small = send(env.client.get(url("/v1/p"))).await;
+        assert_eq!(small.status, 201);
+        let big = send(env.client.get(url("/big?bytes=300000"))).await;
+        assert_eq!(big.body.len(), 300_000);
+        let key = format!("reuse-{i}");
+        let miss = send(
+            env.client
+                .post(url("/big?bytes=200000"))
+                .header("idempotency-key", &key)
+                .body("x"),
+        )
+        .await;
+        assert_eq!(miss.body.len(), 200_000);
+        let empty = send(env.client.post(url("/v1/p?status=204")).body("x")).await;
+        assert_eq!(empty.status, 204);
+    }
+    assert_eq!(env.upstream.calls(), 20);
+    assert_eq!(
+        env.upstream.connections(),
+        1,
+        "every request should have reused the one keep-alive connection"
+    );
+}
+
 /// The one record's value in Redis, for a test that wrote one.
 async fn only_record(conn: &mut redis::aio::MultiplexedConnection) -> Vec<u8> {
     let keys: Vec<String> = redis::cmd("KEYS")

@@ -32,7 +32,6 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, Limited};
-use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -44,7 +43,7 @@ use super::record::{Entry, EntryState, StoredResponse, Token};
 use crate::config::{Config, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
-use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream};
+use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream, UpstreamBody};
 use crate::store::{Claim, Store};
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -202,11 +201,11 @@ enum UpstreamResult {
     /// The request may have reached the upstream, but no usable response came back.
     Failed,
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
-    Transient(http::response::Parts, Incoming),
+    Transient(http::response::Parts, UpstreamBody),
     /// A storable response whose whole body fits in `max_body`.
     Whole(http::response::Parts, Bytes),
     /// A storable response larger than `max_body`: the chunks read so far and the rest.
-    TooLarge(http::response::Parts, Vec<Bytes>, Incoming),
+    TooLarge(http::response::Parts, Vec<Bytes>, UpstreamBody),
 }
 
 impl<S: Store> Inner<S> {

@@ -214,6 +214,8 @@ pub struct Upstream {
 #[derive(Default)]
 struct UpstreamState {
     calls: AtomicUsize,
+    // The client addresses seen: one per connection.
+    peers: Mutex<std::collections::HashSet<SocketAddr>>,
     delay: Mutex<Duration>,
     last_headers: Mutex<Option<HeaderMap>>,
 }
@@ -235,7 +237,13 @@ impl Upstream {
             .fallback(handle)
             .with_state(state.clone());
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        tokio::spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+        });
         Upstream { addr, state }
     }
 
@@ -248,6 +256,11 @@ impl Upstream {
     /// How many requests reached the upstream.
     pub fn calls(&self) -> usize {
         self.state.calls.load(Ordering::SeqCst)
+    }
+
+    /// How many connections requests came on.
+    pub fn connections(&self) -> usize {
+        self.state.peers.lock().unwrap().len()
     }
 
     /// The headers of the last request that reached the upstream.
@@ -275,9 +288,11 @@ struct Knobs {
 async fn handle(
     State(state): State<Arc<UpstreamState>>,
     Query(knobs): Query<Knobs>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<SocketAddr>,
     req: Request,
 ) -> Response {
     let n = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    state.peers.lock().unwrap().insert(peer);
     let (parts, body) = req.into_parts();
     *state.last_headers.lock().unwrap() = Some(parts.headers.clone());
     let body: Bytes = axum::body::to_bytes(body, usize::MAX)
