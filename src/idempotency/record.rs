@@ -145,6 +145,42 @@ pub fn encode_with(
     state: &EntryState,
     compress: bool,
 ) -> Bytes {
+    let parts = encode_parts(fingerprint, token, state, compress);
+    let mut out = BytesMut::with_capacity(parts.len());
+    out.put_slice(&parts.head);
+    out.put_slice(&parts.body);
+    out.freeze()
+}
+
+/// An encoded entry in two parts, everything before the body and the body as stored, so that
+/// a large body can be written where it goes (a Redis command) without being copied first.
+pub struct Encoded<'a> {
+    /// The fixed fields, status, headers and traceparent.
+    pub head: BytesMut,
+    /// The body as stored: the response's own bytes, or compressed.
+    pub body: std::borrow::Cow<'a, [u8]>,
+}
+
+impl Encoded<'_> {
+    /// The length of the whole encoding.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+
+    /// Whether it is empty (never: the fixed fields are always there).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// [`encode_with`], in two parts.
+pub fn encode_parts<'a>(
+    fingerprint: &Fingerprint,
+    token: &Token,
+    state: &'a EntryState,
+    compress: bool,
+) -> Encoded<'a> {
+    use std::borrow::Cow;
     let compressed = match state {
         EntryState::Completed(r)
             if compress
@@ -165,10 +201,10 @@ pub fn encode_with(
         EntryState::Completed(r) => (b'C', Some(r)),
         EntryState::NotReplayable => (b'N', None),
     };
-    let body: &[u8] = match (&compressed, resp) {
-        (Some(packed), _) => packed,
-        (None, Some(r)) => &r.body,
-        (None, None) => &[],
+    let body: Cow<'a, [u8]> = match (compressed, resp) {
+        (Some(packed), _) => Cow::Owned(packed),
+        (None, Some(r)) => Cow::Borrowed(&r.body[..]),
+        (None, None) => Cow::Borrowed(&[]),
     };
     let size = HEADER_LEN
         + resp.map_or(0, |r| {
@@ -179,7 +215,6 @@ pub fn encode_with(
                 .sum::<usize>()
                 + 1
                 + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
-                + body.len()
         });
     let mut out = BytesMut::with_capacity(size);
     out.put_u8(FORMAT_VERSION);
@@ -204,9 +239,8 @@ pub fn encode_with(
             }
             None => out.put_u8(0),
         }
-        out.put_slice(body);
     }
-    out.freeze()
+    Encoded { head: out, body }
 }
 
 /// Decode bytes read from the store. The body is a zero-copy slice of `raw`.

@@ -241,9 +241,11 @@ impl RedisStore {
         &self,
         key: &ScopedKey,
         token: &Token,
-        entry: &[u8],
+        entry: &record::Encoded<'_>,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        use redis::RedisWrite;
+        use std::io::Write;
         let record_key = self.redis_key(key);
         // Unique per claim; under the prefix, so evicting everything also takes stray ones.
         let staged = format!(
@@ -251,14 +253,19 @@ impl RedisStore {
             crate::idempotency::key::hex(&token.0)
         );
         let script = &self.scripts.complete_staged;
-        let mut pipe = redis::pipe();
+        // The entry is written straight into the command, sized up front: one copy of the body.
+        let mut set = redis::Cmd::with_capacity(5, entry.len() + staged.len() + 16);
+        set.arg("SET").arg(&staged);
+        {
+            let mut w = set.writer_for_next_arg();
+            w.write_all(&entry.head).expect("writing to memory");
+            w.write_all(&entry.body).expect("writing to memory");
+        }
         // The staged entry lives only as long as a lease would: if the script never runs (the
         // gateway died between), it goes away by itself.
-        pipe.cmd("SET")
-            .arg(&staged)
-            .arg(entry)
-            .arg("PX")
-            .arg(STAGED_TTL_MS)
+        set.arg("PX").arg(STAGED_TTL_MS);
+        let mut pipe = redis::Pipeline::with_capacity(2);
+        pipe.add_command(set)
             .ignore()
             .cmd("EVALSHA")
             .arg(script.get_hash())
@@ -410,15 +417,17 @@ impl Store for RedisStore {
         state: &EntryState,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let entry = record::encode_with(
+        let parts = record::encode_parts(
             fingerprint,
             token,
             state,
             self.compression == Compression::Lz4,
         );
-        if entry.len() >= STAGE_FROM {
-            return self.complete_staged(key, token, &entry, ttl).await;
+        if parts.len() >= STAGE_FROM {
+            return self.complete_staged(key, token, &parts, ttl).await;
         }
+        let mut entry = parts.head;
+        entry.extend_from_slice(&parts.body);
         let mut call = self.scripts.complete.prepare_invoke();
         call.key(self.redis_key(key))
             .arg(&token.0[..])
