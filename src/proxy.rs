@@ -7,10 +7,11 @@
 //! return and a task per request to watch for idleness: about a fifth of the gateway's own
 //! instructions per forwarded request, counted with callgrind.)
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -47,28 +48,53 @@ impl std::fmt::Display for ForwardError {
 /// Most idle connections a worker keeps.
 const MAX_IDLE: usize = 256;
 
+/// How long a connection may sit idle before the pool drops it (under nginx's 75 s keep-alive
+/// timeout). An upstream that closes idle connections sooner (Node.js and Apache: 5 s) is seen
+/// by the connection's task, and a closed connection is never handed out; one the upstream
+/// closes just as a request is written to it is the one case left (the request then fails as
+/// possibly sent, as with any proxy).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Idle connections of one worker.
+/// An idle connection and when it went idle.
+type Idle = (SendRequest<Body>, Instant);
+
+/// Idle connections of one worker, the most recently used last.
 #[derive(Clone, Default)]
 struct Pool {
-    idle: Arc<Mutex<Vec<SendRequest<Body>>>>,
+    idle: Arc<Mutex<VecDeque<Idle>>>,
 }
 
 impl Pool {
     fn take(&self) -> Option<SendRequest<Body>> {
-        self.idle.lock().expect("pool lock").pop()
+        let mut idle = self.idle.lock().expect("pool lock");
+        while let Some((sender, since)) = idle.pop_back() {
+            if since.elapsed() < IDLE_TIMEOUT {
+                return Some(sender);
+            }
+            // The rest are older still: close them all.
+            idle.clear();
+        }
+        None
     }
 
     fn put(&self, sender: SendRequest<Body>) {
         if sender.is_closed() {
             return;
         }
+        let now = Instant::now();
         let mut idle = self.idle.lock().expect("pool lock");
-        if idle.len() < MAX_IDLE {
-            idle.push(sender);
+        // Close the longest idle one when it has timed out (or to make room).
+        if idle
+            .front()
+            .is_some_and(|(_, since)| now.duration_since(*since) >= IDLE_TIMEOUT)
+            || idle.len() >= MAX_IDLE
+        {
+            idle.pop_front();
         }
+        idle.push_back((sender, now));
     }
 }
 
