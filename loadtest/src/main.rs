@@ -500,26 +500,37 @@ async fn stored_bytes(
             .push("no record found in Redis after the miss phase".into());
         return;
     };
+    let headers = response_header_bytes(gateway).await;
+    let note = record_usage(conn, key, headers, size).await;
+    b.notes.push(format!("{} body: {note}", human(size)));
+}
+
+/// What one record takes in Redis (`MEMORY USAGE`, and the value's own length) against the
+/// target of the response's headers + body + 256 bytes.
+async fn record_usage(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    headers: usize,
+    size: usize,
+) -> String {
     let usage: u64 = redis::cmd("MEMORY")
         .arg("USAGE")
         .arg(key)
         .arg("SAMPLES")
         .arg(0)
-        .query_async(conn)
+        .query_async(&mut *conn)
         .await
         .unwrap();
     let value_len: u64 = redis::cmd("STRLEN")
         .arg(key)
-        .query_async(conn)
+        .query_async(&mut *conn)
         .await
         .unwrap();
-    let headers = response_header_bytes(gateway).await;
     let budget = (headers + size + 256) as u64;
     let verdict = if usage <= budget { "within" } else { "OVER" };
-    b.notes.push(format!(
-        "{} body: one record takes {usage} bytes in Redis (MEMORY USAGE; value {value_len} bytes) for a response of {headers} header bytes + {size} body bytes: {verdict} the headers + body + 256 = {budget} target",
-        human(size)
-    ));
+    format!(
+        "one record takes {usage} bytes in Redis (MEMORY USAGE; value {value_len} bytes) for a response of {headers} header bytes + {size} body bytes: {verdict} the headers + body + 256 = {budget} target"
+    )
 }
 
 /// The worst case of [`stored_bytes`]: a response compression cannot shrink (random bytes),
@@ -542,23 +553,9 @@ async fn incompressible_stored_bytes(
             .push("no record found in Redis for the incompressible response".into());
         return;
     };
-    let usage: u64 = redis::cmd("MEMORY")
-        .arg("USAGE")
-        .arg(key)
-        .arg("SAMPLES")
-        .arg(0)
-        .query_async(conn)
-        .await
-        .unwrap();
-    let value_len: u64 = redis::cmd("STRLEN")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .unwrap();
-    let budget = (headers + size + 256) as u64;
-    let verdict = if usage <= budget { "within" } else { "OVER" };
+    let note = record_usage(conn, key, headers, size).await;
     b.notes.push(format!(
-        "{} incompressible body (random bytes): one record takes {usage} bytes in Redis (MEMORY USAGE; value {value_len} bytes) for a response of {headers} header bytes + {size} body bytes: {verdict} the headers + body + 256 = {budget} target",
+        "{} incompressible body (random bytes): {note}",
         human(size)
     ));
 }
