@@ -190,7 +190,13 @@ impl Upstream {
     /// Open a new connection.
     async fn connect(&self) -> Result<SendRequest<Body>, ForwardError> {
         let port = self.authority.port_u16().unwrap_or(80);
-        let connect = tokio::net::TcpStream::connect((self.authority.host(), port));
+        // An IPv6 literal comes bracketed in a URL (`[::1]`), and bare to the resolver.
+        let host = self
+            .authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let connect = tokio::net::TcpStream::connect((host, port));
         let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(ForwardError::Connect(e.into())),

@@ -597,6 +597,19 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv6_upstream_is_reached() {
+    let upstream = common::Upstream::start_v6().await;
+    assert!(upstream.url().starts_with("http://[::1]:"));
+    let env = TestEnv::start_with(Backend::Memory, upstream, "").await;
+    let first = send(env.post_keyed("/v1/p", "v6").body("x")).await;
+    assert_eq!(first.status, 201);
+    assert!(send(env.post_keyed("/v1/p", "v6").body("x"))
+        .await
+        .replayed());
+    assert_eq!(env.upstream.calls(), 1);
+}
+
 /// The one record's value in Redis, for a test that wrote one.
 async fn only_record(conn: &mut redis::aio::MultiplexedConnection) -> Vec<u8> {
     let keys: Vec<String> = redis::cmd("KEYS")

@@ -226,6 +226,11 @@ impl Upstream {
         Self::start_on(TcpListener::bind("127.0.0.1:0").await.unwrap()).await
     }
 
+    /// Start on a free port of the IPv6 loopback address.
+    pub async fn start_v6() -> Self {
+        Self::start_on(TcpListener::bind("[::1]:0").await.unwrap()).await
+    }
+
     /// Start on a given port (to bring an upstream up where the gateway already points).
     pub async fn start_on_port(port: u16) -> Self {
         Self::start_on(TcpListener::bind(("127.0.0.1", port)).await.unwrap()).await
@@ -274,6 +279,7 @@ impl Upstream {
     }
 
     pub fn url(&self) -> String {
+        // `SocketAddr`'s display brackets an IPv6 address, as a URL wants.
         format!("http://{}", self.addr)
     }
 }
