@@ -148,20 +148,26 @@ async fn claim_is_exclusive(b: impl Into<Kind>) {
     .await
 }
 
+/// A claim whose holder stalls past its 150 ms lease, and the retry's claim after it:
+/// the two tokens.
+async fn stale_and_fresh(s: &StoreUnderTest, k: &ScopedKey, fp: &Fingerprint) -> (Token, Token) {
+    let (stale, fresh) = (Token::random(), Token::random());
+    assert!(matches!(
+        s.claim(k, fp, &stale, Duration::from_millis(150)).await,
+        Claim::Claimed
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        s.claim(k, fp, &fresh, Duration::from_secs(5)).await,
+        Claim::Claimed
+    ));
+    (stale, fresh)
+}
+
 async fn stale_holder_is_fenced(b: impl Into<Kind>) {
     with_store(b, |s| async move {
         let (k, fp) = (ScopedKey([3; 32]), Fingerprint([4; 32]));
-        let (stale, fresh) = (Token::random(), Token::random());
-        assert!(matches!(
-            s.claim(&k, &fp, &stale, Duration::from_millis(150)).await,
-            Claim::Claimed
-        ));
-        // The stale holder stalls past its lease; a retry claims the key anew.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(matches!(
-            s.claim(&k, &fp, &fresh, Duration::from_secs(5)).await,
-            Claim::Claimed
-        ));
+        let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
         // The stale holder wakes up: it can neither complete, renew nor release the new claim.
         assert!(
             !s.complete(&k, &fp, &stale, &response("stale"), Duration::from_secs(60))
@@ -296,16 +302,7 @@ async fn large_entries_complete_through_a_staging_key() {
         .unwrap();
     let s = StoreUnderTest::Redis(store.clone());
     let (k, fp) = (ScopedKey([20; 32]), Fingerprint([21; 32]));
-    let (stale, fresh) = (Token::random(), Token::random());
-    assert!(matches!(
-        s.claim(&k, &fp, &stale, Duration::from_millis(150)).await,
-        Claim::Claimed
-    ));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(matches!(
-        s.claim(&k, &fp, &fresh, Duration::from_secs(5)).await,
-        Claim::Claimed
-    ));
+    let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
     // The stale holder's large completion is refused and its staged entry removed.
     assert!(
         !s.complete(&k, &fp, &stale, &large(b's'), Duration::from_secs(60))
