@@ -610,6 +610,65 @@ async fn an_ipv6_upstream_is_reached() {
     assert_eq!(env.upstream.calls(), 1);
 }
 
+/// An upstream that closes a keep-alive connection after 50 ms idle (as Node.js does after 5 s):
+/// the pool must notice and open a new connection, not fail the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_the_upstream_closed_when_idle_are_not_reused() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (connections, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (conns, seen) = (connections.clone(), calls.clone());
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            conns.fetch_add(1, Ordering::SeqCst);
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+                    async move {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from(format!("call {n}"))),
+                        ))
+                    }
+                });
+                let mut http = hyper::server::conn::http1::Builder::new();
+                http.timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(Duration::from_millis(50));
+                let _ = http
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let config = common::config_for(Backend::Memory, None, &format!("http://{upstream}"), "")
+        .replace("[store]", "workers = 1\n\n[store]");
+    let gateway = common::Gateway::spawn(&config).await;
+    let client = common::client();
+    for i in 0..4 {
+        let url = format!("http://{}/v1/p", gateway.addr);
+        let pass = send(client.get(&url)).await;
+        assert_eq!(pass.status, 200, "{pass:?}");
+        let keyed = send(
+            client
+                .post(&url)
+                .header("idempotency-key", format!("idle-{i}"))
+                .body("x"),
+        )
+        .await;
+        assert_eq!(keyed.status, 200, "{keyed:?}");
+        // Longer than the upstream keeps an idle connection.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 8);
+    assert!(
+        connections.load(Ordering::SeqCst) >= 4,
+        "the upstream closed each idle connection"
+    );
+}
+
 /// The one record's value in Redis, for a test that wrote one.
 async fn only_record(conn: &mut redis::aio::MultiplexedConnection) -> Vec<u8> {
     let keys: Vec<String> = redis::cmd("KEYS")
