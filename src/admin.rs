@@ -75,6 +75,9 @@ async fn readyz<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
 }
 
 async fn metrics_text<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
+    if let Some((entries, bytes)) = s.store.local_cache_size() {
+        s.metrics.local_cache_size(entries, bytes);
+    }
     let mut resp = s.metrics.encode().into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -107,6 +107,8 @@ struct Inner {
     replayed_bytes: Counter,
     store_errors_passed: Counter,
     local_cache_hits: Counter,
+    local_cache_entries: Gauge,
+    local_cache_bytes: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -178,6 +180,18 @@ impl Metrics {
             "Replays served from this process's local cache of completed records, with no store round trip (Redis only)",
             local_cache_hits.clone(),
         );
+        let local_cache_entries = Gauge::default();
+        registry.register(
+            "idemgate_local_cache_entries",
+            "Completed records in this process's local cache (Redis only; read when scraped)",
+            local_cache_entries.clone(),
+        );
+        let local_cache_bytes = Gauge::default();
+        registry.register(
+            "idemgate_local_cache_bytes",
+            "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
+            local_cache_bytes.clone(),
+        );
         Metrics {
             inner: Arc::new(Inner {
                 registry,
@@ -189,6 +203,8 @@ impl Metrics {
                 replayed_bytes,
                 store_errors_passed,
                 local_cache_hits,
+                local_cache_entries,
+                local_cache_bytes,
             }),
         }
     }
@@ -244,6 +260,13 @@ impl Metrics {
     /// The counter of replays served from the local cache (given to the cache to count into).
     pub fn local_cache_hits(&self) -> Counter {
         self.inner.local_cache_hits.clone()
+    }
+
+    /// Record the local cache's size (entries, bytes), just before a scrape.
+    pub fn local_cache_size(&self, entries: u64, bytes: u64) {
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.inner.local_cache_entries.set(clamp(entries));
+        self.inner.local_cache_bytes.set(clamp(bytes));
     }
 
     /// The OpenMetrics text exposition of every family.

@@ -814,6 +814,17 @@ async fn replays_come_from_the_local_cache_without_a_round_trip() {
         metrics.contains("idemgate_local_cache_hits_total 5"),
         "{metrics}"
     );
+    // One record is cached (the warm-up key was never replayed), weighed with its response.
+    assert!(
+        metrics.contains("idemgate_local_cache_entries 1\n"),
+        "{metrics}"
+    );
+    let bytes: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_local_cache_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("idemgate_local_cache_bytes");
+    assert!(bytes > first.body.len() as u64 + 128, "{bytes}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

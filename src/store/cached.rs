@@ -101,6 +101,11 @@ impl LocalCache {
         self.cache.len()
     }
 
+    /// Bytes held now, as the cache weighs them (responses plus 128 bytes each).
+    pub fn bytes(&self) -> u64 {
+        self.cache.weight()
+    }
+
     /// Whether the cache is empty.
     pub fn is_empty(&self) -> bool {
         self.cache.len() == 0
@@ -246,6 +251,10 @@ impl<S: super::Inspect> super::Inspect for CachedStore<S> {
     async fn evict_all(&self) -> Result<u64, StoreError> {
         self.cache.clear();
         self.inner.evict_all().await
+    }
+
+    fn local_cache_size(&self) -> Option<(u64, u64)> {
+        Some((self.cache.len() as u64, self.cache.bytes()))
     }
 }
 

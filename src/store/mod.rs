@@ -107,4 +107,9 @@ pub trait Inspect: Store {
 
     /// Delete every record of this gateway (under the prefix); how many.
     fn evict_all(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The local cache in front of the store, if there is one: its entries and bytes.
+    fn local_cache_size(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
