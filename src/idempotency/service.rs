@@ -282,9 +282,13 @@ impl<S: Store> Inner<S> {
             Ok(body) => body,
             Err(e) => return (Outcome::rejected_invalid, Err(e), NO_UPSTREAM),
         };
-        let fingerprint = Fingerprint::of(&parts, &body);
-        let scoped = key.scoped(&parts.headers, &policy.scope_headers);
-        let token = Token::random();
+        let held = Held {
+            key: key.scoped(&parts.headers, &policy.scope_headers),
+            token: Token::random(),
+            fingerprint: Fingerprint::of(&parts, &body),
+            route: policy.clone(),
+            client_key: key,
+        };
         // Set once this request starts waiting for an in-flight duplicate (`on_in_flight = "wait"`).
         let mut waiting: Option<Waiting> = None;
 
@@ -293,7 +297,7 @@ impl<S: Store> Inner<S> {
                 .timed(
                     StoreOp::claim,
                     self.store
-                        .claim(&scoped, &fingerprint, &token, policy.lock_ttl),
+                        .claim(&held.key, &held.fingerprint, &held.token, policy.lock_ttl),
                 )
                 .await
             {
@@ -301,18 +305,12 @@ impl<S: Store> Inner<S> {
                 Err(e) => {
                     // The claim may still have been applied (an answer lost to a timeout): take
                     // it back in the background so the key does not sit claimed for a lease.
-                    let held = Held {
-                        key: scoped,
-                        token,
-                        fingerprint,
-                        route: policy.clone(),
-                        client_key: key.clone(),
-                    };
+                    let tag = held.tag();
                     let this = self.clone();
                     self.tasks.spawn(async move { this.take_back(&held).await });
                     match policy.on_store_error {
                         OnStoreError::Reject => {
-                            error!(error = %e, route = %policy.route, key = %key.short_hash(), "store unavailable; refusing the keyed request (on_store_error = reject)");
+                            error!(error = %e, route = %policy.route, key = %tag, "store unavailable; refusing the keyed request (on_store_error = reject)");
                             return (
                                 Outcome::store_error,
                                 Err(GatewayError::StoreUnavailable),
@@ -320,7 +318,7 @@ impl<S: Store> Inner<S> {
                             );
                         }
                         OnStoreError::Pass => {
-                            warn!(error = %e, route = %policy.route, key = %key.short_hash(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                            warn!(error = %e, route = %policy.route, key = %tag, "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
                             self.metrics.store_error_passed();
                             let req = Request::from_parts(parts, Body::from(body));
                             let (resp, upstream) = self.pass_through(req, &policy).await;
@@ -332,7 +330,7 @@ impl<S: Store> Inner<S> {
             match claim {
                 Claim::Existing(Entry {
                     fingerprint: other, ..
-                }) if other != fingerprint => {
+                }) if other != held.fingerprint => {
                     let e = GatewayError::Mismatch {
                         status: policy.mismatch_status,
                     };
@@ -385,13 +383,6 @@ impl<S: Store> Inner<S> {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     let this = self.clone();
                     this.metrics.in_flight().inc();
-                    let held = Held {
-                        key: scoped,
-                        token,
-                        fingerprint,
-                        route: policy,
-                        client_key: key,
-                    };
                     let work = async move {
                         let result = this.run_claimed(&held, parts, body).await;
                         this.metrics.in_flight().dec();
@@ -579,17 +570,19 @@ impl<S: Store> Inner<S> {
     /// Take back a claim whose answer was lost. It may still be applied after the error: stuck
     /// behind a stalled Redis, or sent on a connection that was replaced while the release goes
     /// on the new one, so that Redis may run the two in either order. So the release is tried
-    /// again as Redis recovers (0.1 s doubling, about 6 s in all) until it removes the claim.
-    /// Fenced by the token: it never removes anyone else's claim.
+    /// again as Redis recovers: six tries, 0.1 s apart doubling (3.1 s of pauses), until one
+    /// removes the claim. Fenced by the token: it never removes anyone else's claim.
     async fn take_back(&self, held: &Held) {
         let mut delay = Duration::from_millis(100);
-        for _ in 0..6 {
+        for attempt in 0..6 {
+            if attempt > 0 {
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
             if let Ok(true) = self.store.release(&held.key, &held.token).await {
                 debug!(route = %held.route.route, key = %held.tag(), "claim with a lost answer taken back");
                 return;
             }
-            tokio::time::sleep(delay).await;
-            delay *= 2;
         }
     }
 
