@@ -260,7 +260,7 @@ async fn evict<S: Inspect>(
     };
     match s.store.evict(&scoped).await {
         Ok(true) => {
-            tracing::warn!(store_key = %hex(&scoped.0[..6]), "admin evicted one record");
+            tracing::warn!(store_key = %scoped.store_name(), "admin evicted one record");
             Json(json!({ "evicted": 1 })).into_response()
         }
         Ok(false) => problem(

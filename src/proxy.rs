@@ -126,11 +126,16 @@ pub struct UpstreamBody {
 }
 
 impl UpstreamBody {
+    /// Return the connection to the pool (once).
+    fn give_back(&mut self) {
+        if let Some((sender, pool)) = self.back.take() {
+            pool.put(sender);
+        }
+    }
+
     fn give_back_if_done(&mut self) {
         if self.inner.is_end_stream() {
-            if let Some((sender, pool)) = self.back.take() {
-                pool.put(sender);
-            }
+            self.give_back();
         }
     }
 }
@@ -145,11 +150,7 @@ impl http_body::Body for UpstreamBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
         match &frame {
-            None => {
-                if let Some((sender, pool)) = self.back.take() {
-                    pool.put(sender);
-                }
-            }
+            None => self.give_back(),
             Some(Ok(_)) => self.give_back_if_done(),
             // A failed body leaves the connection unusable: it is dropped with the sender.
             Some(Err(_)) => self.back = None,
@@ -234,7 +235,7 @@ impl Upstream {
     ) -> Result<Response<UpstreamBody>, ForwardError> {
         // Origin form (`/path?query`), under the upstream's path prefix.
         let pq = req
-            .uri_mut()
+            .uri()
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));

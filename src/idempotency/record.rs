@@ -145,11 +145,7 @@ pub fn encode_with(
     state: &EntryState,
     compress: bool,
 ) -> Bytes {
-    let parts = encode_parts(fingerprint, token, state, compress);
-    let mut out = BytesMut::with_capacity(parts.len());
-    out.put_slice(&parts.head);
-    out.put_slice(&parts.body);
-    out.freeze()
+    encode_parts(fingerprint, token, state, compress).into_bytes()
 }
 
 /// An encoded entry in two parts, everything before the body and the body as stored, so that
@@ -165,6 +161,14 @@ impl Encoded<'_> {
     /// The length of the whole encoding.
     pub fn len(&self) -> usize {
         self.head.len() + self.body.len()
+    }
+
+    /// The whole encoding in one buffer.
+    pub fn into_bytes(self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.len());
+        out.put_slice(&self.head);
+        out.put_slice(&self.body);
+        out.freeze()
     }
 
     /// Whether it is empty (never: the fixed fields are always there).

@@ -426,8 +426,7 @@ impl Store for RedisStore {
         if parts.len() >= STAGE_FROM {
             return self.complete_staged(key, token, &parts, ttl).await;
         }
-        let mut entry = parts.head;
-        entry.extend_from_slice(&parts.body);
+        let entry = parts.into_bytes();
         let mut call = self.scripts.complete.prepare_invoke();
         call.key(self.redis_key(key))
             .arg(&token.0[..])
