@@ -28,6 +28,21 @@ fn requests(scrape: &str, outcome: &str) -> u64 {
         .map_or(0, |v| v.trim().parse().unwrap())
 }
 
+/// `method url` (an admin listener URL) with `token` as the bearer.
+async fn authed(
+    env: &TestEnv,
+    method: reqwest::Method,
+    url: impl reqwest::IntoUrl,
+    token: &str,
+) -> reqwest::Response {
+    env.client
+        .request(method, url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The status a request gets.
 async fn status(req: reqwest::RequestBuilder) -> u16 {
     req.send().await.unwrap().status().as_u16()
@@ -129,40 +144,34 @@ async fn key_api_requires_the_token(b: Backend) {
     let none = env.client.get(&url).send().await.unwrap();
     assert_eq!(none.status(), 401);
     assert!(none.headers().contains_key("www-authenticate"));
-    let wrong = env
-        .client
-        .get(&url)
-        .bearer_auth("test-admin-token-0123456780")
-        .send()
-        .await
-        .unwrap();
+    let wrong = authed(
+        &env,
+        reqwest::Method::GET,
+        &url,
+        "test-admin-token-0123456780",
+    )
+    .await;
     assert_eq!(wrong.status(), 401);
-    let right = env
-        .client
-        .get(&url)
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let right = authed(&env, reqwest::Method::GET, &url, TOKEN).await;
     assert_eq!(right.status(), 404, "authorised, and no such key");
-    let all = env
-        .client
-        .delete(admin_url(&env, "/keys"))
-        .bearer_auth("nope")
-        .send()
-        .await
-        .unwrap();
+    let all = authed(
+        &env,
+        reqwest::Method::DELETE,
+        admin_url(&env, "/keys"),
+        "nope",
+    )
+    .await;
     assert_eq!(all.status(), 401);
 
     // Without a token in the config the key API is off, health and metrics stay on.
     let env = TestEnv::start(b, "[admin]\nlisten = \"127.0.0.1:0\"\n").await;
-    let off = env
-        .client
-        .get(admin_url(&env, "/keys/k1"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let off = authed(
+        &env,
+        reqwest::Method::GET,
+        admin_url(&env, "/keys/k1"),
+        TOKEN,
+    )
+    .await;
     assert_eq!(off.status(), 404);
     assert!(off.text().await.unwrap().contains("admin-disabled"));
     assert_eq!(
@@ -186,13 +195,8 @@ async fn inspect_shows_the_record_and_trace(b: Backend) {
         "forwarded to the upstream"
     );
     let url = admin_url(&env, "/keys/inspect-me?authorization=Bearer%20alice");
-    let seen: serde_json::Value = env
-        .client
-        .get(&url)
-        .bearer_auth(TOKEN)
-        .send()
+    let seen: serde_json::Value = authed(&env, reqwest::Method::GET, &url, TOKEN)
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -203,32 +207,25 @@ async fn inspect_shows_the_record_and_trace(b: Backend) {
     assert!(seen["expires_in_ms"].as_u64().unwrap() > 86_000_000);
     assert!(seen["written_at"].as_str().unwrap().ends_with('Z'));
     assert!(seen.get("body_base64").is_none(), "no body unless asked");
-    let with_body: serde_json::Value = env
-        .client
-        .get(format!("{url}&body=1"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let with_body: serde_json::Value =
+        authed(&env, reqwest::Method::GET, format!("{url}&body=1"), TOKEN)
+            .await
+            .json()
+            .await
+            .unwrap();
     use base64::Engine;
     let body = base64::engine::general_purpose::STANDARD
         .decode(with_body["body_base64"].as_str().unwrap())
         .unwrap();
     assert_eq!(body, first.body.to_vec());
     // Another caller's scope does not see it.
-    let other = env
-        .client
-        .get(admin_url(
-            &env,
-            "/keys/inspect-me?authorization=Bearer%20bob",
-        ))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let other = authed(
+        &env,
+        reqwest::Method::GET,
+        admin_url(&env, "/keys/inspect-me?authorization=Bearer%20bob"),
+        TOKEN,
+    )
+    .await;
     assert_eq!(other.status(), 404);
 }
 
@@ -240,13 +237,13 @@ async fn eviction_lets_the_key_run_again(b: Backend) {
     assert!(send(env.post_keyed("/v1/p", "evict-me").body("x"))
         .await
         .replayed());
-    let gone = env
-        .client
-        .delete(admin_url(&env, "/keys/evict-me"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let gone = authed(
+        &env,
+        reqwest::Method::DELETE,
+        admin_url(&env, "/keys/evict-me"),
+        TOKEN,
+    )
+    .await;
     assert_eq!(gone.status(), 200);
     let again = send(env.post_keyed("/v1/p", "evict-me").body("x")).await;
     assert!(
@@ -255,28 +252,28 @@ async fn eviction_lets_the_key_run_again(b: Backend) {
     );
     assert_eq!(env.upstream.calls(), 4);
 
-    let refused = env
-        .client
-        .delete(admin_url(&env, "/keys"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let refused = authed(
+        &env,
+        reqwest::Method::DELETE,
+        admin_url(&env, "/keys"),
+        TOKEN,
+    )
+    .await;
     assert_eq!(
         refused.status(),
         400,
         "the emergency switch needs ?confirm=all"
     );
-    let all: serde_json::Value = env
-        .client
-        .delete(admin_url(&env, "/keys?confirm=all"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let all: serde_json::Value = authed(
+        &env,
+        reqwest::Method::DELETE,
+        admin_url(&env, "/keys?confirm=all"),
+        TOKEN,
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     assert_eq!(all["evicted"], 3);
     for key in ["evict-me", "other-1", "other-2"] {
         assert!(
