@@ -57,6 +57,27 @@ pub struct Report {
     pub errors: u64,
     pub elapsed: Duration,
     pub hist: Histogram<u64>,
+    /// CPU time per request of the processes involved, when the harness measured it.
+    pub cpu: Option<CpuPerRequest>,
+}
+
+/// CPU time per request, in µs, of each process in a phase (from the scheduler's exact
+/// accounting, see `procs::cpu_ns`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuPerRequest {
+    /// The proxy under test: the gateway, or nginx's workers (0 for direct).
+    pub proxy: f64,
+    pub upstream: f64,
+    pub redis: f64,
+    /// The load generator (the harness process).
+    pub load: f64,
+}
+
+impl CpuPerRequest {
+    /// All four together: what one request costs the machine.
+    pub fn all(&self) -> f64 {
+        self.proxy + self.upstream + self.redis + self.load
+    }
 }
 
 impl Report {
@@ -68,6 +89,7 @@ impl Report {
             errors: 0,
             elapsed: Duration::ZERO,
             hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+            cpu: None,
         }
     }
 

@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use load::{Keys, Pace, Report};
+use load::{CpuPerRequest, Keys, Pace, Report};
 
 #[derive(Parser)]
 #[command(about = "Benchmark idemgate against a direct upstream and nginx")]
@@ -137,6 +137,9 @@ struct Bench {
     rounds: usize,
     // The response body size of the phases being measured.
     size: usize,
+    // The upstream's and Redis's processes, for the CPU figures.
+    upstream_pids: Vec<u32>,
+    redis_pids: Vec<u32>,
 }
 
 impl Bench {
@@ -145,8 +148,20 @@ impl Bench {
         format!("{what}-{}-{}", std::process::id(), self.run_id)
     }
 
-    async fn closed(&self, addr: SocketAddr, keys: Keys) -> Report {
-        load::run(
+    /// A closed-loop run against `addr`, with the CPU time per request of `proxy` (the processes
+    /// under test), the upstream, Redis and the load generator (this process).
+    async fn closed(&self, addr: SocketAddr, keys: Keys, proxy: &[u32]) -> Report {
+        let me = [std::process::id()];
+        let sample = || {
+            [
+                procs::cpu_ns(proxy),
+                procs::cpu_ns(&self.upstream_pids),
+                procs::cpu_ns(&self.redis_pids),
+                procs::cpu_ns(&me),
+            ]
+        };
+        let before = sample();
+        let mut r = load::run(
             addr,
             "/v1/payments",
             keys,
@@ -154,7 +169,17 @@ impl Bench {
             self.secs,
             Pace::Closed,
         )
-        .await
+        .await;
+        let after = sample();
+        let per =
+            |i: usize| after[i].saturating_sub(before[i]) as f64 / 1e3 / r.requests.max(1) as f64;
+        r.cpu = Some(CpuPerRequest {
+            proxy: per(0),
+            upstream: per(1),
+            redis: per(2),
+            load: per(3),
+        });
+        r
     }
 
     async fn at_rate(&self, addr: SocketAddr, keys: Keys, rate: f64) -> Report {
@@ -192,11 +217,14 @@ async fn bench(cli: Cli) -> ExitCode {
         run_id: 0,
         rounds: cli.rounds.unwrap_or(if cli.quick { 1 } else { 3 }),
         size: 1024,
+        upstream_pids: Vec::new(),
+        redis_pids: Vec::new(),
     };
     let soak = cli.soak.unwrap_or(if cli.quick { 0 } else { 120 });
     let dir = tempfile::tempdir().unwrap();
     let redis = procs::redis(dir.path());
     let redis_url = format!("redis://{}/0", redis.addr);
+    b.redis_pids = redis.pids();
     let mut redis_conn = redis::Client::open(redis_url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -220,25 +248,45 @@ async fn bench(cli: Cli) -> ExitCode {
         let nginx = procs::nginx(dir.path(), up.addr);
         let mem = procs::gateway(dir.path(), "memory", up.addr, "");
         let red = procs::gateway(dir.path(), &redis_url, up.addr, "");
+        b.upstream_pids = up.pids();
+        let (nginx_pids, mem_pids, red_pids) = (nginx.pids(), mem.pids(), red.pids());
 
         // Closed loop: the most each can do.
         let unique = || Keys::Unique(String::new());
         let hot = || Keys::Hot(String::new(), 1000);
-        phase(&mut b, "direct to upstream", up.addr, Keys::None, None).await;
-        phase(&mut b, "nginx proxy", nginx.addr, Keys::None, None).await;
+        phase(&mut b, "direct to upstream", up.addr, &[], Keys::None, None).await;
         phase(
             &mut b,
-            "gateway pass-through (no key)",
-            mem.addr,
+            "nginx proxy",
+            nginx.addr,
+            &nginx_pids,
             Keys::None,
             None,
         )
         .await;
-        phase(&mut b, "gateway miss, memory", mem.addr, unique(), None).await;
+        phase(
+            &mut b,
+            "gateway pass-through (no key)",
+            mem.addr,
+            &mem_pids,
+            Keys::None,
+            None,
+        )
+        .await;
+        phase(
+            &mut b,
+            "gateway miss, memory",
+            mem.addr,
+            &mem_pids,
+            unique(),
+            None,
+        )
+        .await;
         phase(
             &mut b,
             "gateway miss, redis",
             red.addr,
+            &red_pids,
             unique(),
             Some((&mut redis_conn, red.admin.unwrap())),
         )
@@ -251,11 +299,20 @@ async fn bench(cli: Cli) -> ExitCode {
             size,
         )
         .await;
-        phase(&mut b, "gateway replay, memory", mem.addr, hot(), None).await;
+        phase(
+            &mut b,
+            "gateway replay, memory",
+            mem.addr,
+            &mem_pids,
+            hot(),
+            None,
+        )
+        .await;
         phase(
             &mut b,
             "gateway replay, redis",
             red.addr,
+            &red_pids,
             hot(),
             Some((&mut redis_conn, red.admin.unwrap())),
         )
@@ -270,11 +327,19 @@ async fn bench(cli: Cli) -> ExitCode {
             s if s.contains("redis") => red.addr,
             _ => mem.addr,
         };
+        let pids_of = |scenario: &str| -> &[u32] {
+            match scenario {
+                "direct to upstream" => &[],
+                "nginx proxy" => &nginx_pids,
+                s if s.contains("redis") => &red_pids,
+                _ => &mem_pids,
+            }
+        };
         for round in 1..b.rounds {
             for i in start..b.rows.len() {
                 let scenario = b.rows[i].scenario.clone();
                 let keys = keys_for(&scenario, &mut b);
-                let r = b.closed(addr_of(&scenario), keys).await;
+                let r = b.closed(addr_of(&scenario), keys, pids_of(&scenario)).await;
                 b.check(&format!("{scenario} (round {})", round + 1), &r, false);
                 eprintln!(
                     "  {scenario:<34} {:>9.0} req/s  (round {})",
@@ -353,6 +418,7 @@ async fn phase(
     b: &mut Bench,
     scenario: &str,
     addr: SocketAddr,
+    proxy: &[u32],
     keys: Keys,
     redis: Option<(&mut redis::aio::MultiplexedConnection, SocketAddr)>,
 ) -> Report {
@@ -379,7 +445,7 @@ async fn phase(
     let r = match redis {
         Some((conn, admin)) => {
             let (before, trips_before) = (commandstats(conn).await, round_trips(admin));
-            let r = b.closed(addr, keys).await;
+            let r = b.closed(addr, keys, proxy).await;
             let (after, trips_after) = (commandstats(conn).await, round_trips(admin));
             let trips = (trips_after - trips_before) as f64 / r.requests.max(1) as f64;
             b.notes.push(per_request(
@@ -387,7 +453,7 @@ async fn phase(
             ));
             r
         }
-        None => b.closed(addr, keys).await,
+        None => b.closed(addr, keys, proxy).await,
     };
     b.check(scenario, &r, false);
     eprintln!(
@@ -719,10 +785,10 @@ fn human(size: usize) -> String {
 
 fn print_table(b: &Bench) {
     println!(
-        "\n| scenario | body | req/s (median of {}) | rounds req/s | p50 ms | p99 ms | p99.9 ms | added p50 ms @rate | added p99 ms @rate | 409s + errors |",
+        "\n| scenario | body | req/s (median of {}) | rounds req/s | p50 ms | p99 ms | p99.9 ms | added p50 ms @rate | added p99 ms @rate | proxy CPU µs/req | all CPU µs/req | 409s + errors |",
         b.rounds
     );
-    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut direct_rate: HashMap<usize, (f64, f64)> = HashMap::new();
     for row in &b.rows {
         if row.scenario == "direct to upstream" {
@@ -749,8 +815,12 @@ fn print_table(b: &Bench) {
             .iter()
             .map(|x| format!("{:.0}", x.rps()))
             .collect();
+        let (proxy_cpu, all_cpu) = match r.cpu {
+            Some(c) => (format!("{:.1}", c.proxy), format!("{:.1}", c.all())),
+            None => (String::new(), String::new()),
+        };
         println!(
-            "| {} | {} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} |",
             row.scenario,
             human(row.body),
             r.rps(),
@@ -760,39 +830,63 @@ fn print_table(b: &Bench) {
             r.ms(0.999),
             added50,
             added99,
+            proxy_cpu,
+            all_cpu,
             r.conflicts + r.errors
         );
     }
-    println!("\nratios (same run):");
+    println!(
+        "\nCPU per request, µs (median round; proxy + upstream + Redis + load generator = all):"
+    );
+    for row in &b.rows {
+        if let Some(c) = row.closed.cpu {
+            println!(
+                "- {}, {}: {:.1} + {:.1} + {:.1} + {:.1} = {:.1}",
+                row.scenario,
+                human(row.body),
+                c.proxy,
+                c.upstream,
+                c.redis,
+                c.load,
+                c.all()
+            );
+        }
+    }
+    println!("\nratios (same run; in brackets the same ratio from CPU per request of all processes, which noise moves less):");
     for &size in &[1024usize, 65536] {
         let get = |name: &str| {
             b.rows
                 .iter()
                 .find(|r| r.body == size && r.scenario == name)
-                .map(|r| r.closed.rps())
+                .map(|r| (r.closed.rps(), r.closed.cpu.map(|c| c.all()).unwrap_or(0.0)))
         };
         let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
         else {
             continue;
         };
+        // Throughput ratio a / b, and the one CPU predicts: b's CPU per request / a's.
+        let ratio = |a: (f64, f64), b: (f64, f64)| {
+            let by_cpu = if a.1 > 0.0 { b.1 / a.1 } else { 0.0 };
+            format!("{:.2} [{by_cpu:.2}]", a.0 / b.0)
+        };
         println!(
-            "- {}: pass-through / nginx = {:.2} (target >= 1.0)",
+            "- {}: pass-through / nginx = {} (target >= 1.0)",
             human(size),
-            pass / nginx
+            ratio(pass, nginx)
         );
         for store in ["memory", "redis"] {
             if let Some(replay) = get(&format!("gateway replay, {store}")) {
                 println!(
-                    "- {}: replay ({store}) / nginx = {:.2} (target >= 1.0)",
+                    "- {}: replay ({store}) / nginx = {} (target >= 1.0)",
                     human(size),
-                    replay / nginx
+                    ratio(replay, nginx)
                 );
             }
             if let Some(miss) = get(&format!("gateway miss, {store}")) {
                 println!(
-                    "- {}: miss ({store}) / pass-through = {:.2} (target >= 0.6)",
+                    "- {}: miss ({store}) / pass-through = {} (target >= 0.6)",
                     human(size),
-                    miss / pass
+                    ratio(miss, pass)
                 );
             }
         }
