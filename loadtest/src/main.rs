@@ -102,10 +102,12 @@ fn main() -> ExitCode {
             Pace::Closed,
         ));
         println!(
-            "{:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, {} 409s, {} errors",
+            "{:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
             r.rps(),
             r.ms(0.5),
             r.ms(0.99),
+            r.ms(0.999),
+            r.ms(1.0),
             r.conflicts,
             r.errors
         );

@@ -90,7 +90,7 @@ impl IdempotencyKey {
 }
 
 /// The hashed (key, scope) pair that addresses a record in the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ScopedKey(pub [u8; 32]);
 
 impl ScopedKey {

@@ -1,11 +1,12 @@
 //! The embedded store: a map in this process. Zero setup; lost when the process exits.
 //!
 //! Bounded twice: by `max_entries` and by `max_bytes` of stored responses. Past either bound the
-//! completed records closest to expiry are evicted (about a tenth at once, so the scan is
-//! amortised); in-flight claims never are. When only claims remain, a new claim is refused
-//! ([`StoreError::Full`]) rather than the map growing without bound.
+//! completed records closest to expiry are evicted, one by one as room is needed (an index by
+//! expiry finds them, so no operation scans the map); in-flight claims never are. When only
+//! claims remain, a new claim is refused ([`StoreError::Full`]) rather than the map growing
+//! without bound.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,6 +39,12 @@ struct Table {
     map: HashMap<ScopedKey, Slot>,
     // Sum of the slots' weights, kept in step with `map`.
     bytes: u64,
+    // The slots by expiry, claims and completed records apart (each slot in one of the two, kept
+    // in step with `map`): purging pops the fronts, making room pops the records' front. A full
+    // scan and sort under the lock stalled every worker for tens of ms each time the store
+    // reached its bound.
+    claims: BTreeSet<(Instant, ScopedKey)>,
+    records: BTreeSet<(Instant, ScopedKey)>,
 }
 
 #[derive(Debug)]
@@ -68,29 +75,54 @@ impl Slot {
 }
 
 impl Table {
-    fn insert(&mut self, key: ScopedKey, slot: Slot) {
-        self.bytes += slot.weight();
-        if let Some(old) = self.map.insert(key, slot) {
-            self.bytes -= old.weight();
+    fn index(&mut self, state: &EntryState) -> &mut BTreeSet<(Instant, ScopedKey)> {
+        match state {
+            EntryState::InFlight => &mut self.claims,
+            _ => &mut self.records,
         }
+    }
+
+    fn insert(&mut self, key: ScopedKey, slot: Slot) {
+        self.remove(&key);
+        self.bytes += slot.weight();
+        self.index(&slot.entry.state).insert((slot.expires_at, key));
+        self.map.insert(key, slot);
     }
 
     fn remove(&mut self, key: &ScopedKey) -> Option<Slot> {
         let slot = self.map.remove(key)?;
         self.bytes -= slot.weight();
+        self.index(&slot.entry.state)
+            .remove(&(slot.expires_at, *key));
         Some(slot)
     }
 
+    /// Move a claim's expiry (a renewed lease).
+    fn extend(&mut self, key: &ScopedKey, expires_at: Instant) {
+        if let Some(slot) = self.map.get_mut(key) {
+            let was = std::mem::replace(&mut slot.expires_at, expires_at);
+            let index = match slot.entry.state {
+                EntryState::InFlight => &mut self.claims,
+                _ => &mut self.records,
+            };
+            index.remove(&(was, *key));
+            index.insert((expires_at, *key));
+        }
+    }
+
     fn purge_expired(&mut self, now: Instant) {
-        let mut freed = 0;
-        self.map.retain(|_, s| {
-            let keep = s.expires_at > now;
-            if !keep {
-                freed += s.weight();
+        while let Some(&(at, key)) = self.claims.first() {
+            if at > now {
+                break;
             }
-            keep
-        });
-        self.bytes -= freed;
+            self.remove(&key);
+        }
+        while let Some(&(at, key)) = self.records.first() {
+            if at > now {
+                break;
+            }
+            self.remove(&key);
+        }
     }
 
     /// Bring the table under both bounds (leaving room for one more entry when `adding`):
@@ -108,31 +140,20 @@ impl Table {
             return Ok(());
         }
         self.purge_expired(now);
-        if !over(self) {
-            return Ok(());
-        }
-        let mut completed: Vec<(Instant, ScopedKey)> = self
-            .map
-            .iter()
-            .filter(|(_, s)| !matches!(s.entry.state, EntryState::InFlight))
-            .map(|(k, s)| (s.expires_at, *k))
-            .collect();
-        completed.sort_unstable_by_key(|(expires_at, _)| *expires_at);
-        // Evict to 90% of each bound, so the next overflow is a tenth of the bound away.
-        let (entries_goal, bytes_goal) =
-            (max_entries - max_entries / 10, max_bytes - max_bytes / 10);
         let mut evicted = 0;
-        for (_, k) in &completed {
-            if self.map.len() + usize::from(adding) <= entries_goal && self.bytes <= bytes_goal {
+        while over(self) {
+            let Some(&(_, key)) = self.records.first() else {
                 break;
-            }
-            self.remove(k);
+            };
+            self.remove(&key);
             evicted += 1;
         }
-        tracing::debug!(
-            evicted,
-            "memory store at its bounds; evicted completed records"
-        );
+        if evicted > 0 {
+            tracing::debug!(
+                evicted,
+                "memory store at its bounds; evicted completed records"
+            );
+        }
         if adding && self.map.len() >= max_entries {
             return Err(StoreError::Full);
         }
@@ -156,7 +177,13 @@ impl MemoryStore {
     pub fn with_limits(max_entries: usize, max_bytes: u64) -> Self {
         MemoryStore {
             shared: Arc::new(Shared {
-                table: Mutex::new(Table::default()),
+                // Sized for the bound up front (up to a million slots): growing by doubling
+                // rehashes the whole map under the lock, a stall of tens of ms for every worker
+                // at each doubling past 50,000 slots. Untouched pages cost address space only.
+                table: Mutex::new(Table {
+                    map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
+                    ..Table::default()
+                }),
                 max_entries: max_entries.max(1),
                 max_bytes: max_bytes.max(1),
             }),
@@ -173,7 +200,10 @@ impl MemoryStore {
     pub fn purge_all(&self) -> usize {
         let mut t = self.lock();
         let n = t.map.len();
-        *t = Table::default();
+        t.map.clear();
+        t.claims.clear();
+        t.records.clear();
+        t.bytes = 0;
         n
     }
 
@@ -281,18 +311,19 @@ impl Store for MemoryStore {
         state: &EntryState,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        // Kept in memory: detached from the upstream connection's read buffers, so the record
+        // holds only its own bytes. Copied before the lock is taken, not while every worker
+        // waits on it.
+        let state = match state {
+            EntryState::Completed(r) => EntryState::Completed(r.detached()),
+            other => other.clone(),
+        };
         let now = Instant::now();
         let mut t = self.lock();
         let ours = matches!(t.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight));
         if !ours {
             return Ok(false);
         }
-        // Kept in memory: detached from the upstream connection's read buffers, so the record
-        // holds only its own bytes.
-        let state = match state {
-            EntryState::Completed(r) => EntryState::Completed(r.detached()),
-            other => other.clone(),
-        };
         let slot = Slot {
             token: *token,
             entry: Entry {
@@ -325,17 +356,11 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut t = self.lock();
-        match t.map.get_mut(key) {
-            Some(s)
-                if s.expires_at > now
-                    && s.token == *token
-                    && matches!(s.entry.state, EntryState::InFlight) =>
-            {
-                s.expires_at = now + lease;
-                Ok(true)
-            }
-            _ => Ok(false),
+        let ours = matches!(t.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        if ours {
+            t.extend(key, now + lease);
         }
+        Ok(ours)
     }
 }
 
@@ -440,5 +465,67 @@ mod tests {
         tokio::time::advance(Duration::from_secs(2)).await;
         store.purge_expired();
         assert!(store.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewed_claim_is_purged_at_its_new_expiry_not_its_first() {
+        let store = MemoryStore::new();
+        let (fp, t) = (Fingerprint([0; 32]), Token([1; 16]));
+        let lease = Duration::from_secs(10);
+        store.claim(&key(1), &fp, &t, lease).await.unwrap();
+        tokio::time::advance(Duration::from_secs(8)).await;
+        assert!(store.renew(&key(1), &t, lease).await.unwrap());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        store.purge_expired();
+        assert_eq!(store.len(), 1, "purged at the first lease's end");
+        tokio::time::advance(Duration::from_secs(6)).await;
+        store.purge_expired();
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_expiry_index_stays_in_step_with_the_map() {
+        let store = MemoryStore::with_limits(50, u64::MAX);
+        let fp = Fingerprint([0; 32]);
+        let lease = Duration::from_secs(5);
+        for i in 0..400u32 {
+            let t = Token([(i % 251) as u8; 16]);
+            store.claim(&key(i % 97), &fp, &t, lease).await.ok();
+            match i % 4 {
+                0 => {
+                    store
+                        .complete(
+                            &key(i % 97),
+                            &fp,
+                            &t,
+                            &EntryState::NotReplayable,
+                            lease * (1 + i % 3),
+                        )
+                        .await
+                        .unwrap();
+                }
+                1 => {
+                    store.release(&key(i % 97), &t).await.unwrap();
+                }
+                2 => {
+                    store.renew(&key(i % 97), &t, lease * 2).await.unwrap();
+                }
+                _ => {}
+            }
+            if i % 50 == 0 {
+                tokio::time::advance(Duration::from_secs(3)).await;
+                store.purge_expired();
+            }
+            let t = store.lock();
+            assert_eq!(
+                t.map.len(),
+                t.claims.len() + t.records.len(),
+                "after step {i}"
+            );
+            assert!(t.map.len() <= 50);
+            for (at, k) in t.claims.iter().chain(t.records.iter()) {
+                assert_eq!(t.map[k].expires_at, *at, "after step {i}");
+            }
+        }
     }
 }
