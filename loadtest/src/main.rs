@@ -58,6 +58,9 @@ enum Cmd {
         secs: f64,
         #[arg(long, default_value_t = 64)]
         connections: usize,
+        /// Requests per second in all (open loop); without it, as fast as answered.
+        #[arg(long)]
+        rate: Option<f64>,
     },
 }
 
@@ -86,6 +89,7 @@ fn main() -> ExitCode {
         keys,
         secs,
         connections,
+        rate,
     }) = cli.command
     {
         let keys = match keys.as_str() {
@@ -99,7 +103,7 @@ fn main() -> ExitCode {
             keys,
             connections,
             Duration::from_secs_f64(secs),
-            Pace::Closed,
+            rate.map_or(Pace::Closed, Pace::Rate),
         ));
         println!(
             "{:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
