@@ -23,12 +23,14 @@ impl Proc {
     pub fn pids(&self) -> Vec<u32> {
         let pid = self.pid();
         let mut pids = vec![pid];
-        if let Ok(children) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-            pids.extend(
+        match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+            Ok(children) => pids.extend(
                 children
                     .split_whitespace()
                     .filter_map(|c| c.parse::<u32>().ok()),
-            );
+            ),
+            // A kernel without CONFIG_PROC_CHILDREN: find them by their parent.
+            Err(_) => pids.extend(children_by_ppid(pid)),
         }
         pids
     }
@@ -56,6 +58,26 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn children_by_ppid(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // Field 4 of /proc/<pid>/stat, after the parenthesised command name.
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    let rest = &s[s.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
 }
 
 pub fn rss_kib(pid: u32) -> u64 {
@@ -266,4 +288,35 @@ pub fn gateway_with_prefix(
     );
     proc.admin = Some(admin);
     proc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_children_by_their_parent_as_the_kernel_lists_them() {
+        let mut sh = Command::new("sh")
+            .args(["-c", "sleep 5 & sleep 5 & wait"])
+            .spawn()
+            .unwrap();
+        let pid = sh.id();
+        std::thread::sleep(Duration::from_millis(300));
+        let mut by_ppid = children_by_ppid(pid);
+        by_ppid.sort();
+        assert_eq!(by_ppid.len(), 2, "{by_ppid:?}");
+        if let Ok(listed) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+            let mut listed: Vec<u32> = listed
+                .split_whitespace()
+                .map(|c| c.parse().unwrap())
+                .collect();
+            listed.sort();
+            assert_eq!(by_ppid, listed);
+        }
+        for child in &by_ppid {
+            let _ = Command::new("kill").arg(child.to_string()).status();
+        }
+        sh.wait().unwrap();
+        assert!(cpu_ns(&[std::process::id()]) > 0);
+    }
 }
