@@ -57,6 +57,10 @@ struct Slot {
     expires_at: Instant,
 }
 
+/// What an entry costs besides its response: its map bucket and its place in the expiry index
+/// (checked against the types' sizes by a test).
+const SLOT_OVERHEAD: u64 = 224;
+
 impl Slot {
     /// What the slot costs, roughly: a fixed overhead plus the stored response.
     fn weight(&self) -> u64 {
@@ -70,7 +74,7 @@ impl Slot {
             }
             _ => 0,
         };
-        (160 + response) as u64
+        SLOT_OVERHEAD + response as u64
     }
 }
 
@@ -465,6 +469,18 @@ mod tests {
         tokio::time::advance(Duration::from_secs(2)).await;
         store.purge_expired();
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn the_fixed_weight_covers_a_slot_and_its_index_entry() {
+        // A map bucket (key and slot, at hashbrown's 7/8 load) plus the expiry index's entry
+        // (with B-tree node overhead, about a tenth).
+        let bucket = (std::mem::size_of::<ScopedKey>() + std::mem::size_of::<Slot>()) * 8 / 7;
+        let index = std::mem::size_of::<(Instant, ScopedKey)>() * 11 / 10;
+        assert!(
+            (bucket + index) as u64 <= SLOT_OVERHEAD,
+            "{bucket} + {index} > {SLOT_OVERHEAD}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
