@@ -4,12 +4,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use http::Request;
-use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
@@ -19,7 +15,6 @@ use crate::config::{Config, StoreBackend};
 use crate::idempotency::{Gateway, RouteTable};
 use crate::metrics::Metrics;
 use crate::store::{CachedStore, LocalCache, MemoryStore, RedisStore, Store, StoreError};
-use tower::ServiceExt;
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -357,12 +352,7 @@ async fn worker<S: Store>(
             _ = stop.wait_for(|stop| *stop) => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(
-            gateway
-                .clone()
-                .map_request(|req: Request<Incoming>| req.map(Body::new)),
-        );
-        let conn = http.serve_connection(TokioIo::new(stream), service);
+        let conn = http.serve_connection(TokioIo::new(stream), gateway.clone());
         tokio::spawn(graceful.watch(conn));
     }
     drop(listener);

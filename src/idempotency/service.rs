@@ -194,6 +194,19 @@ impl<S: Store> tower::Service<Request<Body>> for Gateway<S> {
     }
 }
 
+/// The same service as hyper calls it, straight on the connection's requests: without tower's
+/// adapter (its `Oneshot` and `MapRequest` wrappers around every request's future).
+impl<S: Store> hyper::service::Service<Request<hyper::body::Incoming>> for Gateway<S> {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn call(&self, req: Request<hyper::body::Incoming>) -> Self::Future {
+        let inner = self.inner.clone();
+        Box::pin(async move { Ok(inner.handle(req.map(Body::new)).await) })
+    }
+}
+
 /// What came back from the upstream for a claimed request.
 enum UpstreamResult {
     /// Nothing was sent (connection refused): safe to run again.
