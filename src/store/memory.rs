@@ -101,17 +101,17 @@ impl Table {
         Some(slot)
     }
 
-    /// Move a claim's expiry (a renewed lease).
+    /// Move a slot's expiry (a renewed lease), in the index too.
     fn extend(&mut self, key: &ScopedKey, expires_at: Instant) {
-        if let Some(slot) = self.map.get_mut(key) {
-            let was = std::mem::replace(&mut slot.expires_at, expires_at);
-            let index = match slot.entry.state {
-                EntryState::InFlight => &mut self.claims,
-                _ => &mut self.records,
-            };
-            index.remove(&(was, *key));
-            index.insert((expires_at, *key));
+        if let Some(mut slot) = self.remove(key) {
+            slot.expires_at = expires_at;
+            self.insert(*key, slot);
         }
+    }
+
+    /// Whether `key` is an unexpired in-flight claim made with `token`.
+    fn claimed_by(&self, key: &ScopedKey, token: &Token, now: Instant) -> bool {
+        matches!(self.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight))
     }
 
     fn purge_expired(&mut self, now: Instant) {
@@ -324,7 +324,7 @@ impl Store for MemoryStore {
         };
         let now = Instant::now();
         let mut t = self.lock();
-        let ours = matches!(t.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        let ours = t.claimed_by(key, token, now);
         if !ours {
             return Ok(false);
         }
@@ -360,7 +360,7 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut t = self.lock();
-        let ours = matches!(t.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        let ours = t.claimed_by(key, token, now);
         if ours {
             t.extend(key, now + lease);
         }
