@@ -329,25 +329,21 @@ async fn bench(cli: Cli) -> ExitCode {
         // More rounds, interleaved across the scenarios, so that the machine's drift (it is
         // shared and noisy) hits every scenario alike; each row keeps its median round.
         let start = b.rows.len() - 7;
-        let addr_of = |scenario: &str| match scenario {
-            "direct to upstream" => up.addr,
-            "nginx proxy" => nginx.addr,
-            s if s.contains("redis") => red.addr,
-            _ => mem.addr,
-        };
-        let pids_of = |scenario: &str| -> &[u32] {
+        // Where each scenario sends its load, and the processes it measures.
+        let target = |scenario: &str| -> (SocketAddr, &[u32]) {
             match scenario {
-                "direct to upstream" => &[],
-                "nginx proxy" => &nginx_pids,
-                s if s.contains("redis") => &red_pids,
-                _ => &mem_pids,
+                "direct to upstream" => (up.addr, &[]),
+                "nginx proxy" => (nginx.addr, &nginx_pids),
+                s if s.contains("redis") => (red.addr, &red_pids),
+                _ => (mem.addr, &mem_pids),
             }
         };
         for round in 1..b.rounds {
             for i in start..b.rows.len() {
                 let scenario = b.rows[i].scenario.clone();
                 let keys = keys_for(&scenario, &mut b);
-                let r = b.closed(addr_of(&scenario), keys, pids_of(&scenario)).await;
+                let (addr, pids) = target(&scenario);
+                let r = b.closed(addr, keys, pids).await;
                 b.check(&format!("{scenario} (round {})", round + 1), &r, false);
                 eprintln!(
                     "  {scenario:<34} {:>9.0} req/s  (round {})",
@@ -374,7 +370,7 @@ async fn bench(cli: Cli) -> ExitCode {
         let rate = (slowest / 2.0).max(100.0);
         for i in start..b.rows.len() {
             let scenario = b.rows[i].scenario.clone();
-            let addr = addr_of(&scenario);
+            let (addr, _) = target(&scenario);
             let keys = keys_for(&scenario, &mut b);
             let r = b.at_rate(addr, keys, rate).await;
             b.check(
