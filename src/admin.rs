@@ -113,7 +113,7 @@ fn authorize<S>(s: &AdminState<S>, headers: &HeaderMap) -> Result<(), Response> 
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .unwrap_or("");
     if constant_time_eq(given.as_bytes(), expected.as_bytes()) {
         Ok(())
@@ -129,6 +129,15 @@ fn authorize<S>(s: &AdminState<S>, headers: &HeaderMap) -> Result<(), Response> 
         );
         Err(resp)
     }
+}
+
+/// The credentials of a `Bearer` authorization: the scheme is case-insensitive and may be
+/// followed by several spaces (RFC 9110 section 11.1 and 11.4).
+fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
 }
 
 /// Compare without an early exit, so timing does not reveal how much of the token matched.

@@ -18,6 +18,16 @@ pub enum GatewayError {
     /// 400: the request body could not be read.
     #[error("the request body could not be read")]
     InvalidBody,
+    /// 400: the request's framing is invalid (`Transfer-Encoding: chunked` applied twice).
+    #[error("{0}")]
+    InvalidFraming(&'static str),
+    /// 501: the request uses a transfer coding other than `chunked`, which the gateway does not
+    /// decode (it never forwards a body relabelled).
+    #[error("the only transfer coding accepted is chunked, applied once")]
+    UnsupportedTransferCoding,
+    /// 501: a method the gateway does not proxy (`CONNECT`: it is no tunnel).
+    #[error("{0} is not supported: idemgate is a reverse proxy, not a tunnel")]
+    UnsupportedMethod(http::Method),
     /// 413: a keyed request's body is larger than the route's `max_body`.
     #[error("the request body is larger than {limit} bytes, the limit for idempotent requests")]
     BodyTooLarge {
@@ -45,6 +55,10 @@ pub enum GatewayError {
     /// 504: the upstream did not answer within `upstream_timeout`.
     #[error("the upstream did not answer in time")]
     UpstreamTimeout,
+    /// 500: the stored record of this key is damaged (its body disagrees with its declared
+    /// length, or it cannot be decoded). Refused rather than sent; the request is not run again.
+    #[error("the stored response for this Idempotency-Key is damaged and cannot be replayed; the request was not run again")]
+    CorruptRecord,
     /// 503 with `Retry-After`: the idempotency store is unavailable; nothing was forwarded.
     #[error("the idempotency store is unavailable; nothing was forwarded, retry later")]
     StoreUnavailable,
@@ -54,7 +68,14 @@ impl GatewayError {
     /// The HTTP status of this answer.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidKey(_) | Self::MissingKey | Self::InvalidBody => StatusCode::BAD_REQUEST,
+            Self::InvalidKey(_)
+            | Self::MissingKey
+            | Self::InvalidBody
+            | Self::InvalidFraming(_) => StatusCode::BAD_REQUEST,
+            Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
+                StatusCode::NOT_IMPLEMENTED
+            }
+            Self::CorruptRecord => StatusCode::INTERNAL_SERVER_ERROR,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
@@ -70,6 +91,10 @@ impl GatewayError {
             Self::InvalidKey(_) => "invalid-key",
             Self::MissingKey => "missing-key",
             Self::InvalidBody => "invalid-body",
+            Self::InvalidFraming(_) => "invalid-framing",
+            Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
+            Self::UnsupportedMethod(_) => "unsupported-method",
+            Self::CorruptRecord => "corrupt-record",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::Mismatch { .. } => "mismatch",
             Self::InFlight { .. } => "in-flight",
@@ -85,6 +110,10 @@ impl GatewayError {
             Self::InvalidKey(_) => "Invalid Idempotency-Key",
             Self::MissingKey => "Idempotency-Key required",
             Self::InvalidBody => "Unreadable request body",
+            Self::InvalidFraming(_) => "Invalid message framing",
+            Self::UnsupportedTransferCoding => "Transfer coding not supported",
+            Self::UnsupportedMethod(_) => "Method not supported",
+            Self::CorruptRecord => "Stored response damaged",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",

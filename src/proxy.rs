@@ -23,6 +23,8 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
+use crate::error::GatewayError;
+
 /// A boxed error, for messages.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -228,7 +230,8 @@ impl Upstream {
         Ok((self.connect().await?, false))
     }
 
-    /// Send a request (hop-by-hop headers are stripped here).
+    /// Send a request. Hop-by-hop headers are stripped here, from the request and from the
+    /// response, and the response's head is made safe to relay (see [`relayable`]).
     pub async fn forward(
         &self,
         mut req: Request<Body>,
@@ -246,7 +249,7 @@ impl Upstream {
                 .parse()
                 .expect("prefix + valid path")
         };
-        strip_hop_by_hop(req.headers_mut());
+        relayable(req.headers_mut());
         // The upstream's own authority, as nginx's default `proxy_set_header Host $proxy_host`.
         if let Some(host) = req.headers_mut().insert(header::HOST, self.host.clone()) {
             req.headers_mut()
@@ -271,7 +274,8 @@ impl Upstream {
                 None => return Err(ForwardError::Other(e.into_error().into())),
             },
         };
-        let (head, body) = resp.into_parts();
+        let (mut head, body) = resp.into_parts();
+        relayable(&mut head.headers);
         let mut body = UpstreamBody {
             inner: body,
             back: Some((sender, self.pool.clone())),
@@ -293,6 +297,40 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
+
+/// Make a message's head safe to pass on: with `Transfer-Encoding` the length came from the
+/// chunked framing hyper decoded, so a `Content-Length` beside it is stale (RFC 9112 section 6.3)
+/// and goes, before the hop-by-hop headers do. The next hop frames the body anew.
+pub fn relayable(headers: &mut HeaderMap) {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    strip_hop_by_hop(headers);
+}
+
+/// Refuse a request whose transfer codings the gateway would not relay faithfully (RFC 9112
+/// section 6.1): `chunked` applied more than once is invalid (400), and any other coding is one
+/// the gateway does not decode (501), so forwarding it would drop its label.
+pub fn check_transfer_coding(headers: &HeaderMap) -> Result<(), GatewayError> {
+    let mut chunked = 0;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let value = value
+            .to_str()
+            .map_err(|_| GatewayError::UnsupportedTransferCoding)?;
+        for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if !coding.eq_ignore_ascii_case("chunked") {
+                return Err(GatewayError::UnsupportedTransferCoding);
+            }
+            chunked += 1;
+        }
+    }
+    if chunked > 1 {
+        return Err(GatewayError::InvalidFraming(
+            "Transfer-Encoding: chunked may be applied only once",
+        ));
+    }
+    Ok(())
+}
 
 /// Remove the hop-by-hop headers and every header that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -344,5 +382,43 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn a_length_beside_chunked_is_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        relayable(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        relayable(&mut h);
+        assert_eq!(
+            h[header::CONTENT_LENGTH],
+            "5",
+            "a length alone is the framing"
+        );
+    }
+
+    #[test]
+    fn only_one_chunked_coding_is_accepted() {
+        let te = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::TRANSFER_ENCODING, HeaderValue::from_static(v));
+            }
+            check_transfer_coding(&h).map_err(|e| e.kind())
+        };
+        assert_eq!(te(&[]), Ok(()));
+        assert_eq!(te(&["chunked"]), Ok(()));
+        assert_eq!(te(&["Chunked "]), Ok(()));
+        assert_eq!(te(&["chunked, chunked"]), Err("invalid-framing"));
+        assert_eq!(te(&["chunked", "chunked"]), Err("invalid-framing"));
+        assert_eq!(te(&["gzip, chunked"]), Err("unsupported-transfer-coding"));
+        assert_eq!(te(&["identity"]), Err("unsupported-transfer-coding"));
     }
 }

@@ -154,6 +154,25 @@ async fn key_api_requires_the_token(b: Backend) {
     assert_eq!(wrong.status(), 401);
     let right = authed(&env, reqwest::Method::GET, &url, TOKEN).await;
     assert_eq!(right.status(), 404, "authorised, and no such key");
+    // The scheme is case-insensitive (RFC 9110 section 11.1).
+    for scheme in ["bearer", "BEARER", "bEaReR"] {
+        let r = env
+            .client
+            .get(&url)
+            .header("authorization", format!("{scheme} {TOKEN}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404, "{scheme}: authorised, and no such key");
+    }
+    let basic = env
+        .client
+        .get(&url)
+        .header("authorization", format!("Basic {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(basic.status(), 401, "another scheme with the right token");
     let all = authed(
         &env,
         reqwest::Method::DELETE,

@@ -13,6 +13,8 @@ const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
 on_both_backends!(
     a_waiter_runs_the_request_when_the_first_one_released_the_key,
     client_abort_still_records_the_response,
+    hang_up_before_the_body_is_complete_claims_nothing,
+    hang_up_right_after_sending_leaves_no_stuck_key,
     waiting_duplicates_get_the_replay,
     waiters_are_bounded_in_number_and_time,
 );
@@ -529,4 +531,94 @@ async fn the_gateway_starts_while_redis_is_down_and_catches_up() {
     )
     .await
     .replayed());
+}
+
+// === early hang-ups ===
+
+/// Write `bytes` on a raw socket and close it at once, reading nothing: a client that lost the
+/// network right after sending.
+async fn write_and_close(addr: std::net::SocketAddr, bytes: &[u8]) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s.flush().await.unwrap();
+    drop(s);
+}
+
+/// A whole keyed POST with `Connection: close`.
+fn keyed_post(key: &str, body: &str) -> String {
+    format!(
+        "POST /v1/p HTTP/1.1\r\nhost: x\r\nconnection: close\r\nidempotency-key: {key}\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Retry `key` until it is answered by something other than 409 in flight. A 409 is accepted
+/// only while the upstream may still be running the first call (`upstream_takes`, plus a margin):
+/// never for the rest of a lease. Returns the answer.
+async fn retry_until_answered(env: &TestEnv, key: &str, upstream_takes: Duration) -> common::Seen {
+    let started = Instant::now();
+    loop {
+        let r = send(env.post_keyed("/v1/p", key).body("x")).await;
+        if r.status != 409 {
+            return r;
+        }
+        assert_eq!(r.problem_type(), IN_FLIGHT);
+        assert!(
+            started.elapsed() < upstream_takes + Duration::from_millis(700),
+            "the key is still in flight {:?} after the hang-up (upstream calls: {})",
+            started.elapsed(),
+            env.upstream.calls()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {
+    let upstream = Upstream::start().await.delay(Duration::from_secs(1));
+    let env = TestEnv::start_with(b, upstream, "[defaults]\nlock_ttl = \"8s\"").await;
+    write_and_close(env.gateway.addr, keyed_post("gone", "x").as_bytes()).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let answer = retry_until_answered(&env, "gone", Duration::from_secs(1)).await;
+    assert_eq!(answer.status, 201, "{answer:?}");
+    // Either the first call was run and recorded (a replay), or it was never run (a fresh run).
+    assert_eq!(env.upstream.calls(), 1, "the upstream runs once in total");
+    assert!(send(env.post_keyed("/v1/p", "gone").body("x"))
+        .await
+        .replayed());
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+async fn hang_up_before_the_body_is_complete_claims_nothing(b: Backend) {
+    let env = TestEnv::start(b, "").await;
+    let head = "POST /v1/p HTTP/1.1\r\nhost: x\r\nidempotency-key: partial\r\ncontent-length: 10\r\n\r\nabc";
+    write_and_close(env.gateway.addr, head.as_bytes()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        env.upstream.calls(),
+        0,
+        "an incomplete request is never forwarded"
+    );
+    let retry = send(env.post_keyed("/v1/p", "partial").body("x")).await;
+    assert_eq!(retry.status, 201, "nothing was claimed: {retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+/// The client hangs up while the claim is on its way to Redis (Redis stalled by SIGSTOP): the
+/// claim is applied after the request is gone, and must not keep the key for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
+    let upstream = Upstream::start().await.delay(Duration::from_millis(500));
+    let env = TestEnv::start_with(Backend::Redis, upstream, "[defaults]\nlock_ttl = \"8s\"").await;
+    let redis = env.redis.as_ref().unwrap();
+    redis.pause();
+    write_and_close(env.gateway.addr, keyed_post("pending", "x").as_bytes()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.resume();
+    let answer = retry_until_answered(&env, "pending", Duration::from_millis(500)).await;
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert_eq!(env.upstream.calls(), 1, "the upstream runs once in total");
+    assert!(send(env.post_keyed("/v1/p", "pending").body("x"))
+        .await
+        .replayed());
 }

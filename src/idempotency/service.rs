@@ -30,7 +30,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::header::{self, HeaderName, HeaderValue};
 use http::request::Parts;
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, Limited};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -43,8 +43,8 @@ use super::record::{Entry, EntryState, StoredResponse, Token};
 use crate::config::{Config, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
-use crate::proxy::{strip_hop_by_hop, ForwardError, Upstream, UpstreamBody};
-use crate::store::{Claim, Store};
+use crate::proxy::{check_transfer_coding, ForwardError, Upstream, UpstreamBody};
+use crate::store::{Claim, Store, StoreError};
 use prometheus_client::metrics::histogram::Histogram;
 
 /// The W3C trace context header, forwarded to the upstream and stored with the record.
@@ -240,6 +240,12 @@ impl<S: Store> Inner<S> {
         req: Request<Body>,
     ) -> (Outcome, Response<Body>, Duration) {
         let policy = &route.policy;
+        if req.method() == Method::CONNECT {
+            return refuse(GatewayError::UnsupportedMethod(Method::CONNECT));
+        }
+        if let Err(e) = check_transfer_coding(req.headers()) {
+            return refuse(e);
+        }
         if !policy.applies_to(req.method()) {
             let (resp, upstream) = self.pass_through(req, policy).await;
             return (Outcome::passthrough, resp, upstream);
@@ -295,32 +301,47 @@ impl<S: Store> Inner<S> {
             Ok(body) => body,
             Err(e) => return (Outcome::rejected_invalid, Err(e), NO_UPSTREAM),
         };
-        let held = Held {
+        let held = Arc::new(Held {
             key: key.scoped(&parts.headers, &policy.scope_headers),
             token: Token::random(),
             fingerprint: Fingerprint::of(&parts, &body),
             route: policy.clone(),
             client_key: key,
-        };
+        });
         // Set once this request starts waiting for an in-flight duplicate (`on_in_flight = "wait"`).
         let mut waiting: Option<Waiting> = None;
 
         loop {
-            let claim = match self
+            // From here until the store's answer is in hand, the claim may be applied without
+            // this request knowing: if the request goes away (the client hung up) or the answer
+            // is lost (a timeout), the guard takes the claim back so that it does not sit in
+            // flight for a lease with nobody working on it.
+            let pending = PendingClaim::arm(&self, &held);
+            let claim = self
                 .timed(
                     StoreOp::claim,
                     self.store
                         .claim(&held.key, &held.fingerprint, &held.token, policy.lock_ttl),
                 )
-                .await
-            {
-                Ok(claim) => claim,
+                .await;
+            let claim = match claim {
+                Ok(claim) => {
+                    pending.disarm();
+                    claim
+                }
+                Err(StoreError::Decode(e)) => {
+                    // The store answered, with a record this build cannot read: never run again.
+                    pending.disarm();
+                    error!(error = %e, route = %policy.route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
+                    return (
+                        Outcome::store_error,
+                        Err(GatewayError::CorruptRecord),
+                        NO_UPSTREAM,
+                    );
+                }
                 Err(e) => {
-                    // The claim may still have been applied (an answer lost to a timeout): take
-                    // it back in the background so the key does not sit claimed for a lease.
+                    drop(pending);
                     let tag = held.tag();
-                    let this = self.clone();
-                    self.tasks.spawn(async move { this.take_back(&held).await });
                     match policy.on_store_error {
                         OnStoreError::Reject => {
                             error!(error = %e, route = %policy.route, key = %tag, "store unavailable; refusing the keyed request (on_store_error = reject)");
@@ -384,6 +405,24 @@ impl<S: Store> Inner<S> {
                 }) => {
                     if let Some(trace) = stored.traceparent.as_ref().and_then(|t| t.to_str().ok()) {
                         Span::current().record("original_trace", trace);
+                    }
+                    let lengths = stored
+                        .headers
+                        .iter()
+                        .filter(|(n, _)| n == header::CONTENT_LENGTH);
+                    let is_head = parts.method == Method::HEAD;
+                    if !declares_its_length(
+                        stored.status,
+                        lengths.map(|(_, v)| v),
+                        stored.body.len(),
+                        is_head,
+                    ) {
+                        error!(route = %policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
+                        return (
+                            Outcome::store_error,
+                            Err(GatewayError::CorruptRecord),
+                            NO_UPSTREAM,
+                        );
                     }
                     self.metrics.replayed_bytes(stored.body.len());
                     return (Outcome::replayed, Ok(respond(&stored, true)), NO_UPSTREAM);
@@ -485,6 +524,7 @@ impl<S: Store> Inner<S> {
     /// Send the request and read as much of the response as the decision needs.
     async fn call_upstream(&self, req: Request<Body>, held: &Held) -> UpstreamResult {
         let policy = &*held.route;
+        let is_head = req.method() == Method::HEAD;
         let resp = match self.upstream.forward(req).await {
             Ok(resp) => resp,
             Err(e @ ForwardError::Connect(_)) => {
@@ -496,8 +536,7 @@ impl<S: Store> Inner<S> {
                 return UpstreamResult::Failed;
             }
         };
-        let (mut head, mut body) = resp.into_parts();
-        strip_hop_by_hop(&mut head.headers);
+        let (head, mut body) = resp.into_parts();
         if !is_storable(head.status, policy.cache_server_errors) {
             return UpstreamResult::Transient(head, body);
         }
@@ -529,6 +568,12 @@ impl<S: Store> Inner<S> {
                 buf.freeze()
             }
         };
+        let lengths = head.headers.get_all(header::CONTENT_LENGTH).iter();
+        if !declares_its_length(head.status, lengths, body.len(), is_head) {
+            // hyper reads bodies by their declared length: this would be a framing bug.
+            error!(route = %policy.route, key = %held.tag(), "upstream response length disagrees with its Content-Length; not recorded");
+            return UpstreamResult::Failed;
+        }
         UpstreamResult::Whole(head, body)
     }
 
@@ -625,8 +670,7 @@ impl<S: Store> Inner<S> {
         self.metrics.upstream(upstream);
         let resp = match result {
             Ok(Ok(resp)) => {
-                let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
+                let (head, body) = resp.into_parts();
                 // A small response of known length is read whole and sent in one write (as
                 // nginx's proxy buffering does); anything else streams through.
                 let small = content_length(&head.headers).is_some_and(|n| n <= PASS_THROUGH_BUFFER);
@@ -675,6 +719,35 @@ impl Held {
     /// The key as logs show it.
     fn tag(&self) -> String {
         self.client_key.short_hash()
+    }
+}
+
+/// Armed while a claim's answer is awaited: dropped armed (the request's future was dropped, or
+/// the store failed to answer), it takes the claim back in a task of its own, fenced by the token,
+/// since the claim may have been applied all the same.
+struct PendingClaim<S: Store> {
+    armed: Option<(Arc<Inner<S>>, Arc<Held>)>,
+}
+
+impl<S: Store> PendingClaim<S> {
+    fn arm(inner: &Arc<Inner<S>>, held: &Arc<Held>) -> Self {
+        PendingClaim {
+            armed: Some((inner.clone(), held.clone())),
+        }
+    }
+
+    /// The store answered: whatever it said, this request acts on it.
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl<S: Store> Drop for PendingClaim<S> {
+    fn drop(&mut self) {
+        if let Some((inner, held)) = self.armed.take() {
+            let tasks = inner.tasks.clone();
+            tasks.spawn(async move { inner.take_back(&held).await });
+        }
     }
 }
 
@@ -735,6 +808,28 @@ fn content_length(headers: &http::HeaderMap) -> Option<u64> {
         .and_then(|v| v.parse::<u64>().ok())
 }
 
+/// Whether a response's `Content-Length` values, if any, are the length of its body (RFC 9112
+/// section 6.3). Checked on every response the gateway sends from a buffer, fresh or replayed, so
+/// that a wrong length never reaches a client. Responses without content (to HEAD; 1xx, 204,
+/// 304) may declare the length of the representation instead.
+fn declares_its_length<'a>(
+    status: StatusCode,
+    mut lengths: impl Iterator<Item = &'a HeaderValue>,
+    body_len: usize,
+    is_head: bool,
+) -> bool {
+    if is_head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return true;
+    }
+    lengths.all(|v| {
+        v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()) == Some(body_len as u64)
+    })
+}
+
 /// Buffer a keyed request's body, refusing more than `limit` bytes with 413.
 async fn buffer_request(parts: &Parts, body: Body, limit: u64) -> Result<Bytes, GatewayError> {
     let declared = content_length(&parts.headers);
@@ -779,5 +874,28 @@ mod tests {
         }
         assert!(is_storable(StatusCode::INTERNAL_SERVER_ERROR, true));
         assert!(!is_storable(StatusCode::TOO_MANY_REQUESTS, true));
+    }
+
+    #[test]
+    fn declared_lengths_must_match_the_body() {
+        let v = |s: &'static str| HeaderValue::from_static(s);
+        let ok = |status: u16, lengths: &[HeaderValue], len: usize, head: bool| {
+            declares_its_length(
+                StatusCode::from_u16(status).unwrap(),
+                lengths.iter(),
+                len,
+                head,
+            )
+        };
+        assert!(ok(201, &[], 20, false));
+        assert!(ok(201, &[v("20")], 20, false));
+        assert!(!ok(201, &[v("5")], 20, false));
+        assert!(!ok(201, &[v("20"), v("5")], 20, false));
+        assert!(!ok(201, &[v("x")], 20, false));
+        assert!(
+            ok(200, &[v("20")], 0, true),
+            "HEAD declares the GET's length"
+        );
+        assert!(ok(304, &[v("20")], 0, false));
     }
 }

@@ -16,6 +16,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tokio::net::TcpListener;
 
+pub mod raw;
+
 // === Backends ===
 
 /// Which store a behavioural test runs against.
