@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::error::PROBLEM_TYPE_BASE;
 use crate::idempotency::key::{hex, IdempotencyKey};
 use crate::idempotency::record::EntryState;
-use crate::idempotency::RouteTable;
+use crate::idempotency::Routes;
 use crate::metrics::Metrics;
 use crate::store::Inspect;
 
@@ -33,7 +33,7 @@ pub struct AdminState<S> {
     store: S,
     metrics: Metrics,
     config: Arc<Config>,
-    routes: RouteTable,
+    routes: Routes,
 }
 
 /// The admin router over `store`.
@@ -41,7 +41,7 @@ pub fn router<S: Inspect>(
     store: S,
     metrics: Metrics,
     config: Arc<Config>,
-    routes: RouteTable,
+    routes: Routes,
 ) -> Router {
     let state = Arc::new(AdminState {
         store,

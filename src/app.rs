@@ -1,20 +1,33 @@
-//! Wiring: from a validated [`Config`] to a running server, and its graceful shutdown.
+//! Wiring: from a validated [`Config`] to a running server (the idempotency layer over the
+//! proxy, on worker threads), and its graceful shutdown.
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use http::{Request, Response};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
 use tracing::{error, info, warn};
 
 use crate::admin;
 use crate::config::{Config, StoreBackend};
-use crate::idempotency::{Gateway, RouteTable};
+use crate::error::GatewayError;
+use crate::headers::admit;
+use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::metrics::Metrics;
-use crate::store::{CachedStore, LocalCache, MemoryStore, RedisStore, Store, StoreError};
+use crate::proxy::{Proxy, ProxyError};
+use crate::store::redis::RedisOptions;
+use crate::store::{
+    CachedStore, Claim, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
+};
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -27,66 +40,21 @@ pub enum AppError {
     Io(#[from] std::io::Error),
 }
 
-/// How often the embedded store drops expired entries.
-const PURGE_EVERY: Duration = Duration::from_secs(5);
-
-/// A gateway whose store is connected, ready to serve.
+/// A gateway whose store is open, ready to serve.
 pub struct App {
     config: Config,
-    store: StoreHandle,
+    store: AnyStore,
+    metrics: Metrics,
     // Bound at start-up so that a taken port fails the start, not a later moment.
     admin: Option<TcpListener>,
 }
 
-enum StoreHandle {
-    // The embedded store and its purge task (aborted when the app is dropped).
-    Memory(MemoryStore, AbortOnDrop),
-    Redis(RedisStore),
-}
-
 impl App {
     /// Open the configured store (for Redis: connect, and warn when its settings could lose
-    /// records). Fails when the store cannot be reached.
+    /// records). Fails when the store is misconfigured; an unreachable Redis is picked up later.
     pub async fn new(config: Config) -> Result<Self, AppError> {
-        let store = match &config.store.backend {
-            StoreBackend::Memory => {
-                let store =
-                    MemoryStore::with_limits(config.store.max_entries, config.store.max_bytes);
-                let purger = tokio::spawn({
-                    let store = store.clone();
-                    async move {
-                        let mut tick = tokio::time::interval(PURGE_EVERY);
-                        loop {
-                            tick.tick().await;
-                            store.purge_expired();
-                        }
-                    }
-                });
-                StoreHandle::Memory(store, AbortOnDrop(purger))
-            }
-            StoreBackend::Redis { .. } => {
-                let store = match connect_redis(&config).await {
-                    Ok(store) => store,
-                    // Unreachable (not misconfigured): start anyway, as if Redis had gone down
-                    // while running. Keyed requests follow on_store_error until it answers;
-                    // unkeyed ones flow.
-                    Err(StoreError::Redis(e))
-                        if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() =>
-                    {
-                        error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
-                        lazy_redis(&config)?
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                match store.durability_warnings().await {
-                    Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
-                    Err(e) => {
-                        info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
-                    }
-                }
-                StoreHandle::Redis(store)
-            }
-        };
+        let metrics = Metrics::new();
+        let store = AnyStore::open(&config, &metrics).await?;
         let admin = match config.admin.listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),
             None => None,
@@ -94,6 +62,7 @@ impl App {
         Ok(App {
             config,
             store,
+            metrics,
             admin,
         })
     }
@@ -111,114 +80,37 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
         let config = Arc::new(self.config);
-        let metrics = Metrics::new();
-        let routes = RouteTable::new(&config, &metrics);
-        let admin = self.admin;
+        let layer = IdempotencyLayer::with_routes(self.store, Routes::from_config(&config))
+            .with_metrics(self.metrics);
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
-        let start_admin = |router: axum::Router| {
-            admin.map(|listener| {
-                info!(listen = ?listener.local_addr().ok(), "admin listening");
-                tokio::spawn(async move {
-                    let stopped = async {
-                        let _ = admin_stopped.await;
-                    };
-                    if let Err(e) = axum::serve(listener, router)
-                        .with_graceful_shutdown(stopped)
-                        .await
-                    {
-                        warn!(error = %e, "admin listener failed");
-                    }
-                })
+        let admin = self.admin.map(|listener| {
+            info!(listen = ?listener.local_addr().ok(), "admin listening");
+            let router = admin::router(
+                layer.store().clone(),
+                layer.metrics().clone(),
+                config.clone(),
+                layer.routes().clone(),
+            );
+            tokio::spawn(async move {
+                let stopped = async {
+                    let _ = admin_stopped.await;
+                };
+                if let Err(e) = axum::serve(listener, router)
+                    .with_graceful_shutdown(stopped)
+                    .await
+                {
+                    warn!(error = %e, "admin listener failed");
+                }
             })
-        };
-        let result = match self.store {
-            StoreHandle::Memory(store, _purger) => {
-                let admin = start_admin(admin::router(
-                    store.clone(),
-                    metrics,
-                    config.clone(),
-                    routes.clone(),
-                ));
-                // One map shared by every worker.
-                let make = move || {
-                    let store = store.clone();
-                    async move { Ok(store) }
-                };
-                let result = serve(listener, config, routes, make, shutdown).await;
-                (result, admin)
-            }
-            StoreHandle::Redis(shared) => {
-                // One multiplexed connection per worker, so its commands stay on its thread. A
-                // worker that cannot connect (Redis went away since start-up) uses the shared
-                // handle, which reconnects by itself, rather than failing the start.
-                let c = config.clone();
-                // One local cache of completed records for the whole process.
-                let cache = LocalCache::new(c.store.local_cache, c.store.local_cache_ttl)
-                    .counting_hits(metrics.local_cache_hits());
-                let admin = start_admin(admin::router(
-                    CachedStore::new(shared.clone(), cache.clone()),
-                    metrics,
-                    config.clone(),
-                    routes.clone(),
-                ));
-                let make = move || {
-                    let (c, shared, cache) = (c.clone(), shared.clone(), cache.clone());
-                    async move {
-                        let redis = match connect_redis(&c).await {
-                            Ok(own) => own,
-                            Err(e) => {
-                                warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
-                                shared
-                            }
-                        };
-                        Ok(CachedStore::new(redis, cache))
-                    }
-                };
-                let result = serve(listener, config, routes, make, shutdown).await;
-                (result, admin)
-            }
-        };
+        });
+        let result = serve(listener, config, layer, shutdown).await;
         // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
-        let (result, admin) = result;
         drop(stop_admin);
         if let Some(admin) = admin {
             let _ = tokio::time::timeout(Duration::from_secs(5), admin).await;
         }
         result
     }
-}
-
-/// Connect to the configured Redis, with the configured CA for `rediss://`.
-async fn connect_redis(config: &Config) -> Result<RedisStore, StoreError> {
-    let (url, ca) = redis_settings(config)?;
-    RedisStore::connect_with_ca(url, &config.store.prefix, config.store.timeout, ca)
-        .await
-        .map(|s| s.with_compression(config.store.compression))
-}
-
-/// A Redis handle that connects on first use.
-fn lazy_redis(config: &Config) -> Result<RedisStore, StoreError> {
-    let (url, ca) = redis_settings(config)?;
-    RedisStore::lazy(url, &config.store.prefix, config.store.timeout, ca)
-        .map(|s| s.with_compression(config.store.compression))
-}
-
-/// The Redis URL and the PEM of `store.tls_ca_file`, if one is set.
-fn redis_settings(config: &Config) -> Result<(&str, Option<Vec<u8>>), StoreError> {
-    let StoreBackend::Redis { url } = &config.store.backend else {
-        unreachable!("only called for a Redis config")
-    };
-    let ca = match &config.store.tls_ca_file {
-        Some(path) => Some(std::fs::read(path).map_err(|e| {
-            StoreError::Redis(redis::RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "cannot read store.tls_ca_file",
-                format!("{path}: {e}"),
-            )))
-        })?),
-        None => None,
-    };
-    Ok((url, ca))
 }
 
 /// [`App::new`] then [`App::serve`].
@@ -230,22 +122,185 @@ pub async fn run(
     App::new(config).await?.serve(listener, shutdown).await
 }
 
+/// The configured store: the embedded one, or Redis with the process's local cache in front.
+#[derive(Clone, Debug)]
+enum AnyStore {
+    Memory(MemoryStore),
+    Redis(CachedStore<RedisStore>, Arc<RedisOptions>),
+}
+
+impl AnyStore {
+    async fn open(config: &Config, metrics: &Metrics) -> Result<Self, AppError> {
+        let options = match &config.store.backend {
+            StoreBackend::Memory => {
+                let (entries, bytes) = (config.store.max_entries, config.store.max_bytes);
+                return Ok(AnyStore::Memory(MemoryStore::with_limits(entries, bytes)));
+            }
+            StoreBackend::Redis { .. } => Arc::new(config.store.redis_options()?),
+        };
+        let redis = match RedisStore::connect(&options).await {
+            Ok(store) => store,
+            // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
+            // running. Keyed requests follow on_store_error until it answers; unkeyed ones flow.
+            Err(StoreError::Redis(e))
+                if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() =>
+            {
+                error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
+                RedisStore::lazy(&options)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match redis.durability_warnings().await {
+            Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
+            Err(e) => {
+                info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
+            }
+        }
+        // One local cache of completed records for the whole process.
+        let cache = LocalCache::new(config.store.local_cache, config.store.local_cache_ttl)
+            .counting_hits(metrics.local_cache_hits());
+        Ok(AnyStore::Redis(CachedStore::new(redis, cache), options))
+    }
+
+    /// The handle one worker thread uses. With Redis, a connection of its own, so that its
+    /// commands stay on its thread; a worker that cannot connect (Redis went away since
+    /// start-up) shares the first handle, which reconnects by itself.
+    async fn for_worker(&self) -> Self {
+        match self {
+            AnyStore::Memory(_) => self.clone(),
+            AnyStore::Redis(shared, options) => match RedisStore::connect(options).await {
+                Ok(own) => AnyStore::Redis(
+                    CachedStore::new(own, shared.cache().clone()),
+                    options.clone(),
+                ),
+                Err(e) => {
+                    warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
+                    self.clone()
+                }
+            },
+        }
+    }
+}
+
+/// `$call` on whichever store `$self` is.
+macro_rules! on_store {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyStore::Memory($s) => $call,
+            AnyStore::Redis($s, _) => $call,
+        }
+    };
+}
+
+impl Store for AnyStore {
+    async fn claim(
+        &self,
+        key: &crate::idempotency::key::ScopedKey,
+        fingerprint: &crate::idempotency::fingerprint::Fingerprint,
+        token: &crate::idempotency::record::Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        on_store!(self, s => s.claim(key, fingerprint, token, lease).await)
+    }
+
+    async fn complete(
+        &self,
+        key: &crate::idempotency::key::ScopedKey,
+        fingerprint: &crate::idempotency::fingerprint::Fingerprint,
+        token: &crate::idempotency::record::Token,
+        state: &crate::idempotency::record::EntryState,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        on_store!(self, s => s.complete(key, fingerprint, token, state, ttl).await)
+    }
+
+    async fn release(
+        &self,
+        key: &crate::idempotency::key::ScopedKey,
+        token: &crate::idempotency::record::Token,
+    ) -> Result<bool, StoreError> {
+        on_store!(self, s => s.release(key, token).await)
+    }
+
+    async fn renew(
+        &self,
+        key: &crate::idempotency::key::ScopedKey,
+        token: &crate::idempotency::record::Token,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        on_store!(self, s => s.renew(key, token, lease).await)
+    }
+}
+
+impl Inspect for AnyStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        on_store!(self, s => s.ping().await)
+    }
+
+    async fn inspect(
+        &self,
+        key: &crate::idempotency::key::ScopedKey,
+    ) -> Result<Option<crate::store::Inspected>, StoreError> {
+        on_store!(self, s => s.inspect(key).await)
+    }
+
+    async fn evict(&self, key: &crate::idempotency::key::ScopedKey) -> Result<bool, StoreError> {
+        on_store!(self, s => s.evict(key).await)
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        on_store!(self, s => s.evict_all().await)
+    }
+
+    fn local_cache_size(&self) -> Option<(u64, u64)> {
+        on_store!(self, s => s.local_cache_size())
+    }
+}
+
+/// The gateway's service stack as hyper calls it: requests the gateway does not admit are
+/// answered at once, the rest go through the idempotency layer to the proxy, and a proxy error
+/// becomes its problem+json answer.
+#[derive(Clone)]
+struct Gateway<S> {
+    stack: S,
+}
+
+impl<S> hyper::service::Service<Request<Incoming>> for Gateway<S>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        if let Err(refused) = admit(&req) {
+            return Box::pin(std::future::ready(Ok(refused.into_response())));
+        }
+        let stack = self.stack.clone();
+        Box::pin(async move {
+            Ok(match stack.oneshot(req).await {
+                Ok(resp) => resp,
+                Err(e) => GatewayError::from(&e).into_response(),
+            })
+        })
+    }
+}
+
 /// Run `config.workers` threads, each a single-threaded event loop accepting from the one
-/// listening socket with its own gateway (store handle, upstream pool, task tracker), as nginx
+/// listening socket with its own stack (store handle, upstream pool, task tracker), as nginx
 /// runs worker processes: a request, its upstream connection and its background work never hop
 /// threads. Returns once every worker has drained after `shutdown`.
-async fn serve<S, F, Fut>(
+async fn serve(
     listener: TcpListener,
     config: Arc<Config>,
-    routes: RouteTable,
-    make_store: F,
+    layer: IdempotencyLayer<AnyStore>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), AppError>
-where
-    S: Store,
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = Result<S, StoreError>> + Send,
-{
+) -> Result<(), AppError> {
     let listener = listener.into_std()?;
     info!(
         listen = %listener.local_addr()?,
@@ -261,10 +316,9 @@ where
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
-        let (config, routes, make_store, stop, ready, done) = (
+        let (config, layer, stop, ready, done) = (
             config.clone(),
-            routes.clone(),
-            make_store.clone(),
+            layer.clone(),
             stop_rx.clone(),
             ready_tx.clone(),
             done_tx.clone(),
@@ -283,14 +337,8 @@ where
                     }
                 };
                 runtime.block_on(async move {
-                    let gateway = match make_store().await {
-                        Ok(store) => Gateway::with_routes(routes, &config, store),
-                        Err(e) => {
-                            let _ = ready.send(Err(e.into())).await;
-                            return;
-                        }
-                    };
-                    worker(listener, config, gateway, stop, ready).await;
+                    let layer = layer.with_store(layer.store().for_worker().await);
+                    worker(listener, config, layer, stop, ready).await;
                 });
                 drop(done);
             })?;
@@ -313,12 +361,12 @@ where
     Ok(())
 }
 
-/// One worker: accept until told to stop, then drain connections and background upstream calls
-/// within the grace.
-async fn worker<S: Store>(
+/// One worker: accept until told to stop, then drain connections and claimed calls within the
+/// grace.
+async fn worker(
     listener: std::net::TcpListener,
     config: Arc<Config>,
-    gateway: Gateway<S>,
+    layer: IdempotencyLayer<AnyStore>,
     mut stop: tokio::sync::watch::Receiver<bool>,
     ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
 ) {
@@ -331,7 +379,10 @@ async fn worker<S: Store>(
     };
     let _ = ready.send(Ok(())).await;
     drop(ready);
-    let tasks = gateway.tasks();
+    let tasks = layer.tasks();
+    let gateway = Gateway {
+        stack: layer.layer(Proxy::new(&config.upstream)),
+    };
     // HTTP/1.1 straight on hyper: no router in front of the one service, no protocol sniffing.
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -363,7 +414,7 @@ async fn worker<S: Store>(
     {
         warn!(grace = ?config.shutdown_grace, "shutdown grace ran out with connections still open");
     }
-    // Upstream calls whose clients went away are still being recorded: give them the rest.
+    // Claimed calls whose clients went away are still being recorded: give them the rest.
     tasks.close();
     if tokio::time::timeout_at(deadline, tasks.wait())
         .await
@@ -380,14 +431,5 @@ fn store_name(b: &StoreBackend) -> &'static str {
     match b {
         StoreBackend::Memory => "memory",
         StoreBackend::Redis { .. } => "redis",
-    }
-}
-
-/// Aborts a background task when dropped, so it never outlives the server it serves.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

@@ -41,11 +41,18 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        reason: reason.into(),
+impl ConfigError {
+    /// A value refused: `field` names it (`routes[1].ttl`), `reason` says why.
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(field, reason)
 }
 
 /// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
@@ -260,6 +267,33 @@ pub struct StoreConfig {
     pub compression: Compression,
 }
 
+impl StoreConfig {
+    /// How to reach the Redis of a `backend = "redis"` config (with the PEM of `tls_ca_file`,
+    /// read now).
+    pub fn redis_options(
+        &self,
+    ) -> Result<crate::store::redis::RedisOptions, crate::store::StoreError> {
+        let StoreBackend::Redis { url } = &self.backend else {
+            unreachable!("only called for a Redis config")
+        };
+        let mut options = crate::store::redis::RedisOptions::new(url)
+            .prefix(&self.prefix)
+            .timeout(self.timeout)
+            .compression(self.compression);
+        if let Some(path) = &self.tls_ca_file {
+            let pem = std::fs::read(path).map_err(|e| {
+                crate::store::StoreError::Redis(redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "cannot read store.tls_ca_file",
+                    format!("{path}: {e}"),
+                )))
+            })?;
+            options = options.tls_ca(pem);
+        }
+        Ok(options)
+    }
+}
+
 /// The `[admin]` table, validated.
 #[derive(Clone, Default)]
 pub struct AdminConfig {
@@ -284,7 +318,7 @@ impl fmt::Debug for AdminConfig {
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
 /// then the route's own fields merged over that.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     /// Where this policy came from: `"defaults"` or the route's path; used in logs and metrics.
     pub route: String,
@@ -319,6 +353,9 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// The built-in `upstream_timeout`.
+    pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
     fn builtin() -> Self {
         Policy {
             route: "defaults".into(),
@@ -331,12 +368,18 @@ impl Policy {
             scope_headers: vec![http::header::AUTHORIZATION],
             mismatch_status: StatusCode::CONFLICT,
             cache_server_errors: false,
-            upstream_timeout: Duration::from_secs(30),
+            upstream_timeout: Self::DEFAULT_UPSTREAM_TIMEOUT,
             on_in_flight: OnInFlight::Reject,
             wait_timeout: Duration::from_secs(10),
             max_waiters: 1024,
             on_store_error: OnStoreError::Reject,
         }
+    }
+
+    /// A policy built in code: the built-in defaults, with what the builder sets, validated
+    /// exactly as the same fields in TOML are.
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder::default()
     }
 
     /// Whether idempotency applies to `method` on this route.
@@ -448,6 +491,124 @@ impl Policy {
             self.on_store_error = o;
         }
         Ok(self)
+    }
+}
+
+impl Default for Policy {
+    /// The built-in defaults.
+    fn default() -> Self {
+        Policy::builtin()
+    }
+}
+
+/// Builds a [`Policy`] in code, field by field as in TOML; [`PolicyBuilder::build`] validates.
+///
+/// ```
+/// use idemgate::Policy;
+/// use std::time::Duration;
+///
+/// let policy = Policy::builder()
+///     .methods([http::Method::POST])
+///     .require_key(true)
+///     .ttl(Duration::from_secs(3600))
+///     .build()?;
+/// assert_eq!(policy.lock_ttl, Policy::default().lock_ttl);
+/// assert!(Policy::builder().ttl(Duration::ZERO).build().is_err());
+/// # Ok::<(), idemgate::ConfigError>(())
+/// ```
+#[derive(Debug, Default, Clone)]
+pub struct PolicyBuilder {
+    raw: RawPolicy,
+}
+
+impl PolicyBuilder {
+    /// `methods`: the methods idempotency applies to.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.raw.methods = Some(methods.into_iter().map(|m| m.to_string()).collect());
+        self
+    }
+
+    /// `ttl`: how long a completed response is replayed.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.raw.ttl = Some(HumanDuration(ttl.min(MAX_DURATION)));
+        self
+    }
+
+    /// `lock_ttl`: the lease of an in-flight claim.
+    pub fn lock_ttl(mut self, lease: Duration) -> Self {
+        self.raw.lock_ttl = Some(HumanDuration(lease.min(MAX_DURATION)));
+        self
+    }
+
+    /// `require_key`: refuse keyless requests with 400.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.raw.require_key = Some(required);
+        self
+    }
+
+    /// `max_body`: the largest keyed request body accepted and response recorded.
+    pub fn max_body(mut self, bytes: u64) -> Self {
+        self.raw.max_body = Some(HumanSize(bytes));
+        self
+    }
+
+    /// `key_max_len`: the longest key accepted.
+    pub fn key_max_len(mut self, len: usize) -> Self {
+        self.raw.key_max_len = Some(len);
+        self
+    }
+
+    /// `scope_headers`: request headers whose values scope the key.
+    pub fn scope_headers<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.scope_headers = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `mismatch_status`: 409 or 422.
+    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+        self.raw.mismatch_status = Some(status.as_u16());
+        self
+    }
+
+    /// `cache_server_errors`: store 5xx responses too.
+    pub fn cache_server_errors(mut self, cache: bool) -> Self {
+        self.raw.cache_server_errors = Some(cache);
+        self
+    }
+
+    /// `upstream_timeout`: how long the inner service may take to answer.
+    pub fn upstream_timeout(mut self, timeout: Duration) -> Self {
+        self.raw.upstream_timeout = Some(HumanDuration(timeout.min(MAX_DURATION)));
+        self
+    }
+
+    /// `on_in_flight`: what a duplicate of an in-flight request gets.
+    pub fn on_in_flight(mut self, on: OnInFlight) -> Self {
+        self.raw.on_in_flight = Some(on);
+        self
+    }
+
+    /// `wait_timeout`: the longest a duplicate waits.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.raw.wait_timeout = Some(HumanDuration(timeout.min(MAX_DURATION)));
+        self
+    }
+
+    /// `max_waiters`: most duplicates waiting at once.
+    pub fn max_waiters(mut self, n: usize) -> Self {
+        self.raw.max_waiters = Some(n);
+        self
+    }
+
+    /// `on_store_error`: what a keyed request gets when the store fails.
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.raw.on_store_error = Some(on);
+        self
+    }
+
+    /// The policy, or the first field refused (named as `policy.<field>`).
+    pub fn build(self) -> Result<Policy, ConfigError> {
+        Policy::builtin().overlay(&self.raw, "policy")
     }
 }
 

@@ -134,25 +134,71 @@ impl GatewayError {
 
     /// The problem+json response.
     pub fn into_response(self) -> Response<Body> {
-        let status = self.status();
+        Problem {
+            status: self.status(),
+            kind: self.kind(),
+            title: self.title(),
+            detail: self.to_string(),
+            retry_after: self.retry_after(),
+        }
+        .into_response()
+    }
+}
+
+/// An RFC 9457 problem: every answer the gateway and its admin listener give themselves is built
+/// here, so they all have the same shape.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The stable kind, appended to [`PROBLEM_TYPE_BASE`] to make the `type` URI.
+    pub kind: &'static str,
+    /// A short summary of the kind.
+    pub title: &'static str,
+    /// What happened to this request (no internal details).
+    pub detail: String,
+    /// When set, the `Retry-After` header (rounded up to whole seconds, at least 1).
+    pub retry_after: Option<Duration>,
+}
+
+impl Problem {
+    /// A problem of `kind` with `status`, titled with the status's reason phrase.
+    pub fn new(status: StatusCode, kind: &'static str, detail: impl Into<String>) -> Self {
+        Problem {
+            status,
+            kind,
+            title: status.canonical_reason().unwrap_or("Error"),
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// The `application/problem+json` response.
+    pub fn into_response(self) -> Response<Body> {
         let body = serde_json::json!({
-            "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.to_string(),
+            "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
         });
         let mut resp = Response::new(Body::from(body.to_string()));
-        *resp.status_mut() = status;
+        *resp.status_mut() = self.status;
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if let Some(d) = self.retry_after() {
+        if let Some(d) = self.retry_after {
             let secs = d.as_secs_f64().ceil().max(1.0) as u64;
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
+    }
+}
+
+impl axum::response::IntoResponse for Problem {
+    fn into_response(self) -> axum::response::Response {
+        Problem::into_response(self)
     }
 }
 

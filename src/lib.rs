@@ -1,29 +1,76 @@
-//! idemgate: an HTTP idempotency gateway.
+//! idemgate: HTTP idempotency, as a gateway in front of any API or as a tower layer inside a
+//! Rust service, with the same engine.
 //!
-//! Clients retry with the same `Idempotency-Key`; the gateway runs the upstream once per key and
-//! replays the stored response to every retry, byte for byte, marked `Idempotent-Replayed: true`.
+//! Clients retry with the same `Idempotency-Key`. The first request claims the key in a store
+//! and runs; its whole response is recorded with a fingerprint of the request. A retry gets that
+//! response again, byte for byte and marked `Idempotent-Replayed: true`, without running again;
+//! the same key with another request, or while the first is in flight, gets `409`
+//! problem+json.
+//!
+//! # As a layer in your service
+//!
+//! [`IdempotencyLayer`] wraps any tower `Service` whose responses can be buffered: an axum
+//! router or route, a hyper service, a client. Choose a store ([`MemoryStore`] in the process,
+//! [`RedisStore`] shared by replicas) and a [`Policy`] (or [`Routes`], a policy per path):
+//!
+//! ```no_run
+//! use axum::{routing::post, Router};
+//! use idemgate::{IdempotencyLayer, MemoryStore, Policy};
+//!
+//! async fn charge() -> (http::StatusCode, &'static str) {
+//!     (http::StatusCode::CREATED, "{\"status\":\"succeeded\"}")
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let policy = Policy::builder().require_key(true).build()?;
+//! let layer = IdempotencyLayer::new(MemoryStore::new(), policy);
+//! let app = Router::new().route("/v1/payments", post(charge)).layer(layer.clone());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await?;
+//! // On shutdown, let claimed calls whose clients went away finish and be recorded:
+//! layer.tasks().close();
+//! layer.tasks().wait().await;
+//! # Ok(()) }
+//! ```
+//!
+//! Once a request has claimed its key, the inner call and its recording run in a task the layer
+//! owns, so a client that hangs up does not cancel them. An inner service tells the layer that a
+//! request was certainly not processed (and its key may be released at once) with an error that
+//! carries [`NotSent`]. `examples/axum_payments.rs` is a complete payments API built this way.
+//!
+//! # As a gateway
+//!
+//! The `idemgate` binary runs the same layer over [`proxy::Proxy`], in front of an upstream the
+//! team does not want to change, configured in TOML ([`config::Config`]); see the README.
 //!
 //! # Layout
-//! - [`config`]: the TOML schema users write, validated into per-route [`config::Policy`]s.
-//! - [`idempotency`]: the key ([`idempotency::key`]), the request fingerprint
-//!   ([`idempotency::fingerprint`]), the stored record and its binary encoding
-//!   ([`idempotency::record`]), and the tower service running the state machine of one request
-//!   ([`idempotency::service`]).
-//! - [`store`]: the [`store::Store`] trait and its backends, [`store::MemoryStore`] (embedded) and
-//!   [`store::RedisStore`] (Lua scripts in `src/store/lua/`).
-//! - [`proxy`]: the pooled upstream client and hop-by-hop header handling.
-//! - [`error`]: the gateway's own answers as RFC 9457 problem+json.
-//! - [`metrics`]: Prometheus metrics (prometheus-client).
+//! - [`idempotency`]: the layer and its service, the key, the fingerprint, the stored record,
+//!   the routes.
+//! - [`store`]: the [`Store`] trait and its backends: [`MemoryStore`] (embedded),
+//!   [`RedisStore`] (Lua scripts in `src/store/lua/`), and [`store::CachedStore`] (a local
+//!   cache of completed records in front of another store).
+//! - [`config`]: the TOML schema users write, validated into [`Policy`]s.
+//! - [`proxy`]: the upstream as a tower service, with its connection pool.
+//! - [`error`]: the answers the gateway gives itself, as RFC 9457 problem+json.
+//! - [`metrics`]: Prometheus metrics.
 //! - [`admin`]: the admin listener: health, readiness, metrics, key inspection and eviction.
-//! - [`app`]: wiring a [`config::Config`] into a server: `app::run(listener, config, shutdown)`.
+//! - [`app`]: the binary's wiring: `app::run(listener, config, shutdown)`.
 //! - [`demo`]: a small example payments upstream for the quick start.
+
+#![warn(missing_docs)]
 
 pub mod admin;
 pub mod app;
 pub mod config;
 pub mod demo;
 pub mod error;
+mod headers;
 pub mod idempotency;
 pub mod metrics;
 pub mod proxy;
 pub mod store;
+
+pub use config::{ConfigError, OnInFlight, OnStoreError, Policy, PolicyBuilder};
+pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
+pub use metrics::Metrics;
+pub use store::{MemoryStore, RedisStore, Store, StoreError};

@@ -37,18 +37,6 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Every outcome, in label order.
-    pub const ALL: [Outcome; 8] = [
-        Outcome::miss,
-        Outcome::replayed,
-        Outcome::in_flight_conflict,
-        Outcome::mismatch,
-        Outcome::not_replayable,
-        Outcome::passthrough,
-        Outcome::store_error,
-        Outcome::rejected_invalid,
-    ];
-
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -211,25 +199,41 @@ impl Metrics {
 
     /// The counters of one route, one per outcome, resolved now so requests only increment.
     pub fn route(&self, route: &str) -> RouteMetrics {
+        let counter = |outcome| {
+            self.inner
+                .requests
+                .get_or_create(&RequestLabels {
+                    route: route.to_string(),
+                    outcome,
+                })
+                .clone()
+        };
         RouteMetrics {
-            outcomes: Outcome::ALL.map(|outcome| {
-                self.inner
-                    .requests
-                    .get_or_create(&RequestLabels {
-                        route: route.to_string(),
-                        outcome,
-                    })
-                    .clone()
-            }),
+            miss: counter(Outcome::miss),
+            replayed: counter(Outcome::replayed),
+            in_flight_conflict: counter(Outcome::in_flight_conflict),
+            mismatch: counter(Outcome::mismatch),
+            not_replayable: counter(Outcome::not_replayable),
+            passthrough: counter(Outcome::passthrough),
+            store_error: counter(Outcome::store_error),
+            rejected_invalid: counter(Outcome::rejected_invalid),
         }
     }
 
-    /// The histogram of one store operation.
-    pub fn store_op(&self, operation: StoreOp) -> Histogram {
-        self.inner
-            .store_ops
-            .get_or_create(&OpLabels { operation })
-            .clone()
+    /// The latency histograms of the store operations, resolved now.
+    pub fn store_ops(&self) -> StoreOpMetrics {
+        let histogram = |operation| {
+            self.inner
+                .store_ops
+                .get_or_create(&OpLabels { operation })
+                .clone()
+        };
+        StoreOpMetrics {
+            claim: histogram(StoreOp::claim),
+            complete: histogram(StoreOp::complete),
+            release: histogram(StoreOp::release),
+            renew: histogram(StoreOp::renew),
+        }
     }
 
     /// Record the gateway's own time for one request.
@@ -281,12 +285,51 @@ impl Metrics {
 /// One route's outcome counters.
 #[derive(Clone, Debug)]
 pub struct RouteMetrics {
-    outcomes: [Counter; 8],
+    miss: Counter,
+    replayed: Counter,
+    in_flight_conflict: Counter,
+    mismatch: Counter,
+    not_replayable: Counter,
+    passthrough: Counter,
+    store_error: Counter,
+    rejected_invalid: Counter,
 }
 
 impl RouteMetrics {
     /// Count one request with `outcome`.
     pub fn count(&self, outcome: Outcome) {
-        self.outcomes[outcome as usize].inc();
+        match outcome {
+            Outcome::miss => &self.miss,
+            Outcome::replayed => &self.replayed,
+            Outcome::in_flight_conflict => &self.in_flight_conflict,
+            Outcome::mismatch => &self.mismatch,
+            Outcome::not_replayable => &self.not_replayable,
+            Outcome::passthrough => &self.passthrough,
+            Outcome::store_error => &self.store_error,
+            Outcome::rejected_invalid => &self.rejected_invalid,
+        }
+        .inc();
+    }
+}
+
+/// The latency histogram of each store operation.
+#[derive(Clone, Debug)]
+pub struct StoreOpMetrics {
+    claim: Histogram,
+    complete: Histogram,
+    release: Histogram,
+    renew: Histogram,
+}
+
+impl StoreOpMetrics {
+    /// Record how long one `op` took.
+    pub fn observe(&self, op: StoreOp, took: Duration) {
+        match op {
+            StoreOp::claim => &self.claim,
+            StoreOp::complete => &self.complete,
+            StoreOp::release => &self.release,
+            StoreOp::renew => &self.renew,
+        }
+        .observe(took.as_secs_f64());
     }
 }

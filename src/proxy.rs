@@ -1,13 +1,18 @@
-//! The upstream client: pooled HTTP/1.1 keep-alive connections, hop-by-hop header handling.
+//! The proxy: the gateway's inner service, forwarding each request to the upstream over pooled
+//! HTTP/1.1 keep-alive connections.
+//!
+//! [`Proxy`] is a tower `Service`; the idempotency layer wraps it like any other service. Its
+//! errors say whether the request was sent ([`ProxyError`]; a connection that could not be made
+//! carries [`NotSent`], which the layer reads to release a claim).
 //!
 //! Each worker has a pool of its own: a stack of idle hyper HTTP/1.1 connections to the one
 //! upstream. A request takes the most recently used idle connection (or opens one), and the
 //! connection goes back when its response body has been read to the end. (hyper-util's general
-//! client did the same for any host, at the cost of hashing the host for every checkout and
-//! return and a task per request to watch for idleness: about a fifth of the gateway's own
-//! instructions per forwarded request, counted with callgrind.)
+//! client does the same for any host, at the cost of hashing the host for every checkout and
+//! return and a task per request to watch for idleness.)
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -15,36 +20,50 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderName};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Response};
 use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
+use crate::config::Policy;
 use crate::error::GatewayError;
+use crate::headers::{content_length, relayable};
+use crate::idempotency::NotSent;
 
 /// A boxed error, for messages.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Why a forward failed; the difference decides whether a claim may be released.
-#[derive(Debug)]
-pub enum ForwardError {
+/// Why a forward failed. What the difference means for a claim is read by the idempotency layer
+/// from the error's `source()` chain: only [`NotSent`] lets it release the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
     /// No connection could be made, or the connection closed before it took the request: the
     /// request was certainly not sent.
-    Connect(BoxError),
+    #[error("cannot reach the upstream")]
+    NotSent(#[source] NotSent),
     /// Failed after the request may have been sent (reset, malformed response, ...).
-    Other(BoxError),
+    #[error("upstream request failed: {0}")]
+    Failed(#[source] BoxError),
+    /// No response head within the route's `upstream_timeout`.
+    #[error("the upstream did not answer in time")]
+    Timeout,
 }
 
-impl std::fmt::Display for ForwardError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Connect(e) => write!(f, "cannot connect to upstream: {e}"),
-            Self::Other(e) => write!(f, "upstream request failed: {e}"),
+impl From<&ProxyError> for GatewayError {
+    fn from(e: &ProxyError) -> Self {
+        match e {
+            ProxyError::NotSent(_) | ProxyError::Failed(_) => GatewayError::Upstream,
+            ProxyError::Timeout => GatewayError::UpstreamTimeout,
         }
     }
+}
+
+fn not_sent(cause: impl Into<BoxError>) -> ProxyError {
+    ProxyError::NotSent(NotSent::new(cause))
 }
 
 /// Most idle connections a worker keeps.
@@ -191,7 +210,7 @@ impl Upstream {
     }
 
     /// Open a new connection.
-    async fn connect(&self) -> Result<SendRequest<Body>, ForwardError> {
+    async fn connect(&self) -> Result<SendRequest<Body>, ProxyError> {
         let port = self.authority.port_u16().unwrap_or(80);
         // An IPv6 literal comes bracketed in a URL (`[::1]`), and bare to the resolver.
         let host = self
@@ -202,13 +221,13 @@ impl Upstream {
         let connect = tokio::net::TcpStream::connect((host, port));
         let stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(stream)) => stream,
-            Ok(Err(e)) => return Err(ForwardError::Connect(e.into())),
-            Err(_) => return Err(ForwardError::Connect("connect timed out".into())),
+            Ok(Err(e)) => return Err(not_sent(e)),
+            Err(_) => return Err(not_sent("connect timed out")),
         };
         let _ = stream.set_nodelay(true);
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| ForwardError::Connect(e.into()))?;
+            .map_err(not_sent)?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -216,7 +235,7 @@ impl Upstream {
     }
 
     /// An idle pooled connection, or a new one; whether it was pooled.
-    async fn sender(&self) -> Result<(SendRequest<Body>, bool), ForwardError> {
+    async fn sender(&self) -> Result<(SendRequest<Body>, bool), ProxyError> {
         while let Some(mut sender) = self.pool.take() {
             if sender.is_ready() {
                 return Ok((sender, true));
@@ -231,11 +250,11 @@ impl Upstream {
     }
 
     /// Send a request. Hop-by-hop headers are stripped here, from the request and from the
-    /// response, and the response's head is made safe to relay (see [`relayable`]).
+    /// response, and a `Content-Length` beside `Transfer-Encoding` is dropped from both.
     pub async fn forward(
         &self,
         mut req: Request<Body>,
-    ) -> Result<Response<UpstreamBody>, ForwardError> {
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
         // Origin form (`/path?query`), under the upstream's path prefix.
         let pq = req
             .uri()
@@ -268,10 +287,10 @@ impl Upstream {
                     sender
                         .send_request(req)
                         .await
-                        .map_err(|e| ForwardError::Other(e.into()))?
+                        .map_err(|e| ProxyError::Failed(e.into()))?
                 }
-                Some(_) => return Err(ForwardError::Connect(e.into_error().into())),
-                None => return Err(ForwardError::Other(e.into_error().into())),
+                Some(_) => return Err(not_sent(e.into_error())),
+                None => return Err(ProxyError::Failed(e.into_error().into())),
             },
         };
         let (mut head, body) = resp.into_parts();
@@ -286,139 +305,57 @@ impl Upstream {
     }
 }
 
-/// Headers that describe one connection, never forwarded nor stored (RFC 9110 section 7.6.1).
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
+/// Responses up to this size with a known length are read whole and sent in one write, as
+/// nginx's proxy buffering does; anything else streams through.
+const SEND_WHOLE_UP_TO: u64 = 16 * 1024;
 
-/// Make a message's head safe to pass on: with `Transfer-Encoding` the length came from the
-/// chunked framing hyper decoded, so a `Content-Length` beside it is stale (RFC 9112 section 6.3)
-/// and goes, before the hop-by-hop headers do. The next hop frames the body anew.
-pub fn relayable(headers: &mut HeaderMap) {
-    if headers.contains_key(header::TRANSFER_ENCODING) {
-        headers.remove(header::CONTENT_LENGTH);
-    }
-    strip_hop_by_hop(headers);
+/// The upstream as a tower `Service`: the inner service of the gateway's idempotency layer.
+/// Cheap to clone (clones share the pool). Each request's response head must arrive within the
+/// `upstream_timeout` of the [`Policy`] the layer hands down as a request extension (the
+/// built-in default when there is none).
+#[derive(Clone, Debug)]
+pub struct Proxy {
+    upstream: Upstream,
 }
 
-/// Refuse a request whose transfer codings the gateway would not relay faithfully (RFC 9112
-/// section 6.1): `chunked` applied more than once is invalid (400), and any other coding is one
-/// the gateway does not decode (501), so forwarding it would drop its label.
-pub fn check_transfer_coding(headers: &HeaderMap) -> Result<(), GatewayError> {
-    let mut chunked = 0;
-    for value in headers.get_all(header::TRANSFER_ENCODING) {
-        let value = value
-            .to_str()
-            .map_err(|_| GatewayError::UnsupportedTransferCoding)?;
-        for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-            if !coding.eq_ignore_ascii_case("chunked") {
-                return Err(GatewayError::UnsupportedTransferCoding);
-            }
-            chunked += 1;
+impl Proxy {
+    /// A proxy to `base` (`http://host:port[/prefix]`) with a connection pool of its own.
+    pub fn new(base: &Uri) -> Self {
+        Proxy {
+            upstream: Upstream::new(base),
         }
     }
-    if chunked > 1 {
-        return Err(GatewayError::InvalidFraming(
-            "Transfer-Encoding: chunked may be applied only once",
-        ));
+
+    async fn call(self, req: Request<Body>) -> Result<Response<Body>, ProxyError> {
+        let timeout = req
+            .extensions()
+            .get::<Arc<Policy>>()
+            .map_or(Policy::DEFAULT_UPSTREAM_TIMEOUT, |p| p.upstream_timeout);
+        let resp = tokio::time::timeout(timeout, self.upstream.forward(req))
+            .await
+            .map_err(|_| ProxyError::Timeout)??;
+        let (head, body) = resp.into_parts();
+        if content_length(&head.headers).is_some_and(|n| n <= SEND_WHOLE_UP_TO) {
+            let whole = body
+                .collect()
+                .await
+                .map_err(|e| ProxyError::Failed(e.into()))?;
+            return Ok(Response::from_parts(head, Body::from(whole.to_bytes())));
+        }
+        Ok(Response::from_parts(head, Body::new(body)))
     }
-    Ok(())
 }
 
-/// Remove the hop-by-hop headers and every header that `Connection` names.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none of them: one pass over the few names present is cheaper than a
-    // hash lookup per hop-by-hop name (this runs twice per forwarded request).
-    if !headers
-        .keys()
-        .any(|n| HOP_BY_HOP.contains(n) || n == header::TRAILER)
-    {
-        return;
-    }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
-    }
-    // "trailer" announces trailers of this message's chunked coding; it goes with the framing.
-    headers.remove(header::TRAILER);
-}
+impl tower::Service<Request<Body>> for Proxy {
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, ProxyError>> + Send>>;
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use http::HeaderValue;
-
-    #[test]
-    fn strips_standard_and_connection_named_headers() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, X-Secret-Hop"),
-        );
-        h.insert("x-secret-hop", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key(header::CONTENT_TYPE));
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
     }
 
-    #[test]
-    fn a_length_beside_chunked_is_dropped() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        relayable(&mut h);
-        assert!(h.is_empty(), "{h:?}");
-        let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
-        relayable(&mut h);
-        assert_eq!(
-            h[header::CONTENT_LENGTH],
-            "5",
-            "a length alone is the framing"
-        );
-    }
-
-    #[test]
-    fn only_one_chunked_coding_is_accepted() {
-        let te = |values: &[&'static str]| {
-            let mut h = HeaderMap::new();
-            for v in values {
-                h.append(header::TRANSFER_ENCODING, HeaderValue::from_static(v));
-            }
-            check_transfer_coding(&h).map_err(|e| e.kind())
-        };
-        assert_eq!(te(&[]), Ok(()));
-        assert_eq!(te(&["chunked"]), Ok(()));
-        assert_eq!(te(&["Chunked "]), Ok(()));
-        assert_eq!(te(&["chunked, chunked"]), Err("invalid-framing"));
-        assert_eq!(te(&["chunked", "chunked"]), Err("invalid-framing"));
-        assert_eq!(te(&["gzip, chunked"]), Err("unsupported-transfer-coding"));
-        assert_eq!(te(&["identity"]), Err("unsupported-transfer-coding"));
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        Box::pin(self.clone().call(req))
     }
 }

@@ -1,9 +1,16 @@
-//! Idempotency: the key, the fingerprint, the stored record, and the service that runs the state
-//! machine of one keyed request ([`service`]).
+//! The idempotency engine: a tower [`IdempotencyLayer`] whose [`Idempotency`] service runs the
+//! state machine of one keyed request around any inner service, plus its parts: the key
+//! ([`key`]), the request fingerprint ([`fingerprint`]), the stored record and its encoding
+//! ([`record`]), and the route table ([`Routes`]).
 
+mod body;
 pub mod fingerprint;
 pub mod key;
+mod layer;
 pub mod record;
-pub mod service;
+mod routes;
+mod service;
 
-pub use service::{Gateway, RouteTable, IDEMPOTENT_REPLAYED};
+pub use layer::IdempotencyLayer;
+pub use routes::Routes;
+pub use service::{Idempotency, NotSent, IDEMPOTENT_REPLAYED, TRACEPARENT};

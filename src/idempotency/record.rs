@@ -17,8 +17,8 @@
 //! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
 //! ```
 //!
-//! The Redis Lua scripts read bytes 1, 2..34 and 34..50 directly (`string.sub(v, 2, 2)` etc.), so
-//! those offsets are part of the format. A later version keeps byte 0 as the version so that old
+//! The Redis Lua scripts read the state byte and the token directly; the offsets and state bytes
+//! are defined once here, and filled into the scripts when they load. A later version keeps byte 0 as the version so that old
 //! records stay readable.
 
 use std::sync::Arc;
@@ -39,6 +39,14 @@ pub const TOKEN_AT: usize = 34;
 pub const WRITTEN_AT: usize = 50;
 /// Length of the fixed header before the response.
 pub const HEADER_LEN: usize = 58;
+/// State byte: claimed, in flight.
+pub const IN_FLIGHT: u8 = b'P';
+/// State byte: completed, the response follows.
+pub const COMPLETED: u8 = b'C';
+/// State byte: completed, the response follows with an LZ4-compressed body.
+pub const COMPRESSED: u8 = b'Z';
+/// State byte: completed, not replayable.
+pub const NOT_REPLAYABLE: u8 = b'N';
 
 /// The random token of one claim. Whoever completes or releases a key must present the token of
 /// the claim it holds, so a holder whose lease expired cannot clobber a newer holder's record.
@@ -78,6 +86,39 @@ pub enum EntryState {
 }
 
 impl StoredResponse {
+    /// What is stored of a response: its status, its end-to-end headers in order (hop-by-hop ones
+    /// never are), its whole body, and the `traceparent` of the request that produced it.
+    pub fn new(
+        mut head: http::response::Parts,
+        body: Bytes,
+        traceparent: Option<HeaderValue>,
+    ) -> Self {
+        crate::headers::strip_hop_by_hop(&mut head.headers);
+        let mut headers = Vec::with_capacity(head.headers.len());
+        // HeaderMap's owned iterator names each header once, then its further values.
+        let mut name = None;
+        for (n, v) in head.headers {
+            if let Some(n) = n {
+                name = Some(n);
+            }
+            headers.push((name.clone().expect("the first value has a name"), v));
+        }
+        StoredResponse {
+            status: head.status,
+            headers,
+            body,
+            traceparent,
+        }
+    }
+
+    /// The `Content-Length` values it declares.
+    pub fn lengths(&self) -> impl Iterator<Item = &HeaderValue> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == http::header::CONTENT_LENGTH)
+            .map(|(_, v)| v)
+    }
+
     /// A copy in allocations of its own, to keep in memory. A response fresh from the upstream
     /// holds slices of the connection's read buffer; keeping those would pin a whole buffer per
     /// record.
@@ -200,10 +241,10 @@ pub fn encode_parts<'a>(
         _ => None,
     };
     let (tag, resp) = match state {
-        EntryState::InFlight => (b'P', None),
-        EntryState::Completed(r) if compressed.is_some() => (b'Z', Some(r)),
-        EntryState::Completed(r) => (b'C', Some(r)),
-        EntryState::NotReplayable => (b'N', None),
+        EntryState::InFlight => (IN_FLIGHT, None),
+        EntryState::Completed(r) if compressed.is_some() => (COMPRESSED, Some(r)),
+        EntryState::Completed(r) => (COMPLETED, Some(r)),
+        EntryState::NotReplayable => (NOT_REPLAYABLE, None),
     };
     let body: Cow<'a, [u8]> = match (compressed, resp) {
         (Some(packed), _) => Cow::Owned(packed),
@@ -267,10 +308,12 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"))
     };
     let state = match raw[STATE_AT] {
-        b'P' => EntryState::InFlight,
-        b'N' => EntryState::NotReplayable,
-        b'C' => EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), !v1)?)),
-        b'Z' if !v1 => {
+        IN_FLIGHT => EntryState::InFlight,
+        NOT_REPLAYABLE => EntryState::NotReplayable,
+        COMPLETED => {
+            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), !v1)?))
+        }
+        COMPRESSED if !v1 => {
             let mut r = decode_response(raw.slice(header_len..), true)?;
             let (expanded, _) = lz4_flex::block::uncompressed_size(&r.body)
                 .map_err(|_| DecodeError("truncated compressed body"))?;

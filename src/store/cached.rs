@@ -14,10 +14,10 @@ use std::time::Duration;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use super::{Claim, Store, StoreError};
+use super::{Claim, Replay, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
+use crate::idempotency::record::{EntryState, StoredResponse, Token};
 
 /// The cache itself, shared by the workers of one process.
 #[derive(Clone)]
@@ -182,22 +182,18 @@ impl<S: Store> Store for CachedStore<S> {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         if let Some(response) = self.cache.get(key, fingerprint) {
-            return Ok(Claim::Existing(Entry {
-                fingerprint: *fingerprint,
-                state: EntryState::Completed(response),
+            return Ok(Claim::Replay(Replay {
+                response,
                 expires_in: None,
-                written_ms: 0,
             }));
         }
         let claim = self.inner.claim(key, fingerprint, token, lease).await?;
-        if let Claim::Existing(Entry {
-            fingerprint: stored,
-            state: EntryState::Completed(response),
+        if let Claim::Replay(Replay {
+            response,
             expires_in: Some(lives),
-            ..
         }) = &claim
         {
-            self.cache.put(key, stored, response, *lives);
+            self.cache.put(key, fingerprint, response, *lives);
         }
         Ok(claim)
     }
@@ -299,7 +295,7 @@ mod tests {
             .claim(&k, &fp, &Token([6; 16]), Duration::from_secs(5))
             .await
             .unwrap();
-        assert!(matches!(first, Claim::Existing(_)));
+        assert!(matches!(first, Claim::Replay(_)));
         assert_eq!(store.cache().len(), 1);
         // ...so even with the record gone underneath, the cache answers the next replay...
         inner.purge_all();
@@ -307,13 +303,7 @@ mod tests {
             .claim(&k, &fp, &Token([4; 16]), Duration::from_secs(5))
             .await
             .unwrap();
-        assert!(matches!(
-            hit,
-            Claim::Existing(Entry {
-                state: EntryState::Completed(_),
-                ..
-            })
-        ));
+        assert!(matches!(hit, Claim::Replay(_)));
         // ...but a different request always asks the store underneath.
         let other = Fingerprint([9; 32]);
         let miss = store

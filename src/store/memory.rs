@@ -11,17 +11,32 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 
-/// A handle to the embedded store; clones share one map.
+/// A handle to the embedded store; clones share one map. Expired entries are dropped every
+/// [`PURGE_EVERY`] by a task the store owns, stopped when the last handle goes (made outside a
+/// tokio runtime, the store has no such task: expired entries are then dropped only when room is
+/// needed, and ignored on access all the same).
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
     shared: Arc<Shared>,
+    // Aborts the purge task when the last handle is dropped; the task holds only a weak reference.
+    _purger: Option<Arc<AbortOnDropHandle<()>>>,
 }
+
+/// How often the store drops expired entries.
+pub const PURGE_EVERY: Duration = Duration::from_secs(5);
+
+/// Most entries kept when no bound is given.
+pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
+
+/// Most bytes of stored responses kept when no bound is given.
+pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 
 #[derive(Debug)]
 struct Shared {
@@ -167,35 +182,48 @@ impl Table {
 
 impl Default for MemoryStore {
     fn default() -> Self {
-        Self::with_limits(100_000, 256 * 1024 * 1024)
+        Self::with_limits(DEFAULT_MAX_ENTRIES, DEFAULT_MAX_BYTES)
     }
 }
 
 impl MemoryStore {
-    /// An empty store with the default bounds (100,000 entries, 256 MiB).
+    /// An empty store with the default bounds ([`DEFAULT_MAX_ENTRIES`], [`DEFAULT_MAX_BYTES`]).
     pub fn new() -> Self {
         Self::default()
     }
 
     /// An empty store holding at most `max_entries` entries and `max_bytes` of responses.
     pub fn with_limits(max_entries: usize, max_bytes: u64) -> Self {
-        MemoryStore {
-            shared: Arc::new(Shared {
-                // Sized for the bound up front (up to a million slots): growing by doubling
-                // rehashes the whole map under the lock, a stall of tens of ms for every worker
-                // at each doubling past 50,000 slots. Untouched pages cost address space only.
-                table: Mutex::new(Table {
-                    map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
-                    ..Table::default()
-                }),
-                max_entries: max_entries.max(1),
-                max_bytes: max_bytes.max(1),
+        let shared = Arc::new(Shared {
+            // Sized for the bound up front (up to a million slots): growing by doubling
+            // rehashes the whole map under the lock, a stall of tens of ms for every worker
+            // at each doubling past 50,000 slots. Untouched pages cost address space only.
+            table: Mutex::new(Table {
+                map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
+                ..Table::default()
             }),
+            max_entries: max_entries.max(1),
+            max_bytes: max_bytes.max(1),
+        });
+        let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            let weak = Arc::downgrade(&shared);
+            Arc::new(AbortOnDropHandle::new(rt.spawn(async move {
+                let mut tick = tokio::time::interval(PURGE_EVERY);
+                loop {
+                    tick.tick().await;
+                    let Some(shared) = weak.upgrade() else { return };
+                    MemoryStore::lock_table(&shared).purge_expired(Instant::now());
+                }
+            })))
+        });
+        MemoryStore {
+            shared,
+            _purger: purger,
         }
     }
 
     /// Drop every expired slot. Expired slots are also ignored on access, so this only bounds
-    /// memory; `app::run` calls it periodically.
+    /// memory; the store's own task calls it every [`PURGE_EVERY`].
     pub fn purge_expired(&self) {
         self.lock().purge_expired(Instant::now());
     }
@@ -240,9 +268,13 @@ impl MemoryStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        Self::lock_table(&self.shared)
+    }
+
+    fn lock_table(shared: &Shared) -> std::sync::MutexGuard<'_, Table> {
         // Every operation leaves the table consistent before it could panic, so a poisoned lock
         // is safe to keep using.
-        self.shared.table.lock().unwrap_or_else(|p| p.into_inner())
+        shared.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -287,7 +319,7 @@ impl Store for MemoryStore {
             if slot.expires_at > now {
                 let mut entry = slot.entry.clone();
                 entry.expires_in = Some(slot.expires_at - now);
-                return Ok(Claim::Existing(entry));
+                return Ok(Claim::decide(entry, &slot.token, fingerprint, token));
             }
         }
         t.make_room(self.shared.max_entries, self.shared.max_bytes, true, now)?;
@@ -411,16 +443,7 @@ mod tests {
                 .claim(&key(i), &fp, &Token([99; 16]), lease)
                 .await
                 .unwrap();
-            assert!(
-                matches!(
-                    again,
-                    Claim::Existing(Entry {
-                        state: EntryState::InFlight,
-                        ..
-                    })
-                ),
-                "claim {i} was evicted"
-            );
+            assert!(matches!(again, Claim::InFlight), "claim {i} was evicted");
         }
         // Only claims left: a new claim is refused rather than growing without bound.
         assert!(matches!(

@@ -5,11 +5,12 @@
 //! ran out cannot overwrite or delete what a newer holder wrote.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{Entry, EntryState, Token};
+use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 
 pub mod cached;
 pub mod memory;
@@ -19,13 +20,48 @@ pub use self::cached::{CachedStore, LocalCache};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 
-/// The answer to a claim.
+/// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from
+/// the entry the key holds and the request's fingerprint, the one place that decision is made.
 #[derive(Debug, Clone)]
 pub enum Claim {
-    /// The key was free and is now ours, in flight, for the lease.
+    /// The key was free (or expired) and is now ours, in flight, for the lease.
     Claimed,
-    /// The key already exists; here is what it holds.
-    Existing(Entry),
+    /// Completed by an identical request: replay its response.
+    Replay(Replay),
+    /// An identical request holds the key and is still running.
+    InFlight,
+    /// Completed by an identical request whose response was too large to keep.
+    NotReplayable,
+    /// The key belongs to a different request (whatever its state: a misuse of the key wins over
+    /// "in flight").
+    Mismatch,
+}
+
+/// A completed response to replay.
+#[derive(Debug, Clone)]
+pub struct Replay {
+    /// The response, byte for byte.
+    pub response: Arc<StoredResponse>,
+    /// How much longer the store keeps it, when the store said.
+    pub expires_in: Option<Duration>,
+}
+
+impl Claim {
+    /// The decision for a request with `fingerprint` claiming with `token` a key that holds
+    /// `held` (written by the claim whose token is `holder`).
+    pub fn decide(held: Entry, holder: &Token, fingerprint: &Fingerprint, token: &Token) -> Self {
+        match held.state {
+            // Our own claim, applied although its answer was lost and the call retried.
+            EntryState::InFlight if holder == token => Claim::Claimed,
+            _ if held.fingerprint != *fingerprint => Claim::Mismatch,
+            EntryState::InFlight => Claim::InFlight,
+            EntryState::NotReplayable => Claim::NotReplayable,
+            EntryState::Completed(response) => Claim::Replay(Replay {
+                response,
+                expires_in: held.expires_in,
+            }),
+        }
+    }
 }
 
 /// A store failure (unreachable, timed out, or returned something unreadable).
@@ -44,7 +80,8 @@ pub enum StoreError {
 
 /// The operations the state machine needs. Implementations must make each one atomic.
 pub trait Store: Clone + Send + Sync + 'static {
-    /// Claim `key` as in flight for `lease` if it is free; otherwise return what it holds.
+    /// Claim `key` as in flight for `lease` if it is free; otherwise decide from what it holds
+    /// ([`Claim::decide`]).
     fn claim(
         &self,
         key: &ScopedKey,

@@ -19,7 +19,7 @@ use super::{Claim, Store, StoreError};
 use crate::config::Compression;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{self, Entry, EntryState, Token};
+use crate::idempotency::record::{self, EntryState, Token};
 
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
@@ -43,6 +43,27 @@ struct Scripts {
     renew: Script,
 }
 
+impl Scripts {
+    /// The scripts in `lua/`, with the record layout they read filled in from
+    /// [`record`]'s definitions (Lua strings count from 1).
+    fn load() -> Self {
+        let fill = |source: &str| {
+            source
+                .replace("@STATE@", &(record::STATE_AT + 1).to_string())
+                .replace("@TOKEN_FROM@", &(record::TOKEN_AT + 1).to_string())
+                .replace("@TOKEN_TO@", &record::WRITTEN_AT.to_string())
+                .replace("@IN_FLIGHT@", &char::from(record::IN_FLIGHT).to_string())
+        };
+        Scripts {
+            claim: Script::new(&fill(include_str!("lua/claim.lua"))),
+            complete: Script::new(&fill(include_str!("lua/complete.lua"))),
+            complete_staged: Script::new(&fill(include_str!("lua/complete_staged.lua"))),
+            release: Script::new(&fill(include_str!("lua/release.lua"))),
+            renew: Script::new(&fill(include_str!("lua/renew.lua"))),
+        }
+    }
+}
+
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
@@ -51,22 +72,76 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-impl RedisStore {
-    /// Connect to `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS). `timeout`
-    /// bounds connecting and each answer: past it the store counts as down for that request.
-    pub async fn connect(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
-        Self::connect_with_ca(url, prefix, timeout, None).await
+/// Key prefix used when none is given.
+pub const DEFAULT_PREFIX: &str = "idemgate:";
+
+/// How long connecting or one answer may take when no timeout is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How to reach Redis and how to write there: the one way a [`RedisStore`] is made.
+#[derive(Clone)]
+pub struct RedisOptions {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+    ca_pem: Option<Vec<u8>>,
+    compression: Compression,
+}
+
+impl std::fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisOptions")
+            .field("url", &crate::config::redact_url(&self.url))
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("compression", &self.compression)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisOptions {
+    /// Redis at `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS,
+    /// `unix://`), with the default prefix, timeout and compression.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisOptions {
+            url: url.into(),
+            prefix: DEFAULT_PREFIX.to_string(),
+            timeout: DEFAULT_TIMEOUT,
+            ca_pem: None,
+            compression: Compression::default(),
+        }
     }
 
-    /// [`RedisStore::connect`], trusting `ca_pem` (PEM certificates) for a `rediss://` server
-    /// whose certificate comes from a private CA; without it the system's roots are used.
-    pub async fn connect_with_ca(
-        url: &str,
-        prefix: &str,
-        timeout: Duration,
-        ca_pem: Option<Vec<u8>>,
-    ) -> Result<Self, StoreError> {
-        let store = Self::lazy(url, prefix, timeout, ca_pem)?;
+    /// Prefix every key with `prefix`, so several deployments can share one Redis.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Past `timeout` without a connection or an answer, the store counts as down for that
+    /// request.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// For `rediss://`: trust these PEM certificates (a private CA) instead of the system's roots.
+    pub fn tls_ca(mut self, pem: Vec<u8>) -> Self {
+        self.ca_pem = Some(pem);
+        self
+    }
+
+    /// Write completed bodies with `compression` (records are read whatever their encoding).
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+}
+
+impl RedisStore {
+    /// Connect, and check that Redis answers.
+    pub async fn connect(options: &RedisOptions) -> Result<Self, StoreError> {
+        let store = Self::lazy(options)?;
         let _: String = redis::cmd("PING")
             .query_async(&mut store.conn.clone())
             .await?;
@@ -75,21 +150,17 @@ impl RedisStore {
 
     /// A handle that connects on first use (and reconnects by itself after), for starting while
     /// Redis is unreachable: until it answers, every operation fails as a store error.
-    pub fn lazy(
-        url: &str,
-        prefix: &str,
-        timeout: Duration,
-        ca_pem: Option<Vec<u8>>,
-    ) -> Result<Self, StoreError> {
+    pub fn lazy(options: &RedisOptions) -> Result<Self, StoreError> {
+        let url = options.url.as_str();
         let client = if url.starts_with("rediss://") {
             // One process-wide TLS provider; a second install is refused harmlessly.
             let _ = rustls::crypto::ring::default_provider().install_default();
-            match ca_pem {
+            match &options.ca_pem {
                 Some(root_cert) => redis::Client::build_with_tls(
                     url,
                     redis::TlsCertificates {
                         client_tls: None,
-                        root_cert: Some(root_cert),
+                        root_cert: Some(root_cert.clone()),
                     },
                 )?,
                 None => redis::Client::open(url)?,
@@ -100,23 +171,17 @@ impl RedisStore {
         // Reconnects happen in the background after a failure; a request never waits for more
         // than `timeout` on a dead server, and a restarted server is picked up on the next command.
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(options.timeout))
+            .set_response_timeout(Some(options.timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200));
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
         Ok(RedisStore {
             conn,
-            prefix: prefix.into(),
-            scripts: Arc::new(Scripts {
-                claim: Script::new(include_str!("lua/claim.lua")),
-                complete: Script::new(include_str!("lua/complete.lua")),
-                complete_staged: Script::new(include_str!("lua/complete_staged.lua")),
-                release: Script::new(include_str!("lua/release.lua")),
-                renew: Script::new(include_str!("lua/renew.lua")),
-            }),
+            prefix: options.prefix.as_str().into(),
+            scripts: Arc::new(Scripts::load()),
             native_claim: Arc::new(AtomicBool::new(true)),
-            compression: Compression::None,
+            compression: options.compression,
         })
     }
 
@@ -290,12 +355,6 @@ impl RedisStore {
         Ok(moved.0 == 1)
     }
 
-    /// Write completed bodies with `compression` (records are read whatever their encoding).
-    pub fn with_compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
-        self
-    }
-
     /// Make claims use the Lua script, as on a Redis older than 7.0 (for tests of that path).
     pub fn claim_with_script(self) -> Self {
         self.native_claim.store(false, Ordering::Relaxed);
@@ -391,21 +450,11 @@ impl Store for RedisStore {
         let entry = record::encode(fingerprint, token, &EntryState::InFlight);
         match self.try_claim(self.redis_key(key), &entry, lease).await? {
             None => Ok(Claim::Claimed),
-            Some((raw, pttl)) => match record::decode(Bytes::from(raw))? {
-                // Our own claim, applied although its answer was lost (timeout, dropped
-                // connection) and the call retried: it is ours.
-                (
-                    Entry {
-                        state: EntryState::InFlight,
-                        ..
-                    },
-                    holder,
-                ) if holder == *token => Ok(Claim::Claimed),
-                (mut entry, _) => {
-                    entry.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
-                    Ok(Claim::Existing(entry))
-                }
-            },
+            Some((raw, pttl)) => {
+                let (mut held, holder) = record::decode(Bytes::from(raw))?;
+                held.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
+                Ok(Claim::decide(held, &holder, fingerprint, token))
+            }
         }
     }
 

@@ -1,11 +1,11 @@
 -- Replace our in-flight claim with the completed entry, fenced by the claim token.
 -- KEYS[1] record key; ARGV[1] token (16 bytes); ARGV[2] encoded entry; ARGV[3] ttl in ms.
--- Byte 2 of an entry is its state, bytes 35..50 its token (see record.rs).
+-- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when written, or when our own completion is already there (a retried call whose
 -- first answer was lost); 0 when the key is not ours.
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 35, 50) == ARGV[1] then
-  if string.sub(v, 2, 2) == 'P' then
+if v and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
+  if string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' then
     redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   end
   return 1

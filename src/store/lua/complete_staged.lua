@@ -1,12 +1,12 @@
 -- Replace our in-flight claim with the completed entry staged at KEYS[2] by a plain SET in the
 -- same pipeline (so a large body never passes through Lua), fenced by the claim token.
 -- KEYS[1] record key; KEYS[2] staged entry; ARGV[1] token (16 bytes); ARGV[2] ttl in ms.
--- Byte 2 of an entry is its state, bytes 35..50 its token (see record.rs).
+-- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when moved into place, or when our own completion is already there (a retried call
 -- whose first answer was lost); 0 when the key is not ours. The staged entry never outlives it.
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 35, 50) == ARGV[1] then
-  if string.sub(v, 2, 2) == 'P' then
+if v and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
+  if string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' then
     redis.call('RENAME', KEYS[2], KEYS[1])
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
   else

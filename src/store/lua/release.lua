@@ -1,7 +1,7 @@
 -- Delete our in-flight claim so a retry runs again, fenced by the claim token.
 -- KEYS[1] record key; ARGV[1] token (16 bytes).
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 2, 2) == 'P' and string.sub(v, 35, 50) == ARGV[1] then
+if v and string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1
 end

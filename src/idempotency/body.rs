@@ -1,0 +1,119 @@
+//! One capped collector for both directions: a keyed request's body (to fingerprint and forward)
+//! and a response (to record). Bounded buffering: a body that proves larger than the cap is never
+//! read further.
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use http_body::Body as _;
+use http_body_util::BodyExt;
+
+/// A body read whole, or found larger than the cap.
+pub(crate) enum Collected {
+    /// Every byte, in one buffer.
+    Whole(Bytes),
+    /// More than the cap: the chunks read so far, and the rest, unread.
+    TooLarge { read: Vec<Bytes>, rest: Body },
+}
+
+/// Read `body` to its end, or until it proves larger than `cap` bytes: by its size hint (a
+/// declared `Content-Length`) before a byte is read, or while reading.
+pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected, axum::Error> {
+    if body.size_hint().lower() > cap {
+        return Ok(Collected::TooLarge {
+            read: Vec::new(),
+            rest: body,
+        });
+    }
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0u64;
+    while let Some(frame) = body.frame().await {
+        // Trailers are not part of what is fingerprinted or recorded.
+        if let Ok(data) = frame?.into_data() {
+            total += data.len() as u64;
+            chunks.push(data);
+            if total > cap {
+                return Ok(Collected::TooLarge {
+                    read: chunks,
+                    rest: body,
+                });
+            }
+        }
+    }
+    Ok(Collected::Whole(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().expect("one chunk"),
+        _ => {
+            let mut buf = BytesMut::with_capacity(total as usize);
+            chunks.iter().for_each(|c| buf.extend_from_slice(c));
+            buf.freeze()
+        }
+    }))
+}
+
+/// The chunks already read, then the rest: a body found too large, streamed on once.
+pub(crate) fn replay_then_rest(read: Vec<Bytes>, rest: Body) -> Body {
+    use futures_util::StreamExt;
+    let read = futures_util::stream::iter(read.into_iter().map(Ok::<_, axum::Error>));
+    Body::from_stream(read.chain(rest.into_data_stream()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunked(parts: &[&'static str]) -> Body {
+        let stream = futures_util::stream::iter(
+            parts
+                .iter()
+                .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p.as_bytes())))
+                .collect::<Vec<_>>(),
+        );
+        Body::from_stream(stream)
+    }
+
+    async fn whole(c: Collected) -> Bytes {
+        match c {
+            Collected::Whole(b) => b,
+            Collected::TooLarge { read, rest } => {
+                panic!("too large after {} chunks: {rest:?}", read.len())
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn reads_up_to_the_cap() {
+        let b = collect_capped(chunked(&["ab", "cd"]), 4).await.unwrap();
+        assert_eq!(whole(b).await, "abcd");
+        let b = collect_capped(Body::from("abcd"), 4).await.unwrap();
+        assert_eq!(whole(b).await, "abcd");
+        let b = collect_capped(Body::empty(), 0).await.unwrap();
+        assert_eq!(whole(b).await, "");
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_cap_is_refused_unread() {
+        match collect_capped(Body::from("abcde"), 4).await.unwrap() {
+            Collected::TooLarge { read, rest } => {
+                assert!(read.is_empty());
+                let all = replay_then_rest(read, rest).collect().await.unwrap();
+                assert_eq!(all.to_bytes(), "abcde");
+            }
+            Collected::Whole(_) => panic!("over the cap"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_over_the_cap_stops_reading_and_keeps_every_byte() {
+        match collect_capped(chunked(&["ab", "cd", "ef", "gh"]), 3)
+            .await
+            .unwrap()
+        {
+            Collected::TooLarge { read, rest } => {
+                assert_eq!(read.len(), 2, "stopped at the chunk that crossed the cap");
+                let all = replay_then_rest(read, rest).collect().await.unwrap();
+                assert_eq!(all.to_bytes(), "abcdefgh");
+            }
+            Collected::Whole(_) => panic!("over the cap"),
+        }
+    }
+}

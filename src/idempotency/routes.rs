@@ -1,0 +1,138 @@
+//! Which policy a request gets: the most specific route pattern that matches its path, or the
+//! defaults.
+
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+
+use crate::config::{Config, ConfigError, Policy};
+use crate::metrics::{Metrics, RouteMetrics};
+
+/// The policies a layer applies, by request path: path patterns in matchit syntax (the router
+/// axum uses: `/v1/payments/{id}`, `/v1/{*rest}`), the most specific match winning, and a
+/// default policy for every other path.
+///
+/// ```
+/// use idemgate::{Policy, Routes};
+/// use std::time::Duration;
+///
+/// let routes = Routes::new(Policy::default())
+///     .route(
+///         "/v1/payments/{id}/capture",
+///         Policy::builder().require_key(true).ttl(Duration::from_secs(7 * 86400)).build()?,
+///     )?;
+/// assert!(routes.policy_for("/v1/payments/p_1/capture").require_key);
+/// assert!(!routes.policy_for("/v1/refunds").require_key);
+/// # Ok::<(), idemgate::ConfigError>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Routes {
+    // Path patterns to indexes into `policies`.
+    matcher: matchit::Router<usize>,
+    policies: Vec<Arc<Policy>>,
+    defaults: Arc<Policy>,
+}
+
+impl Routes {
+    /// Every request gets `defaults`, until routes are added.
+    pub fn new(defaults: Policy) -> Self {
+        Routes {
+            matcher: matchit::Router::new(),
+            policies: Vec::new(),
+            defaults: Arc::new(defaults),
+        }
+    }
+
+    /// Requests whose path matches `path` get `policy` (named after the pattern in logs and
+    /// metrics). A pattern that does not start with `/` or conflicts with one already added is
+    /// refused.
+    pub fn route(mut self, path: &str, mut policy: Policy) -> Result<Self, ConfigError> {
+        let at = format!("routes[{}].path", self.policies.len());
+        if !path.starts_with('/') {
+            return Err(ConfigError::invalid(at, "must start with '/'"));
+        }
+        self.matcher
+            .insert(path, self.policies.len())
+            .map_err(|e| ConfigError::invalid(at, e.to_string()))?;
+        policy.route = path.to_string();
+        self.policies.push(Arc::new(policy));
+        Ok(self)
+    }
+
+    /// The routes of a validated config.
+    pub fn from_config(config: &Config) -> Self {
+        config
+            .routes
+            .iter()
+            .fold(Routes::new((*config.defaults).clone()), |routes, r| {
+                routes
+                    .route(&r.path, (*r.policy).clone())
+                    .expect("route paths were validated with the config")
+            })
+    }
+
+    /// The policy requests to `path` get.
+    pub fn policy_for(&self, path: &str) -> &Arc<Policy> {
+        match self.matcher.at(path) {
+            Ok(m) => &self.policies[*m.value],
+            Err(_) => &self.defaults,
+        }
+    }
+}
+
+/// The routes with their live state: cheap to clone, clones share the state (waiter bounds and
+/// counters are per route and per process, whatever the number of workers).
+#[derive(Clone)]
+pub(crate) struct RouteTable {
+    routes: Routes,
+    // One entry per route, by the index `routes` gives.
+    states: Arc<[Arc<RouteState>]>,
+    defaults: Arc<RouteState>,
+}
+
+/// A route's policy and its live state.
+pub(crate) struct RouteState {
+    pub(crate) policy: Arc<Policy>,
+    // Its outcome counters, resolved once.
+    pub(crate) metrics: RouteMetrics,
+    // Bounds the duplicates waiting at once under `on_in_flight = "wait"`.
+    pub(crate) waiters: Arc<Semaphore>,
+}
+
+impl RouteState {
+    fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
+        Arc::new(RouteState {
+            policy: policy.clone(),
+            metrics: metrics.route(&policy.route),
+            waiters: Arc::new(Semaphore::new(policy.max_waiters)),
+        })
+    }
+}
+
+impl RouteTable {
+    /// The live table of `routes`, counting into `metrics`.
+    pub(crate) fn new(routes: Routes, metrics: &Metrics) -> Self {
+        RouteTable {
+            states: routes
+                .policies
+                .iter()
+                .map(|p| RouteState::new(p, metrics))
+                .collect(),
+            defaults: RouteState::new(&routes.defaults, metrics),
+            routes,
+        }
+    }
+
+    /// The route requests to `path` take.
+    pub(crate) fn route_for(&self, path: &str) -> &Arc<RouteState> {
+        match self.routes.matcher.at(path) {
+            Ok(m) => &self.states[*m.value],
+            Err(_) => &self.defaults,
+        }
+    }
+
+    /// The routes, without their state.
+    pub(crate) fn routes(&self) -> &Routes {
+        &self.routes
+    }
+}
