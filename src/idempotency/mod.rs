@@ -14,3 +14,6 @@ mod service;
 pub use layer::IdempotencyLayer;
 pub use routes::Routes;
 pub use service::{Idempotency, NotSent, IDEMPOTENT_REPLAYED, TRACEPARENT};
+
+#[cfg(test)]
+mod tests;
