@@ -19,9 +19,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use base64::Engine;
 use serde_json::{json, Value};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 
 use crate::config::Config;
-use crate::error::PROBLEM_TYPE_BASE;
+use crate::error::Problem;
 use crate::idempotency::key::{hex, IdempotencyKey};
 use crate::idempotency::record::EntryState;
 use crate::idempotency::Routes;
@@ -56,6 +58,19 @@ pub fn router<S: Inspect>(
         .route("/keys/{key}", get(inspect::<S>).delete(evict::<S>))
         .route("/keys", axum::routing::delete(evict_all::<S>))
         .with_state(state)
+        .layer(
+            tower::ServiceBuilder::new()
+                // The admin token travels in Authorization: never in a log line.
+                .layer(SetSensitiveRequestHeadersLayer::new([header::AUTHORIZATION]))
+                .layer(crate::app::trace_layer())
+                .layer(CatchPanicLayer::custom(|_| {
+                    problem(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal",
+                        "the admin request failed; see the gateway's log",
+                    )
+                })),
+        )
 }
 
 async fn readyz<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
@@ -86,19 +101,8 @@ async fn metrics_text<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Respon
     resp
 }
 
-fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
-    let body = json!({
-        "type": format!("{PROBLEM_TYPE_BASE}{kind}"),
-        "title": status.canonical_reason().unwrap_or("error"),
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    let mut resp = (status, body.to_string()).into_response();
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    resp
+fn problem(status: StatusCode, kind: &'static str, detail: &str) -> Response {
+    Problem::new(status, kind, detail).into_response()
 }
 
 /// `Ok` when the request carries the admin token; the refusal otherwise.

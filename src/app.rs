@@ -14,8 +14,13 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt};
-use tracing::{error, info, warn};
+use tower::{Service, ServiceBuilder, ServiceExt};
+use tower_http::sensitive_headers::SetSensitiveHeadersLayer;
+use tower_http::trace::{
+    DefaultMakeSpan, DefaultOnFailure, DefaultOnRequest, DefaultOnResponse, HttpMakeClassifier,
+    TraceLayer,
+};
+use tracing::{error, info, warn, Level};
 
 use crate::admin;
 use crate::config::{Config, StoreBackend};
@@ -257,6 +262,32 @@ impl Inspect for AnyStore {
     }
 }
 
+/// Request tracing: a span per request at debug level (method, URI, version, and the headers,
+/// those marked sensitive shown as such), and the response's status and latency. At the default
+/// `info` level it costs a level check per request.
+pub(crate) fn trace_layer() -> TraceLayer<HttpMakeClassifier> {
+    TraceLayer::new_for_http()
+        .make_span_with(
+            DefaultMakeSpan::new()
+                .level(Level::DEBUG)
+                .include_headers(true),
+        )
+        .on_request(DefaultOnRequest::new().level(Level::DEBUG))
+        .on_response(DefaultOnResponse::new().level(Level::DEBUG))
+        // An upstream's 5xx is its own business; the gateway logs its own failures itself.
+        .on_failure(DefaultOnFailure::new().level(Level::DEBUG))
+}
+
+/// Headers whose values are secrets or identify a caller: marked sensitive, so that no trace or
+/// log line shows them.
+const SENSITIVE: [http::HeaderName; 5] = [
+    http::header::AUTHORIZATION,
+    http::header::PROXY_AUTHORIZATION,
+    http::header::COOKIE,
+    http::header::SET_COOKIE,
+    crate::idempotency::key::IDEMPOTENCY_KEY,
+];
+
 /// The gateway's service stack as hyper calls it: requests the gateway does not admit are
 /// answered at once, the rest go through the idempotency layer to the proxy, and a proxy error
 /// becomes its problem+json answer.
@@ -265,13 +296,15 @@ struct Gateway<S> {
     stack: S,
 }
 
-impl<S> hyper::service::Service<Request<Incoming>> for Gateway<S>
+impl<S, RB> hyper::service::Service<Request<Incoming>> for Gateway<S>
 where
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = ProxyError>
+    S: Service<Request<Incoming>, Response = Response<RB>, Error = ProxyError>
         + Clone
         + Send
         + 'static,
     S::Future: Send,
+    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     type Response = Response<Body>;
     type Error = Infallible;
@@ -284,7 +317,7 @@ where
         let stack = self.stack.clone();
         Box::pin(async move {
             Ok(match stack.oneshot(req).await {
-                Ok(resp) => resp,
+                Ok(resp) => resp.map(Body::new),
                 Err(e) => GatewayError::from(&e).into_response(),
             })
         })
@@ -381,7 +414,11 @@ async fn worker(
     drop(ready);
     let tasks = layer.tasks();
     let gateway = Gateway {
-        stack: layer.layer(Proxy::new(&config.upstream)),
+        stack: ServiceBuilder::new()
+            .layer(SetSensitiveHeadersLayer::new(SENSITIVE))
+            .layer(trace_layer())
+            .layer(layer)
+            .service(Proxy::new(&config.upstream)),
     };
     // HTTP/1.1 straight on hyper: no router in front of the one service, no protocol sniffing.
     let mut http = hyper::server::conn::http1::Builder::new();
