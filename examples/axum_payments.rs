@@ -47,7 +47,10 @@ fn policy() -> Policy {
 }
 
 /// "Charges the card": slowly, as a card network does.
-async fn charge(State(charges): State<Charges>, Json(req): Json<Value>) -> (StatusCode, Json<Value>) {
+async fn charge(
+    State(charges): State<Charges>,
+    Json(req): Json<Value>,
+) -> (StatusCode, Json<Value>) {
     let Some(amount) = req["amount"].as_u64().filter(|a| *a > 0) else {
         return (
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -72,10 +75,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("payments API on http://{}", listener.local_addr()?);
     match std::env::var("REDIS_URL") {
         Ok(url) => {
-            let store = RedisStore::connect(&idemgate::store::redis::RedisOptions::new(url)).await?;
+            let store =
+                RedisStore::connect(&idemgate::store::redis::RedisOptions::new(url)).await?;
             serve(listener, IdempotencyLayer::new(store, policy())).await
         }
-        Err(_) => serve(listener, IdempotencyLayer::new(MemoryStore::new(), policy())).await,
+        Err(_) => {
+            serve(
+                listener,
+                IdempotencyLayer::new(MemoryStore::new(), policy()),
+            )
+            .await
+        }
     }
 }
 

@@ -61,7 +61,9 @@ pub fn router<S: Inspect>(
         .layer(
             tower::ServiceBuilder::new()
                 // The admin token travels in Authorization: never in a log line.
-                .layer(SetSensitiveRequestHeadersLayer::new([header::AUTHORIZATION]))
+                .layer(SetSensitiveRequestHeadersLayer::new([
+                    header::AUTHORIZATION,
+                ]))
                 .layer(crate::app::trace_layer())
                 .layer(CatchPanicLayer::custom(|_| {
                     problem(

@@ -23,7 +23,7 @@ use tower_http::trace::{
 use tracing::{error, info, warn, Level};
 
 use crate::admin;
-use crate::config::{Config, StoreBackend};
+use crate::config::{Config, StoreConfig};
 use crate::error::GatewayError;
 use crate::headers::admit;
 use crate::idempotency::{IdempotencyLayer, Routes};
@@ -136,13 +136,16 @@ enum AnyStore {
 
 impl AnyStore {
     async fn open(config: &Config, metrics: &Metrics) -> Result<Self, AppError> {
-        let options = match &config.store.backend {
-            StoreBackend::Memory => {
-                let (entries, bytes) = (config.store.max_entries, config.store.max_bytes);
-                return Ok(AnyStore::Memory(MemoryStore::with_limits(entries, bytes)));
+        let settings = match &config.store {
+            StoreConfig::Memory(m) => {
+                return Ok(AnyStore::Memory(MemoryStore::with_limits(
+                    m.max_entries,
+                    m.max_bytes,
+                )));
             }
-            StoreBackend::Redis { .. } => Arc::new(config.store.redis_options()?),
+            StoreConfig::Redis(settings) => settings,
         };
+        let options = Arc::new(settings.options()?);
         let redis = match RedisStore::connect(&options).await {
             Ok(store) => store,
             // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
@@ -162,7 +165,7 @@ impl AnyStore {
             }
         }
         // One local cache of completed records for the whole process.
-        let cache = LocalCache::new(config.store.local_cache, config.store.local_cache_ttl)
+        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
             .counting_hits(metrics.local_cache_hits());
         Ok(AnyStore::Redis(CachedStore::new(redis, cache), options))
     }
@@ -338,7 +341,7 @@ async fn serve(
     info!(
         listen = %listener.local_addr()?,
         upstream = %config.upstream,
-        store = store_name(&config.store.backend),
+        store = config.store.backend(),
         routes = config.routes.len(),
         workers = config.workers,
         "idemgate listening"
@@ -461,12 +464,5 @@ async fn worker(
             unfinished = tasks.len(),
             "shutdown grace ran out with upstream calls in flight; their keys stay claimed until their leases end"
         );
-    }
-}
-
-fn store_name(b: &StoreBackend) -> &'static str {
-    match b {
-        StoreBackend::Memory => "memory",
-        StoreBackend::Redis { .. } => "redis",
     }
 }

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idemgate::config::Config;
+use idemgate::config::{Config, StoreConfig};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -81,7 +81,7 @@ async fn main() -> ExitCode {
 }
 
 fn load(file: Option<&str>) -> Result<Config, String> {
-    Config::load_with_env(file, std::env::vars()).map_err(|e| {
+    Config::load(file).map_err(|e| {
         if file.is_none() {
             format!("{e} (give --config FILE, see config/example.toml, or set IDEMGATE_UPSTREAM; or try `idemgate demo`)")
         } else {
@@ -92,7 +92,7 @@ fn load(file: Option<&str>) -> Result<Config, String> {
 
 async fn run(file: Option<&str>) -> Result<(), String> {
     let config = load(file)?;
-    tracing::info!(store = %config.store.backend.describe(), "configuration loaded");
+    tracing::info!(store = %config.store.describe(), "configuration loaded");
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -108,18 +108,10 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
     println!("upstream       = {}", config.upstream);
     println!("workers        = {}", config.workers);
     println!("shutdown_grace = {:?}", config.shutdown_grace);
-    println!("store          = {}", config.store.backend.describe());
-    println!(
-        "store settings = prefix {:?}, timeout {:?}, max_entries {}, max_bytes {}, local_cache {} bytes for at most {:?}",
-        config.store.prefix,
-        config.store.timeout,
-        config.store.max_entries,
-        config.store.max_bytes,
-        config.store.local_cache,
-        config.store.local_cache_ttl
-    );
-    if let Some(ca) = &config.store.tls_ca_file {
-        println!("store TLS CA   = {ca}");
+    println!("store          = {}", config.store.describe());
+    match &config.store {
+        StoreConfig::Memory(settings) => println!("[store] {settings:#?}"),
+        StoreConfig::Redis(settings) => println!("[store] {settings:#?}"),
     }
     println!("admin          = {:?}", config.admin);
     println!("[defaults] {:#?}", config.defaults);

@@ -106,7 +106,8 @@ fn main() -> ExitCode {
             rate.map_or(Pace::Closed, Pace::Rate),
         ));
         println!(
-            "{:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
+            "{} requests, {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
+            r.requests,
             r.rps(),
             r.ms(0.5),
             r.ms(0.99),

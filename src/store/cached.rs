@@ -19,6 +19,12 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, StoredResponse, Token};
 
+/// Bytes of responses a process keeps when no bound is given.
+pub const DEFAULT_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The longest an entry is kept when no bound is given.
+pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
+
 /// The cache itself, shared by the workers of one process.
 #[derive(Clone)]
 pub struct LocalCache {

@@ -1,0 +1,65 @@
+//! Values written as human strings: durations (`"30s"`) and sizes (`"64KiB"`).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+/// The longest duration any setting takes effect with (100 years); longer values are clamped.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl HumanDuration {
+    /// `d`, clamped to [`MAX_DURATION`] as a parsed value is.
+    pub fn new(d: Duration) -> Self {
+        HumanDuration(d.min(MAX_DURATION))
+    }
+}
+
+impl fmt::Debug for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        // Clamped to MAX_DURATION so that deadline arithmetic can never overflow.
+        humantime::parse_duration(s.trim())
+            .map(|d| HumanDuration(d.min(MAX_DURATION)))
+            .map_err(|e| de::Error::custom(format!("{s:?} is not a duration like \"30s\" ({e})")))
+    }
+}
+
+/// A size written as a human string: `"64KiB"`, `"1MiB"`, or a plain number of bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HumanSize(pub u64);
+
+impl fmt::Debug for HumanSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", bytesize::ByteSize(self.0).display().iec())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(HumanSize(n)),
+            Raw::Str(s) => bytesize::ByteSize::from_str(s.trim())
+                .map(|b| HumanSize(b.as_u64()))
+                .map_err(|e| de::Error::custom(format!("{s:?} is not a size like \"1MiB\" ({e})"))),
+        }
+    }
+}

@@ -1,0 +1,569 @@
+//! The TOML configuration a user writes, and its validation.
+//!
+//! The structs here are the reference for the file format: every field's doc comment says what it
+//! means and what it defaults to (docs/configuration.md has the same as prose). [`Config::from_toml`]
+//! parses and validates in one step, so a [`Config`] that exists is a config the gateway can run;
+//! every error names the field at fault.
+//!
+//! - [`policy`]: the per-route idempotency policy, its defaults and validation.
+//! - [`store`]: the `[store]` table, one variant per backend.
+//! - [`human`]: durations and sizes written as human strings.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Uri;
+use serde::Deserialize;
+
+pub mod human;
+pub mod policy;
+pub mod store;
+
+pub use human::{HumanDuration, HumanSize, MAX_DURATION};
+pub use policy::{OnInFlight, OnStoreError, Policy, PolicyBuilder};
+pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig};
+
+use policy::RawPolicy;
+use store::RawStore;
+
+/// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Io {
+        /// The path given on the command line.
+        path: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse, or a field has the wrong type or an unknown name.
+    #[error("invalid config: {0}")]
+    Parse(String),
+    /// A field parsed but its value is not allowed.
+    #[error("invalid config: {field}: {reason}")]
+    Invalid {
+        /// The dotted path of the field, e.g. `routes[0].ttl`.
+        field: String,
+        /// Why the value is refused.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// A value refused: `field` names it (`routes[1].ttl`), `reason` says why.
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(field, reason)
+}
+
+/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    // The last '@' ends the userinfo: a password may itself contain '@'.
+    let Some((userinfo, host)) = rest.rsplit_once('@') else {
+        return url.to_string();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Where the gateway listens when `listen` is not given.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// How long open requests may take to finish after a shutdown signal, when not given.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// The file as written. Unknown fields are errors, so a typo never silently does nothing.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    listen: Option<String>,
+    upstream: Option<String>,
+    shutdown_grace: Option<HumanDuration>,
+    workers: Option<usize>,
+    #[serde(default)]
+    store: RawStore,
+    #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
+    defaults: RawPolicy,
+    #[serde(default)]
+    routes: Vec<RawPolicy>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: Option<String>,
+    admin_token: Option<String>,
+}
+
+/// The `[admin]` table, validated.
+#[derive(Clone, Default)]
+pub struct AdminConfig {
+    /// Where the admin listener (health, readiness, metrics, keys) listens; none: no listener.
+    pub listen: Option<SocketAddr>,
+    /// The bearer token of the key API; none: the key API is off.
+    pub admin_token: Option<String>,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never print the token.
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+/// One `[[routes]]` entry, resolved.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The path pattern in axum/matchit syntax (`/v1/payments/{id}`, `/v1/{*rest}`).
+    pub path: String,
+    /// The effective policy.
+    pub policy: Arc<Policy>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Address to listen on. Default [`DEFAULT_LISTEN`].
+    pub listen: SocketAddr,
+    /// Base URL of the upstream (scheme `http`, with authority, optional path prefix). Required.
+    pub upstream: Uri,
+    /// The store and its settings. Default: the embedded store.
+    pub store: StoreConfig,
+    /// The policy for requests that match no route.
+    pub defaults: Arc<Policy>,
+    /// The routes, in file order.
+    pub routes: Vec<Route>,
+    /// After a shutdown signal, how long open requests may take to finish. Default
+    /// [`DEFAULT_SHUTDOWN_GRACE`].
+    pub shutdown_grace: Duration,
+    /// Worker threads serving connections, each with its own event loop and upstream pool.
+    /// Default: one per core.
+    pub workers: usize,
+    /// The admin listener.
+    pub admin: AdminConfig,
+}
+
+impl Config {
+    /// Read and validate a TOML file (if any), with the `IDEMGATE_...` variables of the
+    /// process's environment over it: nested fields joined by a double underscore
+    /// (`IDEMGATE_STORE__URL`, `IDEMGATE_DEFAULTS__TTL`), values read as TOML-like values
+    /// where they parse as such (`true`, `409`, `[POST, PATCH]`) and as strings otherwise;
+    /// `IDEMGATE_ADMIN_TOKEN` is short for `IDEMGATE_ADMIN__ADMIN_TOKEN`.
+    pub fn load(path: Option<&str>) -> Result<Self, ConfigError> {
+        use figment::providers::{Env, Format, Toml};
+        let text = match path {
+            Some(path) => std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+                path: path.to_string(),
+                source,
+            })?,
+            None => String::new(),
+        };
+        let env = Env::prefixed("IDEMGATE_").map(|key| {
+            if key == "admin_token" {
+                "admin.admin_token".into()
+            } else {
+                key.as_str().replace("__", ".").into()
+            }
+        });
+        let raw: RawConfig = figment::Figment::from(Toml::string(&text))
+            .merge(env)
+            .extract()
+            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    /// Parse and validate TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawConfig) -> Result<Self, ConfigError> {
+        let listen = raw.listen.as_deref().unwrap_or(DEFAULT_LISTEN);
+        let listen: SocketAddr = listen.parse().map_err(|_| {
+            invalid(
+                "listen",
+                format!("{listen:?} is not an address like \"127.0.0.1:8080\""),
+            )
+        })?;
+        let upstream = raw
+            .upstream
+            .ok_or_else(|| invalid("upstream", "is required"))?;
+        let upstream = parse_upstream(&upstream)?;
+        let store = StoreConfig::from_raw(raw.store)?;
+        let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
+        let admin = AdminConfig {
+            listen: match raw.admin.listen.as_deref() {
+                None => None,
+                Some(a) => Some(a.parse().map_err(|_| {
+                    invalid(
+                        "admin.listen",
+                        format!("{a:?} is not an address like \"127.0.0.1:9090\""),
+                    )
+                })?),
+            },
+            admin_token: match raw.admin.admin_token {
+                Some(t) if t.trim().len() < 16 => {
+                    return Err(invalid(
+                        "admin.admin_token",
+                        "must be at least 16 characters",
+                    ))
+                }
+                t => t,
+            },
+        };
+        let workers = match raw.workers {
+            Some(n) if n == 0 || n > 1024 => {
+                return Err(invalid("workers", "must be between 1 and 1024"))
+            }
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        if raw.defaults.path.is_some() {
+            return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
+        }
+        let defaults = Arc::new(Policy::default().overlay(&raw.defaults, "defaults")?);
+        // Validated as the route table will be built, so that building it cannot fail.
+        let mut table = crate::idempotency::Routes::new((*defaults).clone());
+        let mut routes = Vec::with_capacity(raw.routes.len());
+        for (i, r) in raw.routes.iter().enumerate() {
+            let at = format!("routes[{i}]");
+            let path = r
+                .path
+                .clone()
+                .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
+            let mut policy = (*defaults).clone().overlay(r, &at)?;
+            policy.route = path.clone();
+            table = table.route(&path, policy.clone())?;
+            routes.push(Route {
+                path,
+                policy: Arc::new(policy),
+            });
+        }
+        Ok(Config {
+            listen,
+            upstream,
+            store,
+            defaults,
+            routes,
+            shutdown_grace,
+            workers,
+            admin,
+        })
+    }
+}
+
+fn parse_upstream(s: &str) -> Result<Uri, ConfigError> {
+    let uri: Uri = s.parse().map_err(|_| {
+        invalid(
+            "upstream",
+            format!("{s:?} is not a URL like \"http://127.0.0.1:9000\""),
+        )
+    })?;
+    if uri.scheme_str() != Some("http") {
+        return Err(invalid(
+            "upstream",
+            "must be an http:// URL (TLS to the upstream is not supported yet)",
+        ));
+    }
+    if uri.authority().is_none() {
+        return Err(invalid(
+            "upstream",
+            "must name a host, like \"http://127.0.0.1:9000\"",
+        ));
+    }
+    if uri.query().is_some() {
+        return Err(invalid("upstream", "must not carry a query string"));
+    }
+    Ok(uri)
+}
+
+#[cfg(test)]
+// figment's Jail returns figment's own (large) error type.
+#[allow(clippy::result_large_err)]
+mod tests {
+    use super::*;
+    use http::{Method, StatusCode};
+
+    fn err(text: &str) -> String {
+        Config::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_config_uses_builtin_defaults() {
+        let c = Config::from_toml("upstream = \"http://127.0.0.1:9000\"").unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.store, StoreConfig::Memory(MemorySettings::default()));
+        assert_eq!(*c.defaults, Policy::default());
+        assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+    }
+
+    #[test]
+    fn routes_override_only_what_they_name() {
+        let c = Config::from_toml(
+            r#"
+            upstream = "http://127.0.0.1:9000"
+            [defaults]
+            lock_ttl = "5s"
+            [[routes]]
+            path = "/v1/payments/{id}/capture"
+            methods = ["post"]
+            ttl = "7d"
+            require_key = true
+            max_body = "64KiB"
+            "#,
+        )
+        .unwrap();
+        let p = &c.routes[0].policy;
+        assert_eq!(p.ttl, Duration::from_secs(7 * 86400));
+        assert_eq!(p.lock_ttl, Duration::from_secs(5));
+        assert_eq!(p.methods, vec![Method::POST]);
+        assert!(p.require_key);
+        assert_eq!(p.max_body, 64 * 1024);
+        assert_eq!(p.route, "/v1/payments/{id}/capture");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert!(err("").contains("upstream"));
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        assert!(err(&format!("{base}[defaults]\nttl = \"0s\"")).contains("defaults.ttl"));
+        assert!(err(&format!("{base}[defaults]\nttl = \"-1s\"")).contains("ttl"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a\"\nlock_ttl = \"0ms\""
+        ))
+        .contains("routes[0].lock_ttl"));
+        assert!(err(&format!("{base}[defaults]\nmax_body = \"lots\"")).contains("max_body"));
+        assert!(err(&format!("{base}[defaults]\nmismatch_status = 400"))
+            .contains("defaults.mismatch_status"));
+        assert!(err(&format!("{base}[store]\nbackend = \"redis\"")).contains("store.url"));
+        assert!(err(&format!("{base}[store]\nbackend = \"etcd\"")).contains("store.backend"));
+        let redis = "[store]\nbackend = \"redis\"\nurl = \"redis://h:6379\"\n";
+        assert!(err(&format!("{base}{redis}prefix = \"\"")).contains("store.prefix"));
+        assert!(err(&format!("{base}{redis}prefix = \"a*\"")).contains("store.prefix"));
+        assert!(err(&format!("{base}[defaults]\nttll = \"1s\"")).contains("ttll"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a/{{id}}\"\n[[routes]]\npath = \"/a/{{other}}\""
+        ))
+        .contains("routes[1].path"));
+        assert!(err("upstream = \"https://x\"").contains("upstream"));
+        assert!(err(&format!(
+            "{base}[[routes]]\npath = \"/a\"\nrequire_kye = true"
+        ))
+        .contains("require_kye"));
+        assert!(err(&format!("{base}[defaults]\npath = \"/a\"")).contains("defaults.path"));
+        assert!(
+            err(&format!("{base}{redis}tls_ca_file = \"/etc/hostname\""))
+                .contains("store.tls_ca_file")
+        );
+        let missing = "[store]\nbackend = \"redis\"\nurl = \"rediss://h:6379\"\ntls_ca_file = \"/nonexistent/ca.pem\"";
+        assert!(err(&format!("{base}{missing}")).contains("store.tls_ca_file"));
+    }
+
+    #[test]
+    fn a_backend_field_set_on_another_backend_is_an_error() {
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        let e = err(&format!("{base}[store]\nurl = \"redis://h:6379\""));
+        assert!(e.contains("store.url") && e.contains("redis"), "{e}");
+        let e = err(&format!(
+            "{base}[store]\nbackend = \"memory\"\nprefix = \"x:\""
+        ));
+        assert!(e.contains("store.prefix"), "{e}");
+        let e = err(&format!(
+            "{base}[store]\nbackend = \"redis\"\nurl = \"redis://h:6379\"\nmax_entries = 5"
+        ));
+        assert!(
+            e.contains("store.max_entries") && e.contains("memory"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn very_large_ttl_is_accepted() {
+        let c =
+            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"").unwrap();
+        assert_eq!(c.defaults.ttl, Duration::from_secs(3650 * 86400));
+        let c =
+            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"")
+                .unwrap();
+        assert_eq!(c.defaults.ttl, MAX_DURATION);
+    }
+
+    #[test]
+    fn the_builder_validates_as_the_toml_does() {
+        let built = Policy::builder()
+            .methods([Method::POST])
+            .ttl(Duration::from_secs(3600))
+            .mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
+            .scope_headers(["Authorization", "x-tenant"])
+            .build()
+            .unwrap();
+        let parsed = Config::from_toml(
+            "upstream = \"http://h:1\"\n[defaults]\nmethods = [\"POST\"]\nttl = \"1h\"\nmismatch_status = 422\nscope_headers = [\"Authorization\", \"x-tenant\"]",
+        )
+        .unwrap();
+        assert_eq!(
+            Policy {
+                route: "defaults".into(),
+                ..built
+            },
+            *parsed.defaults
+        );
+        let e = Policy::builder()
+            .mismatch_status(StatusCode::BAD_REQUEST)
+            .build();
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("policy.mismatch_status"));
+        assert!(Policy::builder().max_waiters(0).build().is_err());
+        assert!(Policy::builder().methods([]).build().is_err());
+    }
+
+    #[test]
+    fn environment_beats_the_file() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[defaults]\nttl = \"1h\"\nlock_ttl = \"5s\"",
+            )?;
+            jail.set_env("IDEMGATE_DEFAULTS__TTL", "2h");
+            jail.set_env("IDEMGATE_DEFAULTS__METHODS", "[POST, PUT]");
+            jail.set_env("IDEMGATE_DEFAULTS__REQUIRE_KEY", "true");
+            jail.set_env("IDEMGATE_DEFAULTS__MISMATCH_STATUS", "422");
+            jail.set_env("IDEMGATE_ADMIN_TOKEN", "0123456789abcdef-secret");
+            jail.set_env("UNRELATED", "x");
+            let c = Config::load(Some("idemgate.toml")).unwrap();
+            assert_eq!(c.defaults.ttl, Duration::from_secs(7200));
+            assert_eq!(
+                c.defaults.lock_ttl,
+                Duration::from_secs(5),
+                "the file's value stays where env is silent"
+            );
+            assert_eq!(c.defaults.methods, vec![Method::POST, Method::PUT]);
+            assert!(c.defaults.require_key);
+            assert_eq!(c.defaults.mismatch_status, StatusCode::UNPROCESSABLE_ENTITY);
+            assert_eq!(
+                c.admin.admin_token.as_deref(),
+                Some("0123456789abcdef-secret")
+            );
+            assert!(
+                !format!("{c:?}").contains("0123456789abcdef-secret"),
+                "the token is never printed"
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn environment_alone_is_a_config() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("IDEMGATE_UPSTREAM", "http://10.0.0.1:8000");
+            jail.set_env("IDEMGATE_LISTEN", "0.0.0.0:8080");
+            jail.set_env("IDEMGATE_STORE__BACKEND", "redis");
+            jail.set_env("IDEMGATE_STORE__URL", "redis://user:pw@redis:6379/0");
+            jail.set_env("IDEMGATE_ADMIN__LISTEN", "0.0.0.0:9090");
+            jail.set_env(
+                "IDEMGATE_ROUTES",
+                "[{path = \"/v1/payments\", require_key = true, ttl = \"7d\"}]",
+            );
+            let c = Config::load(None).unwrap();
+            assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
+            assert!(
+                matches!(&c.store, StoreConfig::Redis(r) if r.url == "redis://user:pw@redis:6379/0")
+            );
+            assert!(
+                !format!("{c:?}").contains(":pw@"),
+                "the password is never printed"
+            );
+            assert_eq!(c.admin.listen.unwrap().port(), 9090);
+            assert_eq!(c.routes.len(), 1);
+            assert!(c.routes[0].policy.require_key);
+            assert_eq!(c.routes[0].policy.ttl, Duration::from_secs(7 * 86400));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn environment_errors_name_the_field() {
+        for (name, value, field) in [
+            ("IDEMGATE_DEFAULTS__TTL", "0s", "defaults.ttl"),
+            ("IDEMGATE_DEFAULTS__TLL", "1s", "tll"),
+            ("IDEMGATE_DEFAULTS__KEY_MAX_LEN", "lots", "key_max_len"),
+        ] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env("IDEMGATE_UPSTREAM", "http://127.0.0.1:9000");
+                jail.set_env(name, value);
+                let e = Config::load(None).unwrap_err().to_string();
+                assert!(e.to_ascii_lowercase().contains(field), "{e}");
+                Ok(())
+            });
+        }
+    }
+
+    /// config/example.toml shows every default the code has, and config/redis.toml every Redis
+    /// default: the files a user copies cannot drift from the built-in values.
+    #[test]
+    fn the_example_configs_show_the_built_in_defaults() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config/");
+        let example = std::fs::read_to_string(format!("{dir}example.toml")).unwrap();
+        let c = Config::from_toml(&example).unwrap();
+        assert_eq!(*c.defaults, Policy::default(), "[defaults] of example.toml");
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+        // The memory store's fields are shown commented out (so that the same file can switch
+        // to Redis from the environment); each such line parses to the default.
+        let memory = MemorySettings::default();
+        for line in [
+            format!("max_entries = {}", memory.max_entries),
+            format!("max_bytes = \"{}MiB\"", memory.max_bytes >> 20),
+        ] {
+            assert!(example.contains(&line), "example.toml lacks {line:?}");
+            let c =
+                Config::from_toml(&format!("upstream = \"http://h:1\"\n[store]\n{line}")).unwrap();
+            assert_eq!(c.store, StoreConfig::Memory(memory.clone()), "{line}");
+        }
+        let redis = std::fs::read_to_string(format!("{dir}redis.toml")).unwrap();
+        let c = Config::from_toml(&redis).unwrap();
+        let StoreConfig::Redis(settings) = c.store else {
+            panic!("redis.toml is a Redis config")
+        };
+        assert_eq!(settings, RedisSettings::new(settings.url.clone()));
+        assert_eq!(*c.defaults, Policy::default(), "[defaults] of redis.toml");
+    }
+
+    #[test]
+    fn secrets_are_redacted() {
+        assert_eq!(
+            redact_url("redis://user:pw@h:6379/0"),
+            "redis://user:***@h:6379/0"
+        );
+        assert_eq!(redact_url("rediss://:pw@h:6379"), "rediss://:***@h:6379");
+        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact_url("redis://u:p@ss@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact_url("redis://user@h:1/0"), "redis://user@h:1/0");
+    }
+}

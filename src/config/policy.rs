@@ -1,0 +1,357 @@
+//! The idempotency policy of a route: its fields, their built-in defaults (written once, in
+//! [`Policy::default`]), and their validation, shared by the TOML and [`Policy::builder`].
+
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use serde::Deserialize;
+
+use super::human::{HumanDuration, HumanSize};
+use super::ConfigError;
+
+/// What a duplicate of an in-flight request gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnInFlight {
+    /// Answer 409 problem+json with `Retry-After` at once.
+    #[default]
+    Reject,
+    /// Wait (up to `wait_timeout`, at most `max_waiters` at once) for the first request to finish,
+    /// then answer with its replay; past either bound, the 409.
+    Wait,
+}
+
+/// What a keyed request gets when the store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Fail closed: 503 problem+json with `Retry-After`; nothing is forwarded.
+    #[default]
+    Reject,
+    /// Fail open: forward without idempotency (logged as a warning).
+    Pass,
+}
+
+/// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
+/// route overrides only what it names. (One struct rather than a route embedding a policy with
+/// `#[serde(flatten)]`, because serde cannot deny unknown fields through a flatten.)
+#[derive(Debug, Deserialize, Default, Clone)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    /// Only in `[[routes]]`: the path pattern.
+    pub(super) path: Option<String>,
+    methods: Option<Vec<String>>,
+    ttl: Option<HumanDuration>,
+    lock_ttl: Option<HumanDuration>,
+    require_key: Option<bool>,
+    max_body: Option<HumanSize>,
+    key_max_len: Option<usize>,
+    scope_headers: Option<Vec<String>>,
+    mismatch_status: Option<u16>,
+    cache_server_errors: Option<bool>,
+    upstream_timeout: Option<HumanDuration>,
+    on_in_flight: Option<OnInFlight>,
+    wait_timeout: Option<HumanDuration>,
+    max_waiters: Option<usize>,
+    on_store_error: Option<OnStoreError>,
+}
+
+/// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
+/// then the route's own fields merged over that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// Where this policy came from: `"defaults"` or the route's path; used in logs and metrics.
+    pub route: String,
+    /// Methods where idempotency applies; others pass through untouched.
+    pub methods: Vec<Method>,
+    /// How long a completed response is replayed.
+    pub ttl: Duration,
+    /// Lease of an in-flight claim.
+    pub lock_ttl: Duration,
+    /// Whether a request without a key is refused with 400.
+    pub require_key: bool,
+    /// Largest keyed request body accepted and largest response recorded for replay.
+    pub max_body: u64,
+    /// Longest key accepted.
+    pub key_max_len: usize,
+    /// Request headers whose values scope the key (lower-case names).
+    pub scope_headers: Vec<HeaderName>,
+    /// Status for a key reused with a different request (409 or 422).
+    pub mismatch_status: StatusCode,
+    /// Store 5xx responses too (Stripe's behaviour) instead of releasing the key.
+    pub cache_server_errors: bool,
+    /// How long to wait for the upstream's full response.
+    pub upstream_timeout: Duration,
+    /// What a duplicate of an in-flight request gets.
+    pub on_in_flight: OnInFlight,
+    /// With `on_in_flight = "wait"`: the longest a duplicate waits.
+    pub wait_timeout: Duration,
+    /// With `on_in_flight = "wait"`: most duplicates waiting at once on this route.
+    pub max_waiters: usize,
+    /// What a keyed request gets when the store is unreachable.
+    pub on_store_error: OnStoreError,
+}
+
+impl Policy {
+    /// The built-in `upstream_timeout`.
+    pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
+    fn builtin() -> Self {
+        Policy {
+            route: "defaults".into(),
+            methods: vec![Method::POST, Method::PATCH],
+            ttl: Duration::from_secs(24 * 3600),
+            lock_ttl: Duration::from_secs(30),
+            require_key: false,
+            max_body: 1024 * 1024,
+            key_max_len: 255,
+            scope_headers: vec![http::header::AUTHORIZATION],
+            mismatch_status: StatusCode::CONFLICT,
+            cache_server_errors: false,
+            upstream_timeout: Self::DEFAULT_UPSTREAM_TIMEOUT,
+            on_in_flight: OnInFlight::Reject,
+            wait_timeout: Duration::from_secs(10),
+            max_waiters: 1024,
+            on_store_error: OnStoreError::Reject,
+        }
+    }
+
+    /// A policy built in code: the built-in defaults, with what the builder sets, validated
+    /// exactly as the same fields in TOML are.
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder::default()
+    }
+
+    /// Whether idempotency applies to `method` on this route.
+    pub fn applies_to(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    /// Overlay the fields `raw` sets, validating each; `at` is the table's name for errors.
+    pub(super) fn overlay(mut self, raw: &RawPolicy, at: &str) -> Result<Self, ConfigError> {
+        if let Some(methods) = &raw.methods {
+            if methods.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("{at}.methods"),
+                    "must name at least one method",
+                ));
+            }
+            self.methods = methods
+                .iter()
+                .map(|m| {
+                    let upper = m.trim().to_ascii_uppercase();
+                    match Method::from_bytes(upper.as_bytes()) {
+                        Ok(method) if !upper.is_empty() => Ok(method),
+                        _ => Err(ConfigError::invalid(
+                            format!("{at}.methods"),
+                            format!("{m:?} is not an HTTP method"),
+                        )),
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        let positive =
+            |d: Option<HumanDuration>, name: &str| -> Result<Option<Duration>, ConfigError> {
+                match d {
+                    Some(HumanDuration(d)) if d.is_zero() => Err(ConfigError::invalid(
+                        format!("{at}.{name}"),
+                        "must be greater than zero",
+                    )),
+                    Some(HumanDuration(d)) => Ok(Some(d)),
+                    None => Ok(None),
+                }
+            };
+        if let Some(d) = positive(raw.ttl, "ttl")? {
+            self.ttl = d;
+        }
+        if let Some(d) = positive(raw.lock_ttl, "lock_ttl")? {
+            self.lock_ttl = d;
+        }
+        if let Some(d) = positive(raw.upstream_timeout, "upstream_timeout")? {
+            self.upstream_timeout = d;
+        }
+        if let Some(b) = raw.require_key {
+            self.require_key = b;
+        }
+        if let Some(HumanSize(n)) = raw.max_body {
+            if n == 0 {
+                return Err(ConfigError::invalid(
+                    format!("{at}.max_body"),
+                    "must be greater than zero",
+                ));
+            }
+            self.max_body = n;
+        }
+        if let Some(n) = raw.key_max_len {
+            if n == 0 || n > 8192 {
+                return Err(ConfigError::invalid(
+                    format!("{at}.key_max_len"),
+                    "must be between 1 and 8192",
+                ));
+            }
+            self.key_max_len = n;
+        }
+        if let Some(names) = &raw.scope_headers {
+            self.scope_headers = names
+                .iter()
+                .map(|n| {
+                    HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes()).map_err(|_| {
+                        ConfigError::invalid(
+                            format!("{at}.scope_headers"),
+                            format!("{n:?} is not a header name"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(s) = raw.mismatch_status {
+            if s != 409 && s != 422 {
+                return Err(ConfigError::invalid(
+                    format!("{at}.mismatch_status"),
+                    "must be 409 or 422",
+                ));
+            }
+            self.mismatch_status = StatusCode::from_u16(s).expect("409 and 422 are valid");
+        }
+        if let Some(b) = raw.cache_server_errors {
+            self.cache_server_errors = b;
+        }
+        if let Some(o) = raw.on_in_flight {
+            self.on_in_flight = o;
+        }
+        if let Some(d) = positive(raw.wait_timeout, "wait_timeout")? {
+            self.wait_timeout = d;
+        }
+        if let Some(n) = raw.max_waiters {
+            if n == 0 {
+                return Err(ConfigError::invalid(
+                    format!("{at}.max_waiters"),
+                    "must be at least 1",
+                ));
+            }
+            self.max_waiters = n;
+        }
+        if let Some(o) = raw.on_store_error {
+            self.on_store_error = o;
+        }
+        Ok(self)
+    }
+}
+
+impl Default for Policy {
+    /// The built-in defaults.
+    fn default() -> Self {
+        Policy::builtin()
+    }
+}
+
+/// Builds a [`Policy`] in code, field by field as in TOML; [`PolicyBuilder::build`] validates.
+///
+/// ```
+/// use idemgate::Policy;
+/// use std::time::Duration;
+///
+/// let policy = Policy::builder()
+///     .methods([http::Method::POST])
+///     .require_key(true)
+///     .ttl(Duration::from_secs(3600))
+///     .build()?;
+/// assert_eq!(policy.lock_ttl, Policy::default().lock_ttl);
+/// assert!(Policy::builder().ttl(Duration::ZERO).build().is_err());
+/// # Ok::<(), idemgate::ConfigError>(())
+/// ```
+#[derive(Debug, Default, Clone)]
+pub struct PolicyBuilder {
+    raw: RawPolicy,
+}
+
+impl PolicyBuilder {
+    /// `methods`: the methods idempotency applies to.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.raw.methods = Some(methods.into_iter().map(|m| m.to_string()).collect());
+        self
+    }
+
+    /// `ttl`: how long a completed response is replayed.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.raw.ttl = Some(HumanDuration::new(ttl));
+        self
+    }
+
+    /// `lock_ttl`: the lease of an in-flight claim.
+    pub fn lock_ttl(mut self, lease: Duration) -> Self {
+        self.raw.lock_ttl = Some(HumanDuration::new(lease));
+        self
+    }
+
+    /// `require_key`: refuse keyless requests with 400.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.raw.require_key = Some(required);
+        self
+    }
+
+    /// `max_body`: the largest keyed request body accepted and response recorded.
+    pub fn max_body(mut self, bytes: u64) -> Self {
+        self.raw.max_body = Some(HumanSize(bytes));
+        self
+    }
+
+    /// `key_max_len`: the longest key accepted.
+    pub fn key_max_len(mut self, len: usize) -> Self {
+        self.raw.key_max_len = Some(len);
+        self
+    }
+
+    /// `scope_headers`: request headers whose values scope the key.
+    pub fn scope_headers<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.scope_headers = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `mismatch_status`: 409 or 422.
+    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+        self.raw.mismatch_status = Some(status.as_u16());
+        self
+    }
+
+    /// `cache_server_errors`: store 5xx responses too.
+    pub fn cache_server_errors(mut self, cache: bool) -> Self {
+        self.raw.cache_server_errors = Some(cache);
+        self
+    }
+
+    /// `upstream_timeout`: how long the inner service may take to answer.
+    pub fn upstream_timeout(mut self, timeout: Duration) -> Self {
+        self.raw.upstream_timeout = Some(HumanDuration::new(timeout));
+        self
+    }
+
+    /// `on_in_flight`: what a duplicate of an in-flight request gets.
+    pub fn on_in_flight(mut self, on: OnInFlight) -> Self {
+        self.raw.on_in_flight = Some(on);
+        self
+    }
+
+    /// `wait_timeout`: the longest a duplicate waits.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.raw.wait_timeout = Some(HumanDuration::new(timeout));
+        self
+    }
+
+    /// `max_waiters`: most duplicates waiting at once.
+    pub fn max_waiters(mut self, n: usize) -> Self {
+        self.raw.max_waiters = Some(n);
+        self
+    }
+
+    /// `on_store_error`: what a keyed request gets when the store fails.
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.raw.on_store_error = Some(on);
+        self
+    }
+
+    /// The policy, or the first field refused (named as `policy.<field>`).
+    pub fn build(self) -> Result<Policy, ConfigError> {
+        Policy::builtin().overlay(&self.raw, "policy")
+    }
+}
