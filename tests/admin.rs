@@ -88,12 +88,7 @@ async fn metrics_count_every_outcome(b: Backend) {
         assert_eq!(requests(&before, outcome), 0, "{outcome}");
     }
     let first = tokio::spawn(send(env.post_keyed("/v1/p", "m").body("x")));
-    wait_until(
-        Duration::from_secs(5),
-        "the upstream has been called",
-        async || env.upstream.calls() == 1,
-    )
-    .await;
+    env.upstream.wait_for_calls(1).await;
     assert_eq!(
         send(env.post_keyed("/v1/p", "m").body("x")).await.status,
         409

@@ -108,7 +108,7 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
         .set("defaults.max_waiters", 2);
     let env = TestEnv::start_with(b, upstream, extra).await;
     let first = tokio::spawn(send(env.post_keyed("/v1/p", "bounded").body("x")));
-    upstream_called(&env).await;
+    env.upstream.wait_for_calls(1).await;
     let mut dups = Vec::new();
     for _ in 0..5 {
         dups.push(tokio::spawn(send(
@@ -144,7 +144,7 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
     let slow = tokio::spawn(send(
         env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x"),
     ));
-    upstream_called(&env).await;
+    env.upstream.wait_for_calls(1).await;
     let started = Instant::now();
     let waited = send(env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x")).await;
     assert_eq!(waited.problem_type(), IN_FLIGHT);
@@ -170,12 +170,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
         .header("idempotency-key", "crash")
         .body("x");
     let pending = tokio::spawn(req.send());
-    wait_until(
-        Duration::from_secs(5),
-        "the upstream has been called",
-        async || upstream.calls() == 1,
-    )
-    .await;
+    upstream.wait_for_calls(1).await;
     crashed.kill9();
     assert!(
         pending.await.unwrap().is_err(),
@@ -220,6 +215,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     )
     .await;
     let reran = reran.unwrap();
+    eprintln!("the key was freed {reran:?} after the kill");
     assert!(
         reran <= Duration::from_millis(2600),
         "freed after {reran:?}, lock_ttl is 2s"
@@ -309,7 +305,7 @@ async fn store_failure_after_the_upstream_answered_still_delivers_the_response()
     let env = TestEnv::start_with(Backend::Redis, upstream, TestConfig::new()).await;
     let pending = tokio::spawn(send(env.post_keyed("/v1/p", "late").body("x")));
     // Redis dies while the upstream runs: the claim is in, the completion will fail.
-    upstream_called(&env).await;
+    env.upstream.wait_for_calls(1).await;
     env.redis().kill();
     let seen = pending.await.unwrap();
     assert_eq!(
@@ -334,12 +330,7 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
             .header("idempotency-key", "term")
             .body("x"),
     ));
-    wait_until(
-        Duration::from_secs(5),
-        "the upstream has been called",
-        async || upstream.calls() == 1,
-    )
-    .await;
+    upstream.wait_for_calls(1).await;
     gateway.sigterm();
     wait_until(
         Duration::from_millis(100),
@@ -381,12 +372,7 @@ async fn shutdown_grace_bounds_the_wait() {
             .body("x")
             .send(),
     );
-    wait_until(
-        Duration::from_secs(5),
-        "the upstream has been called",
-        async || upstream.calls() == 1,
-    )
-    .await;
+    upstream.wait_for_calls(1).await;
     let started = Instant::now();
     gateway.sigterm();
     assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
@@ -513,7 +499,7 @@ async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backen
         env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
             .body("x"),
     ));
-    upstream_called(&env).await;
+    env.upstream.wait_for_calls(1).await;
     // ...so the duplicate waiting on it claims the key and runs the request itself.
     let waiter = send(
         env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
@@ -695,14 +681,4 @@ async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
     assert!(send(env.post_keyed("/v1/p", "pending").body("x"))
         .await
         .replayed());
-}
-
-/// Wait until the request a test sent has reached the upstream (so its key is claimed).
-async fn upstream_called(env: &TestEnv) {
-    wait_until(
-        Duration::from_secs(5),
-        "the upstream has been called",
-        async || env.upstream.calls() == 1,
-    )
-    .await;
 }

@@ -30,6 +30,7 @@
 //! A behavioural test is an `async fn(Backend)` listed in [`on_both_backends!`], which makes one
 //! test per store.
 
+// Every test binary compiles this module and uses only part of it (and of its re-exports).
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod client;

@@ -13,6 +13,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tokio::net::TcpListener;
 
+use super::wait_until;
+
 /// An HTTP upstream that counts its executions. Behaviour per request, by query string:
 /// `status=NNN` answers that status, `delay_ms=N` sleeps first; path `/echo` answers the request
 /// body as-is; path `/big` answers `bytes=N` bytes. Every other path answers a JSON description
@@ -70,6 +72,13 @@ impl CountingUpstream {
     /// How many requests reached the upstream (counted as each arrives, before any delay).
     pub fn calls(&self) -> usize {
         self.state.calls.load(Ordering::SeqCst)
+    }
+
+    /// Wait until `n` requests have reached the upstream (a request sent by another task has
+    /// been claimed and forwarded, say); panics after 5 s.
+    pub async fn wait_for_calls(&self, n: usize) {
+        let what = format!("{n} requests have reached the upstream");
+        wait_until(Duration::from_secs(5), &what, async || self.calls() >= n).await;
     }
 
     /// How many connections requests came on.
