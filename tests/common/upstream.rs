@@ -77,7 +77,7 @@ impl CountingUpstream {
     /// Wait until `n` requests have reached the upstream (a request sent by another task has
     /// been claimed and forwarded, say); panics after 5 s.
     pub async fn wait_for_calls(&self, n: usize) {
-        let what = format!("{n} requests have reached the upstream");
+        let what = format!("the upstream has been called {n} time(s)");
         wait_until(Duration::from_secs(5), &what, async || self.calls() >= n).await;
     }
 

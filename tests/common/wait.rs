@@ -23,7 +23,10 @@ pub async fn wait_until(
             return started.elapsed();
         }
         let waited = started.elapsed();
-        assert!(waited < limit, "waited {waited:?} until {what}, in vain");
+        assert!(
+            waited < limit,
+            "{what}: not within {limit:?} (waited {waited:?})"
+        );
         tokio::time::sleep(POLL).await;
     }
 }
