@@ -2,13 +2,18 @@
 
 mod common;
 
-use common::{send, Backend, TestEnv};
+use std::time::Duration;
+
+use common::{send, wait_until, Backend, CountingUpstream, TestConfig, TestEnv};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-fn admin_config() -> String {
-    format!("[admin]\nlisten = \"127.0.0.1:0\"\nadmin_token = \"{TOKEN}\"\n")
+/// An admin listener with the key API on.
+fn admin_config() -> TestConfig {
+    TestConfig::new()
+        .set("admin.listen", "127.0.0.1:0")
+        .set("admin.admin_token", TOKEN)
 }
 
 fn admin_url(env: &TestEnv, path: &str) -> String {
@@ -67,10 +72,10 @@ on_both_backends!(
 );
 
 async fn metrics_count_every_outcome(b: Backend) {
-    let upstream = common::Upstream::start()
+    let upstream = CountingUpstream::start()
         .await
-        .delay(std::time::Duration::from_millis(300));
-    let env = TestEnv::start_with(b, upstream, &admin_config()).await;
+        .delay(Duration::from_millis(300));
+    let env = TestEnv::start_with(b, upstream, admin_config()).await;
     let before = scrape(&env).await;
     for outcome in [
         "miss",
@@ -83,7 +88,7 @@ async fn metrics_count_every_outcome(b: Backend) {
         assert_eq!(requests(&before, outcome), 0, "{outcome}");
     }
     let first = tokio::spawn(send(env.post_keyed("/v1/p", "m").body("x")));
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    env.upstream.wait_for_calls(1).await;
     assert_eq!(
         send(env.post_keyed("/v1/p", "m").body("x")).await.status,
         409
@@ -131,7 +136,7 @@ async fn metrics_count_every_outcome(b: Backend) {
 }
 
 async fn key_api_requires_the_token(b: Backend) {
-    let env = TestEnv::start(b, &admin_config()).await;
+    let env = TestEnv::start(b, admin_config()).await;
     assert_eq!(
         status(env.client.get(admin_url(&env, "/healthz"))).await,
         200
@@ -183,7 +188,7 @@ async fn key_api_requires_the_token(b: Backend) {
     assert_eq!(all.status(), 401);
 
     // Without a token in the config the key API is off, health and metrics stay on.
-    let env = TestEnv::start(b, "[admin]\nlisten = \"127.0.0.1:0\"\n").await;
+    let env = TestEnv::start(b, TestConfig::new().set("admin.listen", "127.0.0.1:0")).await;
     let off = authed(
         &env,
         reqwest::Method::GET,
@@ -200,7 +205,7 @@ async fn key_api_requires_the_token(b: Backend) {
 }
 
 async fn inspect_shows_the_record_and_trace(b: Backend) {
-    let env = TestEnv::start(b, &admin_config()).await;
+    let env = TestEnv::start(b, admin_config()).await;
     let first = send(
         env.post_keyed("/v1/p", "inspect-me")
             .bearer_auth("alice")
@@ -249,7 +254,7 @@ async fn inspect_shows_the_record_and_trace(b: Backend) {
 }
 
 async fn eviction_lets_the_key_run_again(b: Backend) {
-    let env = TestEnv::start(b, &admin_config()).await;
+    let env = TestEnv::start(b, admin_config()).await;
     send(env.post_keyed("/v1/p", "evict-me").body("x")).await;
     send(env.post_keyed("/v1/p", "other-1").body("x")).await;
     send(env.post_keyed("/v1/p", "other-2").body("x")).await;
@@ -307,19 +312,16 @@ async fn eviction_lets_the_key_run_again(b: Backend) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_the_store() {
-    let mut env = TestEnv::start(Backend::Redis, &admin_config()).await;
+    let env = TestEnv::start(Backend::Redis, admin_config()).await;
     let url = admin_url(&env, "/readyz");
     assert_eq!(status(env.client.get(&url)).await, 200);
-    env.redis.as_mut().unwrap().kill();
+    env.redis().kill();
     assert_eq!(status(env.client.get(&url)).await, 503);
-    env.redis.as_mut().unwrap().restart().await;
-    let mut ready = false;
-    for _ in 0..50 {
-        if status(env.client.get(&url)).await == 200 {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    assert!(ready, "ready again after Redis came back");
+    env.redis().restart().await;
+    wait_until(
+        Duration::from_secs(5),
+        "ready again after Redis came back",
+        async || status(env.client.get(&url)).await == 200,
+    )
+    .await;
 }

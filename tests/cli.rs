@@ -1,6 +1,11 @@
 //! The binary as a user runs it: bad config exits non-zero naming the field; check-config works.
 
-use std::process::Command;
+mod common;
+
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use common::{free_port, wait_until, ReservedPort};
 
 fn idemgate(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_idemgate"))
@@ -131,8 +136,8 @@ fn a_container_needs_no_file() {
 /// The container's runtime stage, without Docker: the same binary with the same config file and
 /// the environment the Dockerfile sets (ports moved to free ones), answered by the same
 /// HEALTHCHECK command.
-#[test]
-fn the_container_entrypoint_and_healthcheck_work_without_docker() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_entrypoint_and_healthcheck_work_without_docker() {
     let dockerfile =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
     assert!(dockerfile.contains("COPY config/example.toml /etc/idemgate/idemgate.toml"));
@@ -140,41 +145,72 @@ fn the_container_entrypoint_and_healthcheck_work_without_docker() {
     assert!(dockerfile.contains(r#""healthcheck", "--url", "http://127.0.0.1:9090/healthz""#));
     assert!(dockerfile.contains("USER 10001"));
 
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (port, admin) = (free(), free());
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml");
-    let mut gateway = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["--config", example])
-        .env("RUST_LOG", "off")
-        .env("IDEMGATE_LISTEN", format!("127.0.0.1:{port}"))
-        .env("IDEMGATE_ADMIN__LISTEN", format!("127.0.0.1:{admin}"))
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{admin}/healthz");
-    let mut healthy = false;
-    for _ in 0..100 {
-        if idemgate(&["healthcheck", "--url", &url]).status.success() {
-            healthy = true;
+    // The binary binds both ports itself, after `free_port` let go of them: when another process
+    // took one in between, the binary exits, and it is started again on new ones.
+    let mut started = None;
+    for _ in 0..3 {
+        let (port, admin) = (free_port(), free_port());
+        let mut gateway = Running(
+            Command::new(env!("CARGO_BIN_EXE_idemgate"))
+                .args(["--config", example])
+                .env("RUST_LOG", "off")
+                .env("IDEMGATE_LISTEN", format!("127.0.0.1:{port}"))
+                .env("IDEMGATE_ADMIN__LISTEN", format!("127.0.0.1:{admin}"))
+                .spawn()
+                .unwrap(),
+        );
+        let url = format!("http://127.0.0.1:{admin}/healthz");
+        let mut exited = false;
+        wait_until(
+            Duration::from_secs(5),
+            "the healthcheck command passes against the running gateway",
+            async || {
+                exited = gateway.exited();
+                exited || healthcheck(&url).await
+            },
+        )
+        .await;
+        if !exited {
+            started = Some(gateway);
             break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let down = idemgate(&[
-        "healthcheck",
-        "--url",
-        &format!("http://127.0.0.1:{}/healthz", free()),
-    ]);
-    let _ = gateway.kill();
-    let _ = gateway.wait();
     assert!(
-        healthy,
-        "the healthcheck command must pass against the running gateway"
+        started.is_some(),
+        "the gateway did not start on 3 pairs of free ports"
     );
-    assert!(!down.status.success(), "and fail where nothing answers");
+    let closed = ReservedPort::new();
+    assert!(
+        !healthcheck(&format!("http://{}/healthz", closed.addr)).await,
+        "and fail where nothing answers"
+    );
+}
+
+/// Whether `idemgate healthcheck --url URL` passes.
+async fn healthcheck(url: &str) -> bool {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["healthcheck", "--url", url])
+        .env("RUST_LOG", "off")
+        .output()
+        .await
+        .unwrap()
+        .status
+        .success()
+}
+
+/// A child process, killed on drop.
+struct Running(Child);
+
+impl Running {
+    fn exited(&mut self) -> bool {
+        self.0.try_wait().unwrap().is_some()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

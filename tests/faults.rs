@@ -5,7 +5,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{config_for, send, Backend, GatewayProcess, RedisServer, TestEnv, Upstream};
+use common::{
+    send, wait_until, Backend, CountingUpstream, GatewayBinary, InProcessGateway, RedisServer,
+    Seen, TestConfig, TestEnv,
+};
 use tokio::io::AsyncWriteExt;
 
 const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
@@ -28,17 +31,34 @@ async fn post_and_hang_up(addr: std::net::SocketAddr, path: &str, key: &str, bod
     );
     s.write_all(req.as_bytes()).await.unwrap();
     s.flush().await.unwrap();
+    // The client stays 100 ms, long enough for the gateway to read the request, then leaves.
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(s);
 }
 
 async fn client_abort_still_records_the_response(b: Backend) {
-    let upstream = Upstream::start().await.delay(Duration::from_millis(600));
-    let env = TestEnv::start_with(b, upstream, "").await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(600));
+    let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
     post_and_hang_up(env.gateway.addr, "/v1/p", "abort", "x").await;
-    // The upstream call goes on without the client; wait until it has been answered.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let retry = send(env.post_keyed("/v1/p", "abort").body("x")).await;
+    // The upstream call goes on without the client: retries are in flight until it is answered.
+    let mut retry = None;
+    wait_until(
+        Duration::from_millis(900),
+        "the upstream's answer is recorded",
+        async || {
+            let seen = send(env.post_keyed("/v1/p", "abort").body("x")).await;
+            if seen.status != 409 {
+                retry = Some(seen);
+                return true;
+            }
+            assert_eq!(seen.problem_type(), IN_FLIGHT);
+            false
+        },
+    )
+    .await;
+    let retry = retry.unwrap();
     assert_eq!(retry.status, 201);
     assert!(
         retry.replayed(),
@@ -48,11 +68,15 @@ async fn client_abort_still_records_the_response(b: Backend) {
 }
 
 async fn waiting_duplicates_get_the_replay(b: Backend) {
-    let upstream = Upstream::start().await.delay(Duration::from_millis(500));
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(500));
     let env = TestEnv::start_with(
         b,
         upstream,
-        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"",
+        TestConfig::new()
+            .set("defaults.on_in_flight", "wait")
+            .set("defaults.wait_timeout", "5s"),
     )
     .await;
     let mut tasks = Vec::new();
@@ -75,11 +99,16 @@ async fn waiting_duplicates_get_the_replay(b: Backend) {
 }
 
 async fn waiters_are_bounded_in_number_and_time(b: Backend) {
-    let upstream = Upstream::start().await.delay(Duration::from_millis(800));
-    let extra = "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"\nmax_waiters = 2";
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(800));
+    let extra = TestConfig::new()
+        .set("defaults.on_in_flight", "wait")
+        .set("defaults.wait_timeout", "5s")
+        .set("defaults.max_waiters", 2);
     let env = TestEnv::start_with(b, upstream, extra).await;
     let first = tokio::spawn(send(env.post_keyed("/v1/p", "bounded").body("x")));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    env.upstream.wait_for_calls(1).await;
     let mut dups = Vec::new();
     for _ in 0..5 {
         dups.push(tokio::spawn(send(
@@ -107,13 +136,15 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
     // Past wait_timeout, a waiter gets the 409.
     let env = TestEnv::start(
         b,
-        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"200ms\"",
+        TestConfig::new()
+            .set("defaults.on_in_flight", "wait")
+            .set("defaults.wait_timeout", "200ms"),
     )
     .await;
     let slow = tokio::spawn(send(
         env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x"),
     ));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    env.upstream.wait_for_calls(1).await;
     let started = Instant::now();
     let waited = send(env.post_keyed("/v1/p?delay_ms=1500", "timeout").body("x")).await;
     assert_eq!(waited.problem_type(), IN_FLIGHT);
@@ -125,21 +156,21 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     let redis = RedisServer::start().await;
-    let upstream = Upstream::start().await.delay(Duration::from_millis(1500));
-    let config = config_for(
-        Backend::Redis,
-        Some(&redis),
-        &upstream.url(),
-        "[defaults]\nlock_ttl = \"2s\"",
-    );
-    let mut crashed = GatewayProcess::start(&config).await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(1500));
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis(&redis)
+        .set("defaults.lock_ttl", "2s");
+    let mut crashed = GatewayBinary::start(&config).await;
     let client = common::client();
     let req = client
         .post(crashed.url("/v1/p"))
         .header("idempotency-key", "crash")
         .body("x");
     let pending = tokio::spawn(req.send());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    upstream.wait_for_calls(1).await;
     crashed.kill9();
     assert!(
         pending.await.unwrap().is_err(),
@@ -147,7 +178,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     );
     let killed_at = Instant::now();
 
-    let survivor = GatewayProcess::start(&config).await;
+    let survivor = GatewayBinary::start(&config).await;
     let retry = send(
         client
             .post(survivor.url("/v1/p"))
@@ -162,23 +193,29 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     );
     // Once the lease has run out (at most lock_ttl after the last renewal), a retry runs again.
     let mut reran = None;
-    while killed_at.elapsed() < Duration::from_secs(6) {
-        let sent = killed_at.elapsed();
-        let r = send(
-            client
-                .post(survivor.url("/v1/p"))
-                .header("idempotency-key", "crash")
-                .body("x"),
-        )
-        .await;
-        if r.status == 201 {
-            reran = Some(sent);
-            break;
-        }
-        assert_eq!(r.problem_type(), IN_FLIGHT);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let reran = reran.expect("the key must be free once its lease ends");
+    wait_until(
+        Duration::from_secs(6).saturating_sub(killed_at.elapsed()),
+        "the key is free once its lease ends",
+        async || {
+            let sent = killed_at.elapsed();
+            let r = send(
+                client
+                    .post(survivor.url("/v1/p"))
+                    .header("idempotency-key", "crash")
+                    .body("x"),
+            )
+            .await;
+            if r.status == 201 {
+                reran = Some(sent);
+                return true;
+            }
+            assert_eq!(r.problem_type(), IN_FLIGHT);
+            false
+        },
+    )
+    .await;
+    let reran = reran.unwrap();
+    eprintln!("the key was freed {reran:?} after the kill");
     assert!(
         reran <= Duration::from_millis(2600),
         "freed after {reran:?}, lock_ttl is 2s"
@@ -192,14 +229,12 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
-    let mut env = TestEnv::start(Backend::Redis, "").await;
-    drop(env.gateway);
     // A short store timeout so that an outage is detected quickly.
-    let config = config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "").replace(
-        "prefix = \"test:\"",
-        "prefix = \"test:\"\ntimeout = \"500ms\"",
-    );
-    env.gateway = common::Gateway::spawn(&config).await;
+    let env = TestEnv::start(
+        Backend::Redis,
+        TestConfig::new().set("store.timeout", "500ms"),
+    )
+    .await;
     assert_eq!(
         send(env.post_keyed("/v1/p", "before").body("x"))
             .await
@@ -207,7 +242,7 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
         201
     );
 
-    env.redis.as_mut().unwrap().kill();
+    env.redis().kill();
     let calls = env.upstream.calls();
     let refused = send(env.post_keyed("/v1/p", "during").body("x")).await;
     assert_eq!(refused.status, 503);
@@ -224,24 +259,20 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
     // Unkeyed requests keep flowing.
     assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
 
-    env.redis.as_mut().unwrap().restart().await;
-    let restarted = Instant::now();
-    loop {
-        let r = send(env.post_keyed("/v1/p", "after").body("x")).await;
-        if r.status == 201 {
-            break;
-        }
-        assert_eq!(r.status, 503);
-        assert!(
-            restarted.elapsed() < Duration::from_secs(5),
-            "no recovery within 5 s of the restart"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    eprintln!(
-        "recovered {:?} after the Redis restart",
-        restarted.elapsed()
-    );
+    env.redis().restart().await;
+    let recovered = wait_until(
+        Duration::from_secs(5),
+        "keyed requests succeed after the Redis restart",
+        async || {
+            let r = send(env.post_keyed("/v1/p", "after").body("x")).await;
+            if r.status != 201 {
+                assert_eq!(r.status, 503);
+            }
+            r.status == 201
+        },
+    )
+    .await;
+    eprintln!("recovered {recovered:?} after the Redis restart");
     assert!(send(env.post_keyed("/v1/p", "after").body("x"))
         .await
         .replayed());
@@ -249,8 +280,12 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_outage_with_pass_policy_forwards_without_idempotency() {
-    let mut env = TestEnv::start(Backend::Redis, "[defaults]\non_store_error = \"pass\"").await;
-    env.redis.as_mut().unwrap().kill();
+    let env = TestEnv::start(
+        Backend::Redis,
+        TestConfig::new().set("defaults.on_store_error", "pass"),
+    )
+    .await;
+    env.redis().kill();
     let a = send(env.post_keyed("/v1/p", "open").body("x")).await;
     let b = send(env.post_keyed("/v1/p", "open").body("x")).await;
     assert_eq!((a.status, b.status), (201, 201));
@@ -264,11 +299,14 @@ async fn store_outage_with_pass_policy_forwards_without_idempotency() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_failure_after_the_upstream_answered_still_delivers_the_response() {
-    let upstream = Upstream::start().await.delay(Duration::from_millis(800));
-    let mut env = TestEnv::start_with(Backend::Redis, upstream, "").await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(800));
+    let env = TestEnv::start_with(Backend::Redis, upstream, TestConfig::new()).await;
     let pending = tokio::spawn(send(env.post_keyed("/v1/p", "late").body("x")));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    env.redis.as_mut().unwrap().kill();
+    // Redis dies while the upstream runs: the claim is in, the completion will fail.
+    env.upstream.wait_for_calls(1).await;
+    env.redis().kill();
     let seen = pending.await.unwrap();
     assert_eq!(
         seen.status, 201,
@@ -280,9 +318,11 @@ async fn store_failure_after_the_upstream_answered_still_delivers_the_response()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
     let redis = RedisServer::start().await;
-    let upstream = Upstream::start().await.delay(Duration::from_millis(1000));
-    let config = config_for(Backend::Redis, Some(&redis), &upstream.url(), "");
-    let mut gateway = GatewayProcess::start(&config).await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(1000));
+    let config = TestConfig::new().upstream(&upstream.url()).redis(&redis);
+    let mut gateway = GatewayBinary::start(&config).await;
     let client = common::client();
     let pending = tokio::spawn(send(
         client
@@ -290,18 +330,19 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
             .header("idempotency-key", "term")
             .body("x"),
     ));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    upstream.wait_for_calls(1).await;
     gateway.sigterm();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        tokio::net::TcpStream::connect(gateway.addr).await.is_err(),
-        "no new connections after SIGTERM"
-    );
+    wait_until(
+        Duration::from_millis(100),
+        "the gateway refuses new connections after SIGTERM",
+        async || tokio::net::TcpStream::connect(gateway.addr).await.is_err(),
+    )
+    .await;
     let seen = pending.await.unwrap();
     assert_eq!(seen.status, 201);
     assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
     // What it answered was recorded: another gateway replays it.
-    let next = GatewayProcess::start(&config).await;
+    let next = GatewayBinary::start(&config).await;
     let replay = send(
         client
             .post(next.url("/v1/p"))
@@ -316,12 +357,13 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_grace_bounds_the_wait() {
-    let upstream = Upstream::start().await.delay(Duration::from_secs(20));
-    let config = config_for(Backend::Memory, None, &upstream.url(), "").replace(
-        "listen = \"127.0.0.1:0\"",
-        "listen = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"",
-    );
-    let mut gateway = GatewayProcess::start(&config).await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_secs(20));
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .set("shutdown_grace", "1s");
+    let mut gateway = GatewayBinary::start(&config).await;
     let client = common::client();
     let _pending = tokio::spawn(
         client
@@ -330,7 +372,7 @@ async fn shutdown_grace_bounds_the_wait() {
             .body("x")
             .send(),
     );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    upstream.wait_for_calls(1).await;
     let started = Instant::now();
     gateway.sigterm();
     assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
@@ -344,22 +386,26 @@ async fn shutdown_grace_bounds_the_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_responses_survive_a_redis_restart_with_aof() {
     let redis = RedisServer::start_durable().await;
-    let upstream = Upstream::start().await;
-    let config = config_for(Backend::Redis, Some(&redis), &upstream.url(), "");
-    let mut redis = redis;
-    let gateway = common::Gateway::spawn(&config).await;
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new().upstream(&upstream.url()).redis(&redis);
+    let gateway = InProcessGateway::start(&config).await;
     let client = common::client();
-    let url = format!("http://{}/v1/p", gateway.addr);
+    let url = gateway.url("/v1/p");
     let first = send(client.post(&url).header("idempotency-key", "aof").body("x")).await;
     redis.restart().await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let replay = loop {
-        let r = send(client.post(&url).header("idempotency-key", "aof").body("x")).await;
-        if r.status != 503 || Instant::now() > deadline {
-            break r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let mut replay = None;
+    wait_until(
+        Duration::from_secs(5),
+        "the gateway reaches the restarted Redis",
+        async || {
+            let r = send(client.post(&url).header("idempotency-key", "aof").body("x")).await;
+            let reached = r.status != 503;
+            replay = Some(r);
+            reached
+        },
+    )
+    .await;
+    let replay = replay.unwrap();
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(replay.body, first.body);
     assert_eq!(upstream.calls(), 1);
@@ -404,14 +450,12 @@ async fn evicting_or_volatile_redis_is_warned_about() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_redis_leaves_no_claim_behind() {
-    let mut env = TestEnv::start(Backend::Redis, "").await;
-    drop(env.gateway);
-    let config = config_for(Backend::Redis, env.redis.as_ref(), &env.upstream.url(), "").replace(
-        "prefix = \"test:\"",
-        "prefix = \"test:\"\ntimeout = \"300ms\"",
-    );
-    env.gateway = common::Gateway::spawn(&config).await;
-    let redis = env.redis.as_ref().unwrap();
+    let env = TestEnv::start(
+        Backend::Redis,
+        TestConfig::new().set("store.timeout", "300ms"),
+    )
+    .await;
+    let redis = env.redis();
     redis.pause();
     for key in ["stall-a", "stall-b", "stall"] {
         let stalled = send(env.post_keyed("/v1/p", key).body("x")).await;
@@ -422,27 +466,21 @@ async fn a_stalled_redis_leaves_no_claim_behind() {
     // Redis may run such a late claim after the release sent on a replaced connection, so the
     // gateway keeps trying for a few seconds.
     redis.resume();
-    let resumed = Instant::now();
     let mut c = redis.connection().await;
-    loop {
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg("test:*")
-            .query_async(&mut c)
-            .await
-            .unwrap();
-        if keys.is_empty() {
-            break;
-        }
-        assert!(
-            resumed.elapsed() < Duration::from_secs(8),
-            "no claim may outlive the 503 it answered: {keys:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    eprintln!(
-        "claims taken back {:?} after Redis resumed",
-        resumed.elapsed()
-    );
+    let taken_back = wait_until(
+        Duration::from_secs(8),
+        "no claim outlives the 503 it answered (the keys test:* are gone)",
+        async || {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("test:*")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            keys.is_empty()
+        },
+    )
+    .await;
+    eprintln!("claims taken back {taken_back:?} after Redis resumed");
     // So the retry runs now instead of after a 30 s lease.
     let retry = send(env.post_keyed("/v1/p", "stall").body("x")).await;
     assert_eq!(retry.status, 201, "{retry:?}");
@@ -452,7 +490,9 @@ async fn a_stalled_redis_leaves_no_claim_behind() {
 async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backend) {
     let env = TestEnv::start(
         b,
-        "[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"5s\"",
+        TestConfig::new()
+            .set("defaults.on_in_flight", "wait")
+            .set("defaults.wait_timeout", "5s"),
     )
     .await;
     // The first execution answers 503 after 400 ms: not stored, the key is released...
@@ -460,7 +500,7 @@ async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backen
         env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
             .body("x"),
     ));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    env.upstream.wait_for_calls(1).await;
     // ...so the duplicate waiting on it claims the key and runs the request itself.
     let waiter = send(
         env.post_keyed("/v1/p?status=503&delay_ms=400", "takeover")
@@ -479,16 +519,17 @@ async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backen
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_starts_while_redis_is_down_and_catches_up() {
+    // Nothing listens on `port`: the gateway starts all the same. (redis-server binds the port
+    // itself later on, so it cannot be reserved here: were it taken meanwhile, the test fails.)
     let port = common::free_port();
-    let upstream = Upstream::start().await;
-    let config = format!(
-        "listen = \"127.0.0.1:0\"\nupstream = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{port}/0\"\ntimeout = \"300ms\"\n",
-        upstream.url()
-    );
-    // Nothing listens on `port`: the gateway starts all the same.
-    let gateway = common::Gateway::spawn(&config).await;
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis_url(&format!("redis://127.0.0.1:{port}/0"))
+        .set("store.timeout", "300ms");
+    let gateway = InProcessGateway::start(&config).await;
     let client = common::client();
-    let url = format!("http://{}/v1/p", gateway.addr);
+    let url = gateway.url("/v1/p");
     assert_eq!(
         send(client.post(&url).body("x")).await.status,
         201,
@@ -505,25 +546,24 @@ async fn the_gateway_starts_while_redis_is_down_and_catches_up() {
     assert_eq!(upstream.calls(), 1, "nothing keyed was forwarded");
     // Redis comes up: keyed requests work without a gateway restart.
     let _redis = RedisServer::start_on_port(port).await;
-    let started = Instant::now();
-    loop {
-        let r = send(
-            client
-                .post(&url)
-                .header("idempotency-key", "early")
-                .body("x"),
-        )
-        .await;
-        if r.status == 201 {
-            break;
-        }
-        assert_eq!(r.status, 503);
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "no recovery within 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        Duration::from_secs(5),
+        "keyed requests succeed once Redis is up",
+        async || {
+            let r = send(
+                client
+                    .post(&url)
+                    .header("idempotency-key", "early")
+                    .body("x"),
+            )
+            .await;
+            if r.status != 201 {
+                assert_eq!(r.status, 503);
+            }
+            r.status == 201
+        },
+    )
+    .await;
     assert!(send(
         client
             .post(&url)
@@ -556,28 +596,38 @@ fn keyed_post(key: &str, body: &str) -> String {
 /// Retry `key` until it is answered by something other than 409 in flight. A 409 is accepted
 /// only while the upstream may still be running the first call (`upstream_takes`, plus a margin):
 /// never for the rest of a lease. Returns the answer.
-async fn retry_until_answered(env: &TestEnv, key: &str, upstream_takes: Duration) -> common::Seen {
-    let started = Instant::now();
-    loop {
-        let r = send(env.post_keyed("/v1/p", key).body("x")).await;
-        if r.status != 409 {
-            return r;
-        }
-        assert_eq!(r.problem_type(), IN_FLIGHT);
-        assert!(
-            started.elapsed() < upstream_takes + Duration::from_millis(700),
-            "the key is still in flight {:?} after the hang-up (upstream calls: {})",
-            started.elapsed(),
-            env.upstream.calls()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+async fn retry_until_answered(env: &TestEnv, key: &str, upstream_takes: Duration) -> Seen {
+    let mut answer = None;
+    wait_until(
+        upstream_takes + Duration::from_millis(700),
+        "the key is no longer in flight after the hang-up",
+        async || {
+            let r = send(env.post_keyed("/v1/p", key).body("x")).await;
+            if r.status != 409 {
+                answer = Some(r);
+                return true;
+            }
+            assert_eq!(r.problem_type(), IN_FLIGHT);
+            false
+        },
+    )
+    .await;
+    answer.unwrap()
 }
 
 async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {
-    let upstream = Upstream::start().await.delay(Duration::from_secs(1));
-    let env = TestEnv::start_with(b, upstream, "[defaults]\nlock_ttl = \"8s\"").await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_secs(1));
+    let env = TestEnv::start_with(
+        b,
+        upstream,
+        TestConfig::new().set("defaults.lock_ttl", "8s"),
+    )
+    .await;
     write_and_close(env.gateway.addr, keyed_post("gone", "x").as_bytes()).await;
+    // Time for the gateway to read the request; whether it forwards it is up to the gateway, so
+    // there is nothing to wait for.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let answer = retry_until_answered(&env, "gone", Duration::from_secs(1)).await;
     assert_eq!(answer.status, 201, "{answer:?}");
@@ -590,9 +640,10 @@ async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {
 }
 
 async fn hang_up_before_the_body_is_complete_claims_nothing(b: Backend) {
-    let env = TestEnv::start(b, "").await;
+    let env = TestEnv::start(b, TestConfig::new()).await;
     let head = "POST /v1/p HTTP/1.1\r\nhost: x\r\nidempotency-key: partial\r\ncontent-length: 10\r\n\r\nabc";
     write_and_close(env.gateway.addr, head.as_bytes()).await;
+    // Time in which the gateway would have forwarded it, were it going to.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         env.upstream.calls(),
@@ -609,11 +660,20 @@ async fn hang_up_before_the_body_is_complete_claims_nothing(b: Backend) {
 /// claim is applied after the request is gone, and must not keep the key for a lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
-    let upstream = Upstream::start().await.delay(Duration::from_millis(500));
-    let env = TestEnv::start_with(Backend::Redis, upstream, "[defaults]\nlock_ttl = \"8s\"").await;
-    let redis = env.redis.as_ref().unwrap();
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(500));
+    let env = TestEnv::start_with(
+        Backend::Redis,
+        upstream,
+        TestConfig::new().set("defaults.lock_ttl", "8s"),
+    )
+    .await;
+    let redis = env.redis();
     redis.pause();
     write_and_close(env.gateway.addr, keyed_post("pending", "x").as_bytes()).await;
+    // Time for the gateway to send the claim to the stalled Redis and see the client leave;
+    // neither shows anywhere while Redis is stopped.
     tokio::time::sleep(Duration::from_millis(300)).await;
     redis.resume();
     let answer = retry_until_answered(&env, "pending", Duration::from_millis(500)).await;

@@ -5,7 +5,7 @@
 mod common;
 
 use common::raw::{RawClient, RawUpstream};
-use common::{config_for, Backend, Gateway, RedisServer};
+use common::{Backend, InProcessGateway, RedisServer, TestConfig};
 
 on_both_backends!(
     a_stale_content_length_beside_chunked_never_reaches_the_client,
@@ -17,17 +17,17 @@ on_both_backends!(
 /// A raw upstream and a gateway in front of it (with its Redis, for that backend).
 struct Setup {
     upstream: RawUpstream,
-    gateway: Gateway,
+    gateway: InProcessGateway,
     _redis: Option<RedisServer>,
 }
 
 async fn setup(b: Backend, upstream_answers: &'static [u8]) -> Setup {
     let upstream = RawUpstream::answering(upstream_answers).await;
-    let redis = match b {
-        Backend::Redis => Some(RedisServer::start().await),
-        Backend::Memory => None,
-    };
-    let gateway = Gateway::spawn(&config_for(b, redis.as_ref(), &upstream.url(), "")).await;
+    let redis = RedisServer::for_backend(b).await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .store(redis.as_ref());
+    let gateway = InProcessGateway::start(&config).await;
     Setup {
         upstream,
         gateway,

@@ -1,0 +1,105 @@
+//! The gateway's config, built in code and rendered to the TOML the gateway parses:
+//!
+//! ```ignore
+//! let config = TestConfig::new()
+//!     .upstream(&upstream.url())
+//!     .redis(&server)
+//!     .set("store.timeout", "300ms")
+//!     .set("defaults.lock_ttl", "2s")
+//!     .route("/v1/payments", toml! { require_key = true });
+//! ```
+//!
+//! A [`TestEnv`](super::TestEnv) fills in the upstream and the store itself: a test hands it
+//! only the settings it cares about.
+
+use super::RedisServer;
+
+/// A gateway config as a TOML table. Paths in [`TestConfig::set`] are the config file's,
+/// dotted: `"workers"`, `"store.timeout"`, `"defaults.ttl"`, `"admin.listen"`.
+#[derive(Clone, Debug)]
+pub struct TestConfig {
+    table: toml::Table,
+}
+
+impl Default for TestConfig {
+    /// Listen on a free loopback port, keep records in memory; no upstream yet.
+    fn default() -> Self {
+        TestConfig {
+            table: toml::Table::new(),
+        }
+        .set("listen", "127.0.0.1:0")
+        .set("store.backend", "memory")
+    }
+}
+
+impl TestConfig {
+    /// Listen on a free loopback port, keep records in memory; no upstream yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forward to `url` (`http://127.0.0.1:PORT`).
+    pub fn upstream(self, url: &str) -> Self {
+        self.set("upstream", url)
+    }
+
+    /// Keep records in `server`, under the prefix `test:`.
+    pub fn redis(self, server: &RedisServer) -> Self {
+        self.redis_url(&server.url()).set("store.prefix", "test:")
+    }
+
+    /// Keep records in the Redis at `url` (which need not be up), under the default prefix.
+    pub fn redis_url(self, url: &str) -> Self {
+        self.set("store.backend", "redis").set("store.url", url)
+    }
+
+    /// Keep records in `server` when there is one, else in memory: for code that runs on
+    /// either backend (see [`RedisServer::for_backend`]).
+    pub fn store(self, server: Option<&RedisServer>) -> Self {
+        match server {
+            Some(server) => self.redis(server),
+            None => self.set("store.backend", "memory"),
+        }
+    }
+
+    /// Set the field at the dotted `path` (its tables are created as needed).
+    pub fn set(mut self, path: &str, value: impl Into<toml::Value>) -> Self {
+        let (tables, field) = match path.rsplit_once('.') {
+            Some((tables, field)) => (Some(tables), field),
+            None => (None, path),
+        };
+        let mut table = &mut self.table;
+        for name in tables.into_iter().flat_map(|t| t.split('.')) {
+            table = table
+                .entry(name)
+                .or_insert_with(|| toml::Table::new().into())
+                .as_table_mut()
+                .unwrap_or_else(|| panic!("{name} in {path} is not a table"));
+        }
+        table.insert(field.to_string(), value.into());
+        self
+    }
+
+    /// Add a `[[routes]]` entry for `path` with `settings` (`toml! { require_key = true }`).
+    pub fn route(mut self, path: &str, mut settings: toml::Table) -> Self {
+        settings.insert("path".to_string(), path.into());
+        self.table
+            .entry("routes")
+            .or_insert_with(|| toml::Value::Array(Vec::new()))
+            .as_array_mut()
+            .expect("routes is an array of tables")
+            .push(settings.into());
+        self
+    }
+
+    /// The config file's text.
+    pub fn to_toml(&self) -> String {
+        self.table.to_string()
+    }
+
+    /// The config as the gateway library parses it.
+    pub fn parse(&self) -> idemgate::config::Config {
+        idemgate::config::Config::from_toml(&self.to_toml())
+            .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", self.to_toml()))
+    }
+}

@@ -1,0 +1,246 @@
+//! The gateway under test, and one test's world around it.
+//!
+//! - [`TestEnv::start(backend, settings)`](TestEnv::start): an upstream, a redis-server on the
+//!   Redis backend, and the gateway between them; `env.post_keyed("/v1/p", "k")` sends through it.
+//! - [`InProcessGateway::start(&config)`](InProcessGateway::start): another gateway in this
+//!   process, e.g. a second replica on the same Redis (`env.config()` is the first one's config).
+//! - [`GatewayBinary::start(&config)`](GatewayBinary::start): the `idemgate` binary as a child
+//!   process, for what needs a real process: `kill9()`, `sigterm()`, `wait_exit(limit)`.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use super::{client, free_port, wait_until, Backend, CountingUpstream, RedisServer, TestConfig};
+
+/// The gateway running in this process on a loopback port it bound itself; stopped on drop.
+pub struct InProcessGateway {
+    pub addr: SocketAddr,
+    /// The admin listener, when the config has one.
+    pub admin: Option<SocketAddr>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl InProcessGateway {
+    /// Start the gateway with `config` (its `listen` is ignored: a free port is used). Returns
+    /// once the store is connected, so the gateway is ready when the test goes on.
+    pub async fn start(config: &TestConfig) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = idemgate::app::App::new(config.parse())
+            .await
+            .expect("gateway failed to start");
+        let admin = app.admin_addr();
+        let task = tokio::spawn(async move {
+            app.serve(listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .expect("gateway failed");
+        });
+        InProcessGateway {
+            addr,
+            admin,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// `http://ADDR/path`
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stop accepting and wait for the server task to end.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+impl Drop for InProcessGateway {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+/// The real `idemgate` binary running with a config file; killed on drop. Its log goes where
+/// `TEST_LOG` says (a `RUST_LOG` filter; off by default).
+pub struct GatewayBinary {
+    pub addr: SocketAddr,
+    child: Option<Child>,
+    _config: tempfile::NamedTempFile,
+}
+
+impl GatewayBinary {
+    /// Start the binary with `config` on a free port, and wait until it accepts connections.
+    pub async fn start(config: &TestConfig) -> Self {
+        // The binary binds the port itself, after `free_port` let go of it: when another process
+        // took it in between, the binary exits, and it is started again on a new port.
+        for _ in 0..3 {
+            let port = free_port();
+            let file = tempfile::NamedTempFile::new().unwrap();
+            let listen = format!("127.0.0.1:{port}");
+            std::fs::write(
+                file.path(),
+                config.clone().set("listen", &*listen).to_toml(),
+            )
+            .unwrap();
+            let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+                .arg("--config")
+                .arg(file.path())
+                .env(
+                    "RUST_LOG",
+                    std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
+                )
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let addr: SocketAddr = listen.parse().unwrap();
+            let mut exited = false;
+            wait_until(
+                Duration::from_secs(10),
+                "the gateway binary accepts connections",
+                async || {
+                    exited = child.try_wait().unwrap().is_some();
+                    exited || tokio::net::TcpStream::connect(addr).await.is_ok()
+                },
+            )
+            .await;
+            if !exited {
+                return GatewayBinary {
+                    addr,
+                    child: Some(child),
+                    _config: file,
+                };
+            }
+        }
+        panic!("the gateway binary did not start on any of 3 free ports (its stderr says why)");
+    }
+
+    /// `http://ADDR/path`
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// SIGKILL: no chance to clean up, as in a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Send SIGTERM.
+    pub fn sigterm(&self) {
+        let pid = self.child.as_ref().expect("running").id();
+        let ok = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Wait for the process to exit (up to `limit`), returning its exit status.
+    pub async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let mut status = None;
+        wait_until(limit, "the gateway binary exits", async || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        })
+        .await;
+        self.child = None;
+        status.unwrap()
+    }
+}
+
+impl Drop for GatewayBinary {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// One test's world: a [`CountingUpstream`], a [`RedisServer`] on the Redis backend, and an
+/// [`InProcessGateway`] between them and the test's client.
+pub struct TestEnv {
+    pub backend: Backend,
+    pub upstream: CountingUpstream,
+    pub gateway: InProcessGateway,
+    pub client: reqwest::Client,
+    redis: Option<RedisServer>,
+    /// The gateway's whole config, to restart it alike or start a sibling.
+    config: TestConfig,
+}
+
+impl TestEnv {
+    /// Start the world for `backend`. `settings` is the gateway's config without its upstream
+    /// and store, which this world fills in: `TestConfig::new().set("defaults.ttl", "1s")`.
+    pub async fn start(backend: Backend, settings: TestConfig) -> Self {
+        Self::start_with(backend, CountingUpstream::start().await, settings).await
+    }
+
+    /// Start with a given upstream (e.g. one with a delay).
+    pub async fn start_with(
+        backend: Backend,
+        upstream: CountingUpstream,
+        settings: TestConfig,
+    ) -> Self {
+        let redis = RedisServer::for_backend(backend).await;
+        let config = settings.upstream(&upstream.url()).store(redis.as_ref());
+        let gateway = InProcessGateway::start(&config).await;
+        TestEnv {
+            backend,
+            upstream,
+            gateway,
+            client: client(),
+            redis,
+            config,
+        }
+    }
+
+    /// The config the gateway runs with (upstream and store included), to start another
+    /// gateway alike: `InProcessGateway::start(&env.config().set("workers", 1))`.
+    pub fn config(&self) -> TestConfig {
+        self.config.clone()
+    }
+
+    /// The redis-server of a Redis-backend world.
+    pub fn redis(&self) -> &RedisServer {
+        self.redis
+            .as_ref()
+            .expect("a redis-server runs only on the Redis backend")
+    }
+
+    /// Stop the gateway and start a new one with the same config and store.
+    pub async fn restart_gateway(&mut self) {
+        let new = InProcessGateway::start(&self.config).await;
+        std::mem::replace(&mut self.gateway, new).stop().await;
+    }
+
+    /// `http://GATEWAY/path`
+    pub fn url(&self, path: &str) -> String {
+        self.gateway.url(path)
+    }
+
+    /// A POST through the gateway.
+    pub fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client.post(self.url(path))
+    }
+
+    /// A POST through the gateway with an `Idempotency-Key`.
+    pub fn post_keyed(&self, path: &str, key: &str) -> reqwest::RequestBuilder {
+        self.post(path).header("idempotency-key", key)
+    }
+}
