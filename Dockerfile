@@ -1,8 +1,8 @@
 # idemgate container image: a multi-stage build, a small non-root runtime.
 #   docker build -t idemgate .
 #   docker run -p 8080:8080 -p 9090:9090 -e IDEMGATE_UPSTREAM=http://api:9000 idemgate
-# Every setting can come from IDEMGATE_... variables (see README, "Configuration from the
-# environment"); the example config baked in below is the starting point.
+# Every setting can come from IDEMGATE_... variables (see docs/configuration.md); the example
+# config baked in below is the starting point.
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
@@ -11,6 +11,8 @@ COPY Cargo.toml Cargo.lock ./
 COPY loadtest/Cargo.toml loadtest/Cargo.toml
 COPY loadtest/src loadtest/src
 COPY src src
+# The manifest names the example, so its source comes along (it is not built here).
+COPY examples examples
 RUN cargo build --release --locked --package idemgate
 
 FROM debian:bookworm-slim AS runtime

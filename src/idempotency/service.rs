@@ -164,11 +164,67 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
+        let started = Instant::now();
         // The service that was polled ready is the one that runs this request.
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        Box::pin(async move { shared.handle(inner, req.map(Body::new)).await })
+        let route = shared.table.route_for(req.uri().path()).clone();
+        let policy = &route.policy;
+        let mut req = req.map(Body::new);
+        // The inner service learns the policy applied (the proxy reads its upstream_timeout).
+        req.extensions_mut().insert(policy.clone());
+        let key = if policy.applies_to(req.method()) {
+            IdempotencyKey::from_headers(req.headers(), policy.key_max_len)
+        } else {
+            Ok(None)
+        };
+        let key = match key {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.require_key && policy.applies_to(req.method()) => {
+                return shared.refuse_now(&route, started, GatewayError::MissingKey)
+            }
+            Ok(None) => {
+                // Not idempotent: simply the inner service.
+                let call = inner.call(req);
+                shared.metrics.overhead(started.elapsed());
+                return Box::pin(async move {
+                    let called = Instant::now();
+                    let answer = call.await.map(|r| r.map(Body::new));
+                    shared.metrics.upstream(called.elapsed());
+                    route.metrics.count(Outcome::passthrough);
+                    answer
+                });
+            }
+            Err(e) => return shared.refuse_now(&route, started, e),
+        };
+        // At debug level: at the default `info`, a span per request and its formatted fields
+        // cost about a fifth of the replay path (see docs/operating.md, "Tracing and logs").
+        let span = debug_span!(
+            "idempotent_request",
+            method = %req.method(),
+            route = %policy.route,
+            key = %key.short_hash(),
+            outcome = field::Empty,
+            original_trace = field::Empty,
+        );
+        Box::pin(async move {
+            let (outcome, answer, inner_time) = shared
+                .clone()
+                .keyed(route.clone(), inner, key, req)
+                .instrument(span.clone())
+                .await;
+            span.record("outcome", outcome.as_str());
+            match &answer {
+                Ok(resp) => debug!(parent: &span, status = resp.status().as_u16(), "done"),
+                Err(e) => debug!(parent: &span, error = %e, "inner service failed"),
+            }
+            route.metrics.count(outcome);
+            shared
+                .metrics
+                .overhead(started.elapsed().saturating_sub(inner_time));
+            answer
+        })
     }
 }
 
@@ -192,74 +248,20 @@ enum Called<E> {
 }
 
 impl<St: Store> Shared<St> {
-    async fn handle<S, RB>(self: Arc<Self>, inner: S, req: Request<Body>) -> Answer<S::Error>
+    /// Answer `e` without calling anything, counted as a refusal.
+    fn refuse_now<E>(
+        &self,
+        route: &RouteState,
+        started: Instant,
+        e: GatewayError,
+    ) -> BoxFuture<Result<Response<Body>, E>>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
-        S::Future: Send,
-        S::Error: StdError + Send + 'static,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+        E: Send + 'static,
     {
-        let started = Instant::now();
-        let route = self.table.route_for(req.uri().path()).clone();
-        let (outcome, answer, inner_time) = self.clone().dispatch(&route, inner, req).await;
-        route.metrics.count(outcome);
-        self.metrics
-            .overhead(started.elapsed().saturating_sub(inner_time));
-        answer
-    }
-
-    /// Pass through, refuse, or run the keyed state machine; with the outcome and the time spent
-    /// in the inner service.
-    async fn dispatch<S, RB>(
-        self: Arc<Self>,
-        route: &Arc<RouteState>,
-        inner: S,
-        mut req: Request<Body>,
-    ) -> (Outcome, Answer<S::Error>, Duration)
-    where
-        S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
-        S::Future: Send,
-        S::Error: StdError + Send + 'static,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
-    {
-        let policy = &route.policy;
-        // The inner service learns the policy applied (the proxy reads its upstream_timeout).
-        req.extensions_mut().insert(policy.clone());
-        if !policy.applies_to(req.method()) {
-            let (answer, took) = self.pass_through(inner, req).await;
-            return (Outcome::passthrough, answer, took);
-        }
-        let key = match IdempotencyKey::from_headers(req.headers(), policy.key_max_len) {
-            Ok(Some(key)) => key,
-            Ok(None) if policy.require_key => return refuse(GatewayError::MissingKey),
-            Ok(None) => {
-                let (answer, took) = self.pass_through(inner, req).await;
-                return (Outcome::passthrough, answer, took);
-            }
-            Err(e) => return refuse(e),
-        };
-        // At debug level: at the default `info`, a span per request and its formatted fields
-        // cost about a fifth of the replay path (see docs/operating.md, "Tracing and logs").
-        let span = debug_span!(
-            "idempotent_request",
-            method = %req.method(),
-            route = %policy.route,
-            key = %key.short_hash(),
-            outcome = field::Empty,
-            original_trace = field::Empty,
-        );
-        let (outcome, answer, took) = self
-            .keyed(route.clone(), inner, key, req)
-            .instrument(span.clone())
-            .await;
-        span.record("outcome", outcome.as_str());
-        match &answer {
-            Ok(resp) => debug!(parent: &span, status = resp.status().as_u16(), "done"),
-            Err(e) => debug!(parent: &span, error = %e, "inner service failed"),
-        }
-        (outcome, answer, took)
+        debug!(problem = e.kind(), route = %route.policy.route, "refused");
+        route.metrics.count(Outcome::rejected_invalid);
+        self.metrics.overhead(started.elapsed());
+        Box::pin(std::future::ready(Ok(e.into_response())))
     }
 
     /// The state machine of a keyed request, up to the claim.
@@ -700,11 +702,6 @@ impl Waiting {
 fn refused<E>(outcome: Outcome, e: GatewayError) -> (Outcome, Answer<E>, Duration) {
     debug!(problem = e.kind(), "refused");
     (outcome, Ok(e.into_response()), Duration::ZERO)
-}
-
-/// A request refused before the store is asked (bad or missing key).
-fn refuse<E>(e: GatewayError) -> (Outcome, Answer<E>, Duration) {
-    refused(Outcome::rejected_invalid, e)
 }
 
 /// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:

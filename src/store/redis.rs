@@ -2,7 +2,8 @@
 //! on the server. A claim is Redis's own `SET key entry NX PX lease GET` (Redis >= 7.0), pipelined
 //! with a `PTTL` of the key; on an older server, which refuses that combination, the claim falls
 //! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
-//! the claim's token (`EVALSHA`, falling back to `EVAL` once per script load).
+//! the claim's token (`EVALSHA`; when Redis lost its script cache, the script is loaded again
+//! and the command resent).
 //!
 //! One Redis string per key, `prefix + ScopedKey::store_name()`, holding the entry encoded by
 //! [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the record's `ttl`.
