@@ -315,14 +315,15 @@ const SEND_WHOLE_UP_TO: u64 = 16 * 1024;
 /// built-in default when there is none).
 #[derive(Clone, Debug)]
 pub struct Proxy {
-    upstream: Upstream,
+    // Behind one reference count: the proxy is cloned for every request.
+    upstream: Arc<Upstream>,
 }
 
 impl Proxy {
     /// A proxy to `base` (`http://host:port[/prefix]`) with a connection pool of its own.
     pub fn new(base: &Uri) -> Self {
         Proxy {
-            upstream: Upstream::new(base),
+            upstream: Arc::new(Upstream::new(base)),
         }
     }
 
