@@ -121,7 +121,7 @@ impl Pool {
 
 /// The one upstream all requests go to.
 #[derive(Clone)]
-pub struct Upstream {
+pub(crate) struct Upstream {
     pool: Pool,
     // `host:port` to connect to.
     authority: http::uri::Authority,
@@ -141,7 +141,7 @@ impl std::fmt::Debug for Upstream {
 }
 
 /// A response body from the upstream. Read to its end, it gives its connection back to the pool.
-pub struct UpstreamBody {
+pub(crate) struct UpstreamBody {
     inner: Incoming,
     back: Option<(SendRequest<Body>, Pool)>,
 }
@@ -198,7 +198,7 @@ impl Drop for UpstreamBody {
 
 impl Upstream {
     /// A pool for `base` (`http://host:port[/prefix]`).
-    pub fn new(base: &Uri) -> Self {
+    pub(crate) fn new(base: &Uri) -> Self {
         let authority = base.authority().cloned().expect("validated by config");
         Upstream {
             pool: Pool::default(),
@@ -251,7 +251,7 @@ impl Upstream {
 
     /// Send a request. Hop-by-hop headers are stripped here, from the request and from the
     /// response, and a `Content-Length` beside `Transfer-Encoding` is dropped from both.
-    pub async fn forward(
+    pub(crate) async fn forward(
         &self,
         mut req: Request<Body>,
     ) -> Result<Response<UpstreamBody>, ProxyError> {

@@ -1,6 +1,7 @@
 //! `idemgate-loadtest`: measures idemgate against a direct upstream and nginx, side by side in
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 
+mod app;
 mod load;
 mod procs;
 mod upstream;
@@ -47,6 +48,16 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
     },
+    /// Run the axum app of the library's figure (used by the harness itself).
+    App {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long, default_value_t = 1024)]
+        body: usize,
+        /// With idemgate's layer on its route.
+        #[arg(long)]
+        layer: bool,
+    },
     /// Drive load at one address and print the result (for profiling one scenario by hand).
     Load {
         #[arg(long)]
@@ -82,6 +93,15 @@ fn main() -> ExitCode {
             Duration::from_millis(delay_ms),
         ))
         .unwrap();
+        return ExitCode::SUCCESS;
+    }
+    if let Some(Cmd::App {
+        listen,
+        body,
+        layer,
+    }) = cli.command
+    {
+        rt.block_on(app::serve(listen, body, layer)).unwrap();
         return ExitCode::SUCCESS;
     }
     if let Some(Cmd::Load {
@@ -391,6 +411,7 @@ async fn bench(cli: Cli) -> ExitCode {
         drop((up, nginx, mem, red));
     }
 
+    library(&mut b).await;
     storm(&mut b, dir.path(), &redis_url).await;
     if soak > 0 {
         soak_rss(&mut b, dir.path(), &redis_url, soak).await;
@@ -404,6 +425,57 @@ async fn bench(cli: Cli) -> ExitCode {
         b.insane.iter().for_each(|s| println!("- {s}"));
         ExitCode::FAILURE
     }
+}
+
+/// The library's figure: an axum app with idemgate's layer on its route against the same app
+/// without it (1 KiB bodies): replay throughput, and the latency a miss adds at p50 (at a fixed
+/// rate, half the slower maximum, so that queueing does not count as added latency).
+async fn library(b: &mut Bench) {
+    b.size = 1024;
+    let plain = procs::app(b.size, false);
+    let layered = procs::app(b.size, true);
+    let (plain_pids, layered_pids) = (plain.pids(), layered.pids());
+    b.upstream_pids = Vec::new();
+    let hot = || Keys::Hot(String::new(), 1000);
+    let alone = phase(b, "axum app alone", plain.addr, &plain_pids, hot(), None).await;
+    let replay = phase(
+        b,
+        "axum app + layer, replay",
+        layered.addr,
+        &layered_pids,
+        hot(),
+        None,
+    )
+    .await;
+    let miss = phase(
+        b,
+        "axum app + layer, miss",
+        layered.addr,
+        &layered_pids,
+        Keys::Unique(String::new()),
+        None,
+    )
+    .await;
+    let rate = (alone.rps().min(miss.rps()) / 2.0).max(100.0);
+    let alone_at = b.at_rate(plain.addr, Keys::None, rate).await;
+    let fresh = Keys::Unique(b.prefix("app-rate-miss"));
+    let miss_at = b.at_rate(layered.addr, fresh, rate).await;
+    b.check("axum app alone at a fixed rate", &alone_at, false);
+    b.check("axum app + layer, miss at a fixed rate", &miss_at, false);
+    let cpu = |r: &Report| r.cpu.map_or(0.0, |c| c.proxy);
+    b.notes.push(format!(
+        "library (1 KiB, axum app in-process): replay through the layer / the app alone = {:.2} [CPU {:.2}] ({:.1} vs {:.1} µs of app CPU per request); a miss adds {:+.3} ms at p50 and {:+.3} ms at p99 at {rate:.0} req/s (app alone p50 {:.3} ms, miss through the layer {:.3} ms; miss CPU {:.1} µs per request)",
+        replay.rps() / alone.rps(),
+        if cpu(&replay) > 0.0 { cpu(&alone) / cpu(&replay) } else { 0.0 },
+        cpu(&replay),
+        cpu(&alone),
+        miss_at.ms(0.5) - alone_at.ms(0.5),
+        miss_at.ms(0.99) - alone_at.ms(0.99),
+        alone_at.ms(0.5),
+        miss_at.ms(0.5),
+        cpu(&miss),
+    ));
+    drop((plain, layered));
 }
 
 fn keys_for(scenario: &str, b: &mut Bench) -> Keys {

@@ -185,6 +185,20 @@ pub fn upstream(body: usize, delay_ms: u64) -> Proc {
     )
 }
 
+/// The axum app of `app.rs`, with or without idemgate's layer.
+pub fn app(body: usize, layer: bool) -> Proc {
+    let addr = free_addr();
+    let me = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(me);
+    cmd.arg("app")
+        .args(["--listen", &addr.to_string()])
+        .args(["--body", &body.to_string()]);
+    if layer {
+        cmd.arg("--layer");
+    }
+    spawn(if layer { "app with layer" } else { "app" }, &mut cmd, addr)
+}
+
 pub fn nginx(dir: &Path, upstream: SocketAddr) -> Proc {
     let addr = free_addr();
     let d = dir.join(format!("nginx-{}", addr.port()));
