@@ -91,12 +91,20 @@ fn load(file: Option<&str>) -> Result<Config, String> {
 }
 
 async fn run(file: Option<&str>) -> Result<(), String> {
+    let shutdown = shutdown_signal();
     let config = load(file)?;
     tracing::info!(store = %config.store.describe(), "configuration loaded");
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    idemgate::app::run(listener, config, shutdown_signal())
+    // A signal while the store is being opened (a Redis that does not answer can take its
+    // timeout) stops the start there.
+    let mut shutdown = Box::pin(shutdown);
+    let app = tokio::select! {
+        app = idemgate::app::App::new(config) => app.map_err(|e| e.to_string())?,
+        () = &mut shutdown => return Ok(()),
+    };
+    app.serve(listener, shutdown)
         .await
         .map_err(|e| e.to_string())
 }
@@ -171,22 +179,36 @@ async fn demo(listen: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM. The handlers are installed now, not when the future
+/// is first polled: until then a signal would take its default action and kill the process
+/// without draining (the listener is bound, and requests flow, before the server awaits this).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
+    let (mut int, mut term) = {
+        use tokio::signal::unix::{signal, SignalKind};
+        (
+            signal(SignalKind::interrupt()).ok(),
+            signal(SignalKind::terminate()).ok(),
+        )
     };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    tracing::info!("shutting down: no new connections, finishing open ones");
+    async move {
+        #[cfg(unix)]
+        tokio::select! { _ = next(&mut int) => {}, _ = next(&mut term) => {} }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+        tracing::info!("shutting down: no new connections, finishing open ones");
+    }
+}
+
+/// The next delivery of `signal` (never, when it could not be installed).
+#[cfg(unix)]
+async fn next(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }

@@ -355,6 +355,25 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
     assert_eq!(upstream.calls(), 1);
 }
 
+/// The signal handlers are in place from the moment the port accepts connections: a SIGTERM
+/// while the gateway is still starting (here: waiting on a stalled Redis) drains and exits 0,
+/// rather than killing the process by the signal's default action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_starting_still_exits_cleanly() {
+    let redis = RedisServer::start().await;
+    let upstream = CountingUpstream::start().await;
+    redis.pause();
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis(&redis)
+        .set("store.timeout", "1s");
+    let mut gateway = GatewayBinary::start(&config).await;
+    gateway.sigterm();
+    let status = gateway.wait_exit(Duration::from_secs(5)).await;
+    redis.resume();
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_grace_bounds_the_wait() {
     let upstream = CountingUpstream::start()
