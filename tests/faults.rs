@@ -43,22 +43,13 @@ async fn client_abort_still_records_the_response(b: Backend) {
     let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
     post_and_hang_up(env.gateway.addr, "/v1/p", "abort", "x").await;
     // The upstream call goes on without the client: retries are in flight until it is answered.
-    let mut retry = None;
-    wait_until(
-        Duration::from_millis(900),
-        "the upstream's answer is recorded",
-        async || {
-            let seen = send(env.post_keyed("/v1/p", "abort").body("x")).await;
-            if seen.status != 409 {
-                retry = Some(seen);
-                return true;
-            }
-            assert_eq!(seen.problem_type(), IN_FLIGHT);
-            false
-        },
-    )
-    .await;
-    let retry = retry.unwrap();
+    let retry = env
+        .retry_while_in_flight(
+            ("/v1/p", "abort", "x"),
+            Duration::from_millis(900),
+            "the upstream's answer is recorded",
+        )
+        .await;
     assert_eq!(retry.status, 201);
     assert!(
         retry.replayed(),
@@ -616,22 +607,12 @@ fn keyed_post(key: &str, body: &str) -> String {
 /// only while the upstream may still be running the first call (`upstream_takes`, plus a margin):
 /// never for the rest of a lease. Returns the answer.
 async fn retry_until_answered(env: &TestEnv, key: &str, upstream_takes: Duration) -> Seen {
-    let mut answer = None;
-    wait_until(
+    env.retry_while_in_flight(
+        ("/v1/p", key, "x"),
         upstream_takes + Duration::from_millis(700),
         "the key is no longer in flight after the hang-up",
-        async || {
-            let r = send(env.post_keyed("/v1/p", key).body("x")).await;
-            if r.status != 409 {
-                answer = Some(r);
-                return true;
-            }
-            assert_eq!(r.problem_type(), IN_FLIGHT);
-            false
-        },
     )
-    .await;
-    answer.unwrap()
+    .await
 }
 
 async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {

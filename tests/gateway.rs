@@ -419,22 +419,13 @@ async fn upstream_timeout_keeps_the_key_claimed(b: Backend) {
     assert_eq!(retry.problem_type(), IN_FLIGHT);
     assert_eq!(env.upstream.calls(), 1);
     // ...and then a retry runs again.
-    let mut retried = None;
-    wait_until(
-        Duration::from_millis(2200),
-        "the lease has ended (lock_ttl 2s)",
-        async || {
-            let seen = send(env.post_keyed("/v1/p?delay_ms=1000", "slow").body("x")).await;
-            if seen.status != 409 {
-                retried = Some(seen);
-                return true;
-            }
-            assert_eq!(seen.problem_type(), IN_FLIGHT);
-            false
-        },
-    )
-    .await;
-    let retried = retried.unwrap();
+    let retried = env
+        .retry_while_in_flight(
+            ("/v1/p?delay_ms=1000", "slow", "x"),
+            Duration::from_millis(2200),
+            "the lease has ended (lock_ttl 2s)",
+        )
+        .await;
     let later = send(env.post_keyed("/v1/p?delay_ms=10", "slow2").body("x")).await;
     assert_eq!(later.status, 201);
     assert_eq!(

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use super::{client, free_port, wait_until, Backend, CountingUpstream, RedisServer, TestConfig};
+use super::{
+    client, free_port, send, wait_until, Backend, CountingUpstream, RedisServer, Seen, TestConfig,
+};
 
 /// The gateway running in this process on a loopback port it bound itself; stopped on drop.
 pub struct InProcessGateway {
@@ -242,5 +244,28 @@ impl TestEnv {
     /// A POST through the gateway with an `Idempotency-Key`.
     pub fn post_keyed(&self, path: &str, key: &str) -> reqwest::RequestBuilder {
         self.post(path).header("idempotency-key", key)
+    }
+
+    /// Retry `POST path` with `key` and `body` while it is answered `409 in-flight` (any other
+    /// problem fails the test), for at most `limit`; the first other answer. `what` says what is
+    /// awaited, for the failure message.
+    pub async fn retry_while_in_flight(
+        &self,
+        (path, key, body): (&str, &str, &str),
+        limit: Duration,
+        what: &str,
+    ) -> Seen {
+        let mut answer = None;
+        wait_until(limit, what, async || {
+            let seen = send(self.post_keyed(path, key).body(body.to_string())).await;
+            if seen.status != 409 {
+                answer = Some(seen);
+                return true;
+            }
+            assert_eq!(seen.problem_type(), "urn:idemgate:problem:in-flight");
+            false
+        })
+        .await;
+        answer.expect("answered")
     }
 }
