@@ -199,7 +199,7 @@ where
             Err(e) => return shared.refuse_now(&route, started, e),
         };
         // At debug level: at the default `info`, a span per request and its formatted fields
-        // cost about a fifth of the replay path (see docs/operating.md, "Tracing and logs").
+        // would weigh on the replay path (docs/operating.md, "Tracing and logs").
         let span = debug_span!(
             "idempotent_request",
             method = %req.method(),
@@ -397,8 +397,8 @@ impl<St: Store> Shared<St> {
                             debug!("client went away; the response was recorded for its retry");
                         }
                     };
-                    // No span of its own at info level: one per miss costs about 15% of the miss
-                    // path's CPU. Its warnings name the route and key themselves.
+                    // No span of its own at info level (its cost shows on the miss path); its
+                    // warnings name the route and key themselves.
                     self.tasks.spawn(work.in_current_span());
                     let (answer, took) = rx.await.unwrap_or_else(|_| {
                         // The task ended without an answer: it panicked, or the runtime is going away.

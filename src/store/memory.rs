@@ -55,9 +55,8 @@ struct Table {
     // Sum of the slots' weights, kept in step with `map`.
     bytes: u64,
     // The slots by expiry, claims and completed records apart (each slot in one of the two, kept
-    // in step with `map`): purging pops the fronts, making room pops the records' front. A full
-    // scan and sort under the lock stalled every worker for tens of ms each time the store
-    // reached its bound.
+    // in step with `map`): purging pops the fronts, making room pops the records' front, so no
+    // operation scans the map under the lock that every worker shares.
     claims: BTreeSet<(Instant, ScopedKey)>,
     records: BTreeSet<(Instant, ScopedKey)>,
 }
@@ -195,9 +194,9 @@ impl MemoryStore {
     /// An empty store holding at most `max_entries` entries and `max_bytes` of responses.
     pub fn with_limits(max_entries: usize, max_bytes: u64) -> Self {
         let shared = Arc::new(Shared {
-            // Sized for the bound up front (up to a million slots): growing by doubling
-            // rehashes the whole map under the lock, a stall of tens of ms for every worker
-            // at each doubling past 50,000 slots. Untouched pages cost address space only.
+            // Sized for the bound up front (up to a million slots): growing by doubling would
+            // rehash the whole map under the lock every worker shares. Untouched pages cost
+            // address space only.
             table: Mutex::new(Table {
                 map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
                 ..Table::default()
