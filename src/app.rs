@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use http::{Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -19,7 +20,7 @@ use tower_http::trace::{
     DefaultMakeSpan, DefaultOnFailure, DefaultOnRequest, DefaultOnResponse, HttpMakeClassifier,
     TraceLayer,
 };
-use tracing::{error, info, warn, Level};
+use tracing::{debug, error, info, warn, Level};
 
 use crate::admin;
 use crate::config::{Config, StoreConfig};
@@ -32,6 +33,9 @@ use crate::store::redis::RedisOptions;
 use crate::store::{
     CachedStore, Claim, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
 };
+
+/// How long a client's TLS handshake may take.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -280,12 +284,42 @@ pub(crate) fn trace_layer() -> TraceLayer<HttpMakeClassifier> {
         .on_failure(DefaultOnFailure::new().level(Level::DEBUG))
 }
 
-/// The gateway's service stack as hyper calls it: requests the gateway does not admit are
-/// answered at once, the rest go through the idempotency layer to the proxy, and a proxy error
-/// becomes its problem+json answer.
+/// The gateway's service stack as hyper calls it, for one client connection: requests the
+/// gateway does not admit are answered at once; the rest get the forwarding headers and go
+/// through the idempotency layer to the proxy, and a proxy error becomes its problem+json answer.
 #[derive(Clone)]
 struct Gateway<S> {
     stack: S,
+    // The client's address, as `X-Forwarded-For` appends it.
+    peer: HeaderValue,
+    // The listener's scheme, as `X-Forwarded-Proto` says it.
+    proto: HeaderValue,
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+impl<S> Gateway<S> {
+    /// Append the client's address to `X-Forwarded-For` (whatever an outer proxy put there
+    /// stays, before it: the rightmost entry is the one this gateway saw), and say the
+    /// listener's scheme in `X-Forwarded-Proto`.
+    fn forwarding_headers(&self, headers: &mut http::HeaderMap) {
+        let earlier: Vec<&[u8]> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .map(|v| v.as_bytes())
+            .collect();
+        let value = if earlier.is_empty() {
+            self.peer.clone()
+        } else {
+            let mut joined = earlier.join(&b", "[..]);
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(self.peer.as_bytes());
+            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| self.peer.clone())
+        };
+        headers.insert(X_FORWARDED_FOR, value);
+        headers.insert(X_FORWARDED_PROTO, self.proto.clone());
+    }
 }
 
 impl<S, RB> hyper::service::Service<Request<Incoming>> for Gateway<S>
@@ -302,10 +336,11 @@ where
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         if let Err(refused) = admit(&req) {
             return Box::pin(std::future::ready(Ok(refused.into_response())));
         }
+        self.forwarding_headers(req.headers_mut());
         let stack = self.stack.clone();
         Box::pin(async move {
             Ok(match stack.oneshot(req).await {
@@ -405,21 +440,27 @@ async fn worker(
     let _ = ready.send(Ok(())).await;
     drop(ready);
     let tasks = layer.tasks();
-    let gateway = Gateway {
-        // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
-        // figure is in docs/operating.md); keyed requests have a debug span of their own.
-        stack: layer.layer(Proxy::new(&config.upstream)),
-    };
-    // HTTP/1.1 straight on hyper: no router in front of the one service, no protocol sniffing.
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
+    // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
+    // figure is in docs/operating.md); keyed requests have a debug span of their own.
+    let stack = layer.layer(Proxy::new(&config, layer.metrics()));
+    // HTTP/1.1 and HTTP/2 on one port: h2c with prior knowledge on plain TCP, ALPN with TLS.
+    let mut http = auto::Builder::new(TokioExecutor::new());
+    http.http1()
+        .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30))
         .keep_alive(true);
+    http.http2().timer(TokioTimer::new());
+    let http = Arc::new(http);
+    let tls = config
+        .tls
+        .as_ref()
+        .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone()));
+    let proto = HeaderValue::from_static(if tls.is_some() { "https" } else { "http" });
     let graceful = GracefulShutdown::new();
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning or dying.
                     warn!(error = %e, "accept failed");
@@ -430,8 +471,39 @@ async fn worker(
             _ = stop.wait_for(|stop| *stop) => break,
         };
         let _ = stream.set_nodelay(true);
-        let conn = http.serve_connection(TokioIo::new(stream), gateway.clone());
-        tokio::spawn(graceful.watch(conn));
+        let gateway = Gateway {
+            stack: stack.clone(),
+            peer: HeaderValue::from_str(&peer.ip().to_string()).expect("an IP is a header value"),
+            proto: proto.clone(),
+        };
+        match &tls {
+            None => {
+                let conn = http.serve_connection(TokioIo::new(stream), gateway);
+                tokio::spawn(graceful.watch(conn.into_owned()));
+            }
+            Some(acceptor) => {
+                let (acceptor, http, watcher) =
+                    (acceptor.clone(), http.clone(), graceful.watcher());
+                tokio::spawn(async move {
+                    let stream =
+                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                            .await
+                        {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                debug!(%peer, error = %e, "TLS handshake with a client failed");
+                                return;
+                            }
+                            Err(_) => {
+                                debug!(%peer, "TLS handshake with a client timed out");
+                                return;
+                            }
+                        };
+                    let conn = http.serve_connection(TokioIo::new(stream), gateway);
+                    let _ = watcher.watch(conn.into_owned()).await;
+                });
+            }
+        }
     }
     drop(listener);
     let deadline = Instant::now() + config.shutdown_grace;

@@ -52,6 +52,10 @@ pub enum GatewayError {
     /// 502: the upstream could not be reached (nothing was sent), or it failed mid-response.
     #[error("the upstream could not be reached or failed")]
     Upstream,
+    /// 502: the TLS handshake with the upstream failed or was refused (its certificate, ours, or
+    /// the protocols); nothing was processed.
+    #[error("the TLS handshake with the upstream failed (a certificate or the protocol was refused); the request was not processed")]
+    UpstreamTls,
     /// 504: the upstream did not answer within `upstream_timeout`.
     #[error("the upstream did not answer in time")]
     UpstreamTimeout,
@@ -79,7 +83,7 @@ impl GatewayError {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
-            Self::Upstream => StatusCode::BAD_GATEWAY,
+            Self::Upstream | Self::UpstreamTls => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -99,7 +103,7 @@ impl GatewayError {
             Self::Mismatch { .. } => "mismatch",
             Self::InFlight { .. } => "in-flight",
             Self::NotReplayable => "not-replayable",
-            Self::Upstream => "upstream-unavailable",
+            Self::Upstream | Self::UpstreamTls => "upstream-unavailable",
             Self::UpstreamTimeout => "upstream-timeout",
             Self::StoreUnavailable => "store-unavailable",
         }
@@ -118,7 +122,7 @@ impl GatewayError {
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",
             Self::NotReplayable => "Response not replayable",
-            Self::Upstream => "Bad gateway",
+            Self::Upstream | Self::UpstreamTls => "Bad gateway",
             Self::UpstreamTimeout => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
         }

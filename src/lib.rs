@@ -69,6 +69,7 @@ pub mod idempotency;
 pub mod metrics;
 pub mod proxy;
 pub mod store;
+mod tls;
 
 pub use config::{ConfigError, OnInFlight, OnStoreError, Policy, PolicyBuilder};
 pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};

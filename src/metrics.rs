@@ -77,6 +77,34 @@ struct OpLabels {
     operation: StoreOp,
 }
 
+/// What became of a request the proxy sent, as counted by
+/// `idemgate_upstream_requests_total{upstream, result}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum UpstreamResult {
+    /// A response head came back.
+    response,
+    /// No connection could be made: nothing was sent.
+    not_sent,
+    /// The TLS handshake failed (or was refused): nothing was processed.
+    tls_failed,
+    /// Failed after the request may have been sent.
+    failed,
+    /// No response head within the route's `upstream_timeout`.
+    timeout,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct UpstreamLabels {
+    upstream: String,
+    result: UpstreamResult,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct UpstreamName {
+    upstream: String,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// The process's metrics; cheap to clone, clones share the values.
@@ -97,6 +125,8 @@ struct Inner {
     local_cache_hits: Counter,
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
+    upstream_requests: Family<UpstreamLabels, Counter>,
+    upstream_connections: Family<UpstreamName, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -180,8 +210,22 @@ impl Metrics {
             "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
             local_cache_bytes.clone(),
         );
+        let upstream_requests = Family::<UpstreamLabels, Counter>::default();
+        registry.register(
+            "idemgate_upstream_requests",
+            "Requests the proxy sent, by upstream and what became of them",
+            upstream_requests.clone(),
+        );
+        let upstream_connections = Family::<UpstreamName, Counter>::default();
+        registry.register(
+            "idemgate_upstream_connections_opened",
+            "Connections opened to each upstream (TCP, and the TLS handshake for https)",
+            upstream_connections.clone(),
+        );
         Metrics {
             inner: Arc::new(Inner {
+                upstream_requests,
+                upstream_connections,
                 registry,
                 requests,
                 overhead,
@@ -233,6 +277,33 @@ impl Metrics {
             complete: histogram(StoreOp::complete),
             release: histogram(StoreOp::release),
             renew: histogram(StoreOp::renew),
+        }
+    }
+
+    /// The counters of one upstream, resolved now.
+    pub fn upstream_counters(&self, upstream: &str) -> UpstreamCounters {
+        let result = |result| {
+            self.inner
+                .upstream_requests
+                .get_or_create(&UpstreamLabels {
+                    upstream: upstream.to_string(),
+                    result,
+                })
+                .clone()
+        };
+        UpstreamCounters {
+            response: result(UpstreamResult::response),
+            not_sent: result(UpstreamResult::not_sent),
+            tls_failed: result(UpstreamResult::tls_failed),
+            failed: result(UpstreamResult::failed),
+            timeout: result(UpstreamResult::timeout),
+            opened: self
+                .inner
+                .upstream_connections
+                .get_or_create(&UpstreamName {
+                    upstream: upstream.to_string(),
+                })
+                .clone(),
         }
     }
 
@@ -331,5 +402,35 @@ impl StoreOpMetrics {
             StoreOp::renew => &self.renew,
         }
         .observe(took.as_secs_f64());
+    }
+}
+
+/// One upstream's counters.
+#[derive(Clone, Debug)]
+pub struct UpstreamCounters {
+    response: Counter,
+    not_sent: Counter,
+    tls_failed: Counter,
+    failed: Counter,
+    timeout: Counter,
+    opened: Counter,
+}
+
+impl UpstreamCounters {
+    /// Count one request with `result`.
+    pub fn count(&self, result: UpstreamResult) {
+        match result {
+            UpstreamResult::response => &self.response,
+            UpstreamResult::not_sent => &self.not_sent,
+            UpstreamResult::tls_failed => &self.tls_failed,
+            UpstreamResult::failed => &self.failed,
+            UpstreamResult::timeout => &self.timeout,
+        }
+        .inc();
+    }
+
+    /// Count one connection opened.
+    pub fn opened(&self) {
+        self.opened.inc();
     }
 }

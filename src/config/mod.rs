@@ -20,13 +20,16 @@ use serde::Deserialize;
 pub mod human;
 pub mod policy;
 pub mod store;
+pub mod upstream;
 
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
 pub use policy::{OnInFlight, OnStoreError, Policy, PolicyBuilder};
 pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig};
+pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use policy::RawPolicy;
 use store::RawStore;
+use upstream::{RawTls, RawUpstream};
 
 /// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +99,9 @@ struct RawConfig {
     shutdown_grace: Option<HumanDuration>,
     workers: Option<usize>,
     #[serde(default)]
+    upstreams: std::collections::BTreeMap<String, RawUpstream>,
+    tls: Option<RawTls>,
+    #[serde(default)]
     store: RawStore,
     #[serde(default)]
     admin: RawAdmin,
@@ -148,8 +154,13 @@ pub struct Route {
 pub struct Config {
     /// Address to listen on. Default [`DEFAULT_LISTEN`].
     pub listen: SocketAddr,
-    /// Base URL of the upstream (scheme `http`, with authority, optional path prefix). Required.
+    /// The URL of the upstream `[defaults]` forwards to (the top-level `upstream`, unless
+    /// `[defaults] upstream` names another).
     pub upstream: Uri,
+    /// Every upstream by name; `default` is the top-level `upstream`.
+    pub upstreams: std::collections::BTreeMap<String, Arc<UpstreamConfig>>,
+    /// TLS on the listener, when `[tls]` is given.
+    pub tls: Option<ListenerTls>,
     /// The store and its settings. Default: the embedded store.
     pub store: StoreConfig,
     /// The policy for requests that match no route.
@@ -209,10 +220,8 @@ impl Config {
                 format!("{listen:?} is not an address like \"127.0.0.1:8080\""),
             )
         })?;
-        let upstream = raw
-            .upstream
-            .ok_or_else(|| invalid("upstream", "is required"))?;
-        let upstream = parse_upstream(&upstream)?;
+        let upstreams = upstream::upstreams(raw.upstream, raw.upstreams)?;
+        let tls = upstream::listener_tls(raw.tls)?;
         let store = StoreConfig::from_raw(raw.store)?;
         let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
         let admin = AdminConfig {
@@ -263,9 +272,27 @@ impl Config {
                 policy: Arc::new(policy),
             });
         }
+        // Every policy forwards to an upstream that exists.
+        let named = |policy: &Policy, at: &str| match upstreams.get(&policy.upstream) {
+            Some(u) => Ok(u.url.clone()),
+            None if policy.upstream == DEFAULT_UPSTREAM => Err(invalid("upstream", "is required")),
+            None => Err(invalid(
+                format!("{at}.upstream"),
+                format!(
+                    "{:?} names no upstream; define [upstreams.{}]",
+                    policy.upstream, policy.upstream
+                ),
+            )),
+        };
+        let upstream = named(&defaults, "defaults")?;
+        for (i, r) in routes.iter().enumerate() {
+            named(&r.policy, &format!("routes[{i}]"))?;
+        }
         Ok(Config {
             listen,
             upstream,
+            upstreams,
+            tls,
             store,
             defaults,
             routes,
@@ -274,31 +301,6 @@ impl Config {
             admin,
         })
     }
-}
-
-fn parse_upstream(s: &str) -> Result<Uri, ConfigError> {
-    let uri: Uri = s.parse().map_err(|_| {
-        invalid(
-            "upstream",
-            format!("{s:?} is not a URL like \"http://127.0.0.1:9000\""),
-        )
-    })?;
-    if uri.scheme_str() != Some("http") {
-        return Err(invalid(
-            "upstream",
-            "must be an http:// URL (TLS to the upstream is not supported yet)",
-        ));
-    }
-    if uri.authority().is_none() {
-        return Err(invalid(
-            "upstream",
-            "must name a host, like \"http://127.0.0.1:9000\"",
-        ));
-    }
-    if uri.query().is_some() {
-        return Err(invalid("upstream", "must not carry a query string"));
-    }
-    Ok(uri)
 }
 
 #[cfg(test)]
@@ -369,7 +371,7 @@ mod tests {
             "{base}[[routes]]\npath = \"/a/{{id}}\"\n[[routes]]\npath = \"/a/{{other}}\""
         ))
         .contains("routes[1].path"));
-        assert!(err("upstream = \"https://x\"").contains("upstream"));
+        assert!(err("upstream = \"ftp://x\"").contains("upstream"));
         assert!(err(&format!(
             "{base}[[routes]]\npath = \"/a\"\nrequire_kye = true"
         ))

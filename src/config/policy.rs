@@ -54,6 +54,7 @@ pub(super) struct RawPolicy {
     wait_timeout: Option<HumanDuration>,
     max_waiters: Option<usize>,
     on_store_error: Option<OnStoreError>,
+    upstream: Option<String>,
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -90,6 +91,9 @@ pub struct Policy {
     pub max_waiters: usize,
     /// What a keyed request gets when the store is unreachable.
     pub on_store_error: OnStoreError,
+    /// The named upstream the gateway forwards these requests to (`[upstreams.NAME]`); a
+    /// library user's inner service may read it from the `Arc<Policy>` request extension.
+    pub upstream: String,
 }
 
 impl Policy {
@@ -113,6 +117,7 @@ impl Policy {
             wait_timeout: Duration::from_secs(10),
             max_waiters: 1024,
             on_store_error: OnStoreError::Reject,
+            upstream: super::upstream::DEFAULT_UPSTREAM.to_string(),
         }
     }
 
@@ -234,6 +239,19 @@ impl Policy {
         if let Some(o) = raw.on_store_error {
             self.on_store_error = o;
         }
+        if let Some(name) = &raw.upstream {
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(ConfigError::invalid(
+                    format!("{at}.upstream"),
+                    format!("{name:?} is not an upstream name (letters, digits, '-' and '_')"),
+                ));
+            }
+            self.upstream = name.clone();
+        }
         Ok(self)
     }
 }
@@ -347,6 +365,12 @@ impl PolicyBuilder {
     /// `on_store_error`: what a keyed request gets when the store fails.
     pub fn on_store_error(mut self, on: OnStoreError) -> Self {
         self.raw.on_store_error = Some(on);
+        self
+    }
+
+    /// `upstream`: the named upstream the gateway forwards to.
+    pub fn upstream(mut self, name: &str) -> Self {
+        self.raw.upstream = Some(name.to_string());
         self
     }
 

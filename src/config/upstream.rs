@@ -1,0 +1,283 @@
+//! Where requests go: the `[upstreams.NAME]` tables (the top-level `upstream` is shorthand for
+//! `[upstreams.default] url`), and the listener's own `[tls]`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Uri;
+use serde::Deserialize;
+
+use super::human::HumanDuration;
+use super::{invalid, ConfigError};
+
+/// The name of the upstream requests go to unless their route names another.
+pub const DEFAULT_UPSTREAM: &str = "default";
+
+/// How long opening a connection to an upstream may take, when not given.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The most connections a worker opens to one upstream, when not given.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
+/// An `[upstreams.NAME]` table as written.
+#[derive(Debug, Deserialize, Default, Clone)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    url: Option<String>,
+    http2: Option<bool>,
+    ca_file: Option<String>,
+    client_cert_file: Option<String>,
+    client_key_file: Option<String>,
+    server_name: Option<String>,
+    connect_timeout: Option<HumanDuration>,
+    max_connections: Option<usize>,
+}
+
+/// The `[tls]` table as written.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    cert_file: Option<String>,
+    key_file: Option<String>,
+}
+
+/// One upstream, validated, its TLS material read.
+#[derive(Clone)]
+pub struct UpstreamConfig {
+    /// Its name (`default` for the top-level `upstream`), as logs and metrics give it.
+    pub name: String,
+    /// `http://` or `https://`, with authority, and an optional path prefix.
+    pub url: Uri,
+    /// Speak HTTP/2 to it: by ALPN over TLS, with prior knowledge over plain TCP.
+    pub http2: bool,
+    /// A PEM file of the CA(s) to trust instead of the system's (https only).
+    pub ca_file: Option<String>,
+    /// The certificate presented for mutual TLS (https only).
+    pub client_cert_file: Option<String>,
+    /// Its key (the path only: the key itself is never printed).
+    pub client_key_file: Option<String>,
+    /// The name sent as SNI and checked in the upstream's certificate, if not the URL's host.
+    pub server_name: Option<String>,
+    /// How long opening a connection (TCP and TLS) may take.
+    pub connect_timeout: Duration,
+    /// The most connections one worker opens to it; more requests wait for one.
+    pub max_connections: usize,
+    /// For https: the client configuration built from the fields above.
+    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl fmt::Debug for UpstreamConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamConfig")
+            .field("url", &self.url.to_string())
+            .field("http2", &self.http2)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert_file", &self.client_cert_file)
+            .field("client_key_file", &self.client_key_file)
+            .field("server_name", &self.server_name)
+            .field("connect_timeout", &HumanDuration(self.connect_timeout))
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
+}
+
+impl UpstreamConfig {
+    /// Whether the connection to it is TLS.
+    pub fn is_https(&self) -> bool {
+        self.tls.is_some()
+    }
+}
+
+/// The listener's TLS, validated and read.
+#[derive(Clone)]
+pub struct ListenerTls {
+    /// The certificate chain's PEM file.
+    pub cert_file: String,
+    /// The private key's PEM file (the path only).
+    pub key_file: String,
+    pub(crate) config: Arc<rustls::ServerConfig>,
+}
+
+impl fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ListenerTls")
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
+            .finish()
+    }
+}
+
+/// Validate the upstream tables, with the top-level `upstream` as the default's URL.
+pub(super) fn upstreams(
+    shorthand: Option<String>,
+    raw: BTreeMap<String, RawUpstream>,
+) -> Result<BTreeMap<String, Arc<UpstreamConfig>>, ConfigError> {
+    let mut raw = raw;
+    if let Some(url) = shorthand {
+        let default = raw.entry(DEFAULT_UPSTREAM.to_string()).or_default();
+        match &default.url {
+            Some(other) if *other != url => {
+                return Err(invalid(
+                    "upstreams.default.url",
+                    "differs from the top-level `upstream`, which is its shorthand: give one",
+                ))
+            }
+            _ => default.url = Some(url),
+        }
+    }
+    raw.into_iter()
+        .map(|(name, r)| {
+            let at = if name == DEFAULT_UPSTREAM && r.url.is_some() {
+                // Errors about the default's URL name the field users most often write.
+                "upstreams.default".to_string()
+            } else {
+                format!("upstreams.{name}")
+            };
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(invalid(
+                    at,
+                    "an upstream's name is letters, digits, '-' and '_'",
+                ));
+            }
+            upstream(name, r, &at).map(|(name, u)| (name, Arc::new(u)))
+        })
+        .collect()
+}
+
+fn upstream(
+    name: String,
+    r: RawUpstream,
+    at: &str,
+) -> Result<(String, UpstreamConfig), ConfigError> {
+    let field = |f: &str| {
+        if name == DEFAULT_UPSTREAM && f == "url" {
+            "upstream".to_string()
+        } else {
+            format!("{at}.{f}")
+        }
+    };
+    let url = r.url.ok_or_else(|| invalid(field("url"), "is required"))?;
+    let url = parse_url(&url).map_err(|reason| invalid(field("url"), reason))?;
+    let https = url.scheme_str() == Some("https");
+    if !https {
+        for (f, set) in [
+            ("ca_file", r.ca_file.is_some()),
+            ("client_cert_file", r.client_cert_file.is_some()),
+            ("client_key_file", r.client_key_file.is_some()),
+            ("server_name", r.server_name.is_some()),
+        ] {
+            if set {
+                return Err(invalid(format!("{at}.{f}"), "needs an https:// url"));
+            }
+        }
+    }
+    let client = match (&r.client_cert_file, &r.client_key_file) {
+        (Some(c), Some(k)) => Some((c.as_str(), k.as_str())),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(invalid(
+                format!("{at}.client_key_file"),
+                "is required with client_cert_file",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(invalid(
+                format!("{at}.client_cert_file"),
+                "is required with client_key_file",
+            ))
+        }
+    };
+    if let Some(sni) = &r.server_name {
+        if rustls::pki_types::ServerName::try_from(sni.as_str()).is_err() {
+            return Err(invalid(
+                format!("{at}.server_name"),
+                format!("{sni:?} is not a DNS name or IP address"),
+            ));
+        }
+    }
+    let http2 = r.http2.unwrap_or(false);
+    let tls = if https {
+        let alpn: &[&[u8]] = if http2 { &[b"h2"] } else { &[b"http/1.1"] };
+        let config = crate::tls::client_config(r.ca_file.as_deref(), client, alpn)
+            .map_err(|(f, reason)| invalid(format!("{at}.{f}"), reason))?;
+        Some(Arc::new(config))
+    } else {
+        None
+    };
+    let connect_timeout = match r.connect_timeout {
+        Some(HumanDuration(d)) if d.is_zero() => {
+            return Err(invalid(
+                format!("{at}.connect_timeout"),
+                "must be greater than zero",
+            ))
+        }
+        Some(HumanDuration(d)) => d,
+        None => DEFAULT_CONNECT_TIMEOUT,
+    };
+    let max_connections = match r.max_connections {
+        Some(0) => {
+            return Err(invalid(
+                format!("{at}.max_connections"),
+                "must be at least 1",
+            ))
+        }
+        Some(n) => n,
+        None => DEFAULT_MAX_CONNECTIONS,
+    };
+    Ok((
+        name.clone(),
+        UpstreamConfig {
+            name,
+            url,
+            http2,
+            ca_file: r.ca_file,
+            client_cert_file: r.client_cert_file,
+            client_key_file: r.client_key_file,
+            server_name: r.server_name,
+            connect_timeout,
+            max_connections,
+            tls,
+        },
+    ))
+}
+
+/// An upstream URL: `http://` or `https://`, with a host, no query string.
+fn parse_url(s: &str) -> Result<Uri, String> {
+    let uri: Uri = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a URL like \"https://10.0.0.5:8443\""))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err("must be an http:// or https:// URL".into());
+    }
+    if uri.authority().is_none() {
+        return Err("must name a host, like \"http://127.0.0.1:9000\"".into());
+    }
+    if uri.query().is_some() {
+        return Err("must not carry a query string".into());
+    }
+    Ok(uri)
+}
+
+/// Validate `[tls]`, reading its files.
+pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, ConfigError> {
+    let Some(raw) = raw else { return Ok(None) };
+    let cert_file = raw
+        .cert_file
+        .ok_or_else(|| invalid("tls.cert_file", "is required in [tls]"))?;
+    let key_file = raw
+        .key_file
+        .ok_or_else(|| invalid("tls.key_file", "is required in [tls]"))?;
+    let config = crate::tls::server_config(&cert_file, &key_file)
+        .map_err(|(f, reason)| invalid(format!("tls.{f}"), reason))?;
+    Ok(Some(ListenerTls {
+        cert_file,
+        key_file,
+        config: Arc::new(config),
+    }))
+}

@@ -1,0 +1,112 @@
+//! TLS material: certificates and keys read from PEM files, and the rustls configurations built
+//! from them (ring as the crypto provider: no OpenSSL). Read once, when the config is validated,
+//! so that `check-config` catches an unreadable file or a key that does not match its
+//! certificate, and a running gateway never reads a file again.
+
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+
+/// The protocols a listener offers by ALPN, in order of preference.
+pub(crate) const SERVER_ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The certificates of a PEM file (at least one).
+pub(crate) fn certs(path: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("{path}: {e}"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{path}: {e}"))?;
+    if certs.is_empty() {
+        return Err(format!("{path}: no PEM certificate in it"));
+    }
+    Ok(certs)
+}
+
+/// The private key of a PEM file. Its errors name the file, never show the key.
+pub(crate) fn key(path: &str) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
+        rustls::pki_types::pem::Error::NoItemsFound => format!("{path}: no PEM private key in it"),
+        rustls::pki_types::pem::Error::Io(e) => format!("{path}: {e}"),
+        _ => format!("{path}: not a readable PEM private key"),
+    })
+}
+
+/// Why a certificate and a key cannot go together.
+fn pairing(e: rustls::Error) -> String {
+    match e {
+        rustls::Error::InconsistentKeys(_) => "the key does not match the certificate".into(),
+        other => format!("the certificate and key are not usable together: {other}"),
+    }
+}
+
+/// The configuration of a TLS client: the roots of `ca_file` (the system's when `None`), a
+/// client certificate when `client` gives one (`(cert_file, key_file)`), and `alpn`. Errors say
+/// which of the three is at fault: `("ca_file" | "client_cert_file" | "client_key_file", why)`.
+pub(crate) fn client_config(
+    ca_file: Option<&str>,
+    client: Option<(&str, &str)>,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, (&'static str, String)> {
+    let mut roots = RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            for cert in certs(path).map_err(|e| ("ca_file", e))? {
+                roots
+                    .add(cert)
+                    .map_err(|e| ("ca_file", format!("{path}: {e}")))?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(found.certs);
+            if roots.is_empty() {
+                return Err((
+                    "ca_file",
+                    "no CA certificate found on the system (install ca-certificates, or set ca_file)"
+                        .into(),
+                ));
+            }
+        }
+    }
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(roots);
+    let mut config = match client {
+        Some((cert_file, key_file)) => {
+            let chain = certs(cert_file).map_err(|e| ("client_cert_file", e))?;
+            let key = key(key_file).map_err(|e| ("client_key_file", e))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| ("client_key_file", pairing(e)))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// The configuration of a TLS listener: `cert_file`'s chain with `key_file`'s key, offering
+/// HTTP/2 and HTTP/1.1 by ALPN. Errors say which file is at fault: `("cert_file" | "key_file",
+/// why)`.
+pub(crate) fn server_config(
+    cert_file: &str,
+    key_file: &str,
+) -> Result<ServerConfig, (&'static str, String)> {
+    let chain = certs(cert_file).map_err(|e| ("cert_file", e))?;
+    let key = key(key_file).map_err(|e| ("key_file", e))?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| ("key_file", pairing(e)))?;
+    config.alpn_protocols = SERVER_ALPN.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
