@@ -116,6 +116,13 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
     println!("upstream       = {}", config.upstream);
     println!("workers        = {}", config.workers);
     println!("shutdown_grace = {:?}", config.shutdown_grace);
+    match &config.tls {
+        Some(tls) => println!("[tls] {tls:#?}"),
+        None => println!("tls            = none (plain TCP; HTTP/1.1 and h2c)"),
+    }
+    for (name, upstream) in &config.upstreams {
+        println!("[upstreams.{name}] {upstream:#?}");
+    }
     println!("store          = {}", config.store.describe());
     match &config.store {
         StoreConfig::Memory(settings) => println!("[store] {settings:#?}"),

@@ -214,3 +214,101 @@ impl Drop for Running {
         let _ = self.0.wait();
     }
 }
+
+/// TLS files are read by `check-config`: a missing file, a key that does not match its
+/// certificate, an https-only field on an http upstream and an unknown upstream name each exit 1
+/// naming the field; a valid config shows the upstreams and listener TLS by their file names,
+/// never a key.
+#[test]
+fn tls_and_upstream_settings_are_checked_and_keys_never_printed() {
+    let ca = common::TestCa::new();
+    let server = ca.server("server", &["127.0.0.1"], common::Validity::Now);
+    let client = ca.client("client");
+    let other = ca.client("other");
+    let base = "upstream = \"https://127.0.0.1:8443\"\n";
+    let cases = [
+        (
+            format!("{base}[upstreams.default]\nca_file = \"/nonexistent/ca.pem\"\n"),
+            "upstreams.default.ca_file",
+        ),
+        (
+            format!(
+                "{base}[upstreams.default]\nca_file = {:?}\nclient_cert_file = {:?}\nclient_key_file = {:?}\n",
+                ca.ca(),
+                client.cert(),
+                other.key_path()
+            ),
+            "upstreams.default.client_key_file",
+        ),
+        (
+            format!(
+                "{base}[upstreams.default]\nca_file = {:?}\nclient_cert_file = {:?}\n",
+                ca.ca(),
+                client.cert()
+            ),
+            "upstreams.default.client_key_file",
+        ),
+        (
+            format!(
+                "upstream = \"http://127.0.0.1:9\"\n[upstreams.default]\nca_file = {:?}\n",
+                ca.ca()
+            ),
+            "upstreams.default.ca_file",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[[routes]]\npath = \"/r\"\nupstream = \"refunds\"\n"
+                .to_string(),
+            "routes[0].upstream",
+        ),
+        (
+            format!(
+                "upstream = \"http://127.0.0.1:9\"\n[tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+                server.cert(),
+                client.key_path()
+            ),
+            "tls.key_file",
+        ),
+        (
+            format!("upstream = \"http://127.0.0.1:9\"\n[tls]\ncert_file = {:?}\n", server.cert()),
+            "tls.key_file",
+        ),
+    ];
+    for (text, field) in cases {
+        let file = write(&text);
+        let out = idemgate(&["check-config", file.path().to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text}");
+        assert!(stderr.contains(field), "{field} not named in: {stderr}");
+        assert!(!stderr.contains("PRIVATE KEY"), "{stderr}");
+    }
+    let valid = write(&format!(
+        "upstream = \"https://127.0.0.1:8443\"\n[upstreams.default]\nca_file = {:?}\nclient_cert_file = {:?}\nclient_key_file = {:?}\n[upstreams.refunds]\nurl = \"http://127.0.0.1:9001\"\nhttp2 = true\n[tls]\ncert_file = {:?}\nkey_file = {:?}\n[[routes]]\npath = \"/v1/refunds/{{*rest}}\"\nupstream = \"refunds\"\n",
+        ca.ca(),
+        client.cert(),
+        client.key_path(),
+        server.cert(),
+        server.key_path()
+    ));
+    let out = idemgate(&["check-config", valid.path().to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("refunds") && stdout.contains("http2: true"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(client.key_path()),
+        "the key file is named: {stdout}"
+    );
+    assert!(stdout.contains(server.cert()), "{stdout}");
+    let key_pem = std::fs::read_to_string(&client.key_file).unwrap();
+    let key_line = key_pem.lines().nth(1).unwrap();
+    assert!(
+        !stdout.contains("PRIVATE KEY") && !stdout.contains(key_line),
+        "{stdout}"
+    );
+}

@@ -39,6 +39,7 @@ pub mod gateway;
 pub mod ports;
 pub mod raw;
 pub mod redis;
+pub mod tls;
 pub mod upstream;
 pub mod wait;
 
@@ -47,6 +48,7 @@ pub use self::config::TestConfig;
 pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
 pub use self::ports::{free_port, ReservedPort};
 pub use self::redis::{RedisServer, TlsRedisServer};
+pub use self::tls::{Issued, TestCa, Validity};
 pub use self::upstream::CountingUpstream;
 pub use self::wait::wait_until;
 

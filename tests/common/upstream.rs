@@ -32,6 +32,7 @@ struct UpstreamState {
     peers: Mutex<HashSet<SocketAddr>>,
     delay: Mutex<Duration>,
     last_headers: Mutex<Option<HeaderMap>>,
+    last_version: Mutex<Option<axum::http::Version>>,
 }
 
 impl CountingUpstream {
@@ -63,6 +64,44 @@ impl CountingUpstream {
         CountingUpstream { addr, state }
     }
 
+    /// Start on a free loopback port, speaking TLS with `config` (HTTP/2 or HTTP/1.1, as ALPN
+    /// agrees). A client whose handshake fails (an untrusted certificate, a missing client
+    /// certificate) gets no request through: `calls()` stays as it was.
+    pub async fn start_tls(config: Arc<rustls::ServerConfig>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(UpstreamState::default());
+        let app = axum::Router::new()
+            .fallback(handle)
+            .with_state(state.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        tokio::spawn(async move {
+            while let Ok((stream, peer)) = listener.accept().await {
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    let Ok(stream) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let app = tower::ServiceBuilder::new()
+                        .map_request(move |mut req: http::Request<hyper::body::Incoming>| {
+                            req.extensions_mut().insert(ConnectInfo(peer));
+                            req
+                        })
+                        .service(app);
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(
+                        hyper_util::rt::TokioIo::new(stream),
+                        hyper_util::service::TowerToHyperService::new(app),
+                    )
+                    .await;
+                });
+            }
+        });
+        CountingUpstream { addr, state }
+    }
+
     /// Every request waits this long before answering.
     pub fn delay(self, d: Duration) -> Self {
         *self.state.delay.lock().unwrap() = d;
@@ -84,6 +123,20 @@ impl CountingUpstream {
     /// How many connections requests came on.
     pub fn connections(&self) -> usize {
         self.state.peers.lock().unwrap().len()
+    }
+
+    /// The HTTP version of the last request that reached the upstream.
+    pub fn last_version(&self) -> axum::http::Version {
+        self.state
+            .last_version
+            .lock()
+            .unwrap()
+            .expect("no request reached the upstream")
+    }
+
+    /// `https://127.0.0.1:PORT`, for an upstream started with [`CountingUpstream::start_tls`].
+    pub fn https_url(&self) -> String {
+        format!("https://{}", self.addr)
     }
 
     /// The headers of the last request that reached the upstream.
@@ -119,6 +172,7 @@ async fn handle(
     state.peers.lock().unwrap().insert(peer);
     let (parts, body) = req.into_parts();
     *state.last_headers.lock().unwrap() = Some(parts.headers.clone());
+    *state.last_version.lock().unwrap() = Some(parts.version);
     let body: Bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
