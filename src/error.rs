@@ -56,6 +56,12 @@ pub enum GatewayError {
     /// the protocols); nothing was processed.
     #[error("the TLS handshake with the upstream failed (a certificate or the protocol was refused); the request was not processed")]
     UpstreamTls,
+    /// 504: every connection to the upstream (`max_connections`) stayed busy past
+    /// `upstream_timeout`; the request was not sent.
+    #[error(
+        "no connection to the upstream came free within upstream_timeout; the request was not sent"
+    )]
+    UpstreamBusy,
     /// 504: the upstream did not answer within `upstream_timeout`.
     #[error("the upstream did not answer in time")]
     UpstreamTimeout,
@@ -84,7 +90,7 @@ impl GatewayError {
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::Upstream | Self::UpstreamTls => StatusCode::BAD_GATEWAY,
-            Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Self::UpstreamTimeout | Self::UpstreamBusy => StatusCode::GATEWAY_TIMEOUT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -104,7 +110,7 @@ impl GatewayError {
             Self::InFlight { .. } => "in-flight",
             Self::NotReplayable => "not-replayable",
             Self::Upstream | Self::UpstreamTls => "upstream-unavailable",
-            Self::UpstreamTimeout => "upstream-timeout",
+            Self::UpstreamTimeout | Self::UpstreamBusy => "upstream-timeout",
             Self::StoreUnavailable => "store-unavailable",
         }
     }
@@ -123,7 +129,7 @@ impl GatewayError {
             Self::InFlight { .. } => "Request in flight",
             Self::NotReplayable => "Response not replayable",
             Self::Upstream | Self::UpstreamTls => "Bad gateway",
-            Self::UpstreamTimeout => "Gateway timeout",
+            Self::UpstreamTimeout | Self::UpstreamBusy => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
         }
     }

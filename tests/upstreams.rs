@@ -271,3 +271,47 @@ async fn metrics_name_the_upstream() {
         assert!(scrape.contains(line), "{line} not in:\n{scrape}");
     }
 }
+
+/// With `max_connections` open, more requests wait for one to come back (a worker never opens
+/// more), each for at most its route's `upstream_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connections_bounds_the_connections_a_worker_opens() {
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(std::time::Duration::from_millis(300));
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .set("upstreams.default.max_connections", 1)
+        .set("workers", 1);
+    let gateway = InProcessGateway::start(&config).await;
+    let started = std::time::Instant::now();
+    let mut calls = Vec::new();
+    for _ in 0..3 {
+        calls.push(tokio::spawn(send(
+            common::client().get(gateway.url("/v1/p")),
+        )));
+    }
+    for c in calls {
+        assert_eq!(c.await.unwrap().status, 201);
+    }
+    assert_eq!(upstream.connections(), 1, "one connection, taken in turn");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(900));
+    // A request that cannot get a connection within its upstream_timeout gets 504.
+    let config = config
+        .set("defaults.upstream_timeout", "400ms")
+        .route("/slow", toml! { upstream_timeout = "5s" });
+    let gateway = InProcessGateway::start(&config).await;
+    let first = tokio::spawn(send(
+        common::client().get(gateway.url("/slow?delay_ms=1500")),
+    ));
+    upstream.wait_for_calls(4).await;
+    let waited = send(common::client().get(gateway.url("/v1/p?delay_ms=0"))).await;
+    assert_eq!(waited.status, 504, "{waited:?}");
+    // A keyed request that waited in vain was not sent either: its key is released.
+    let keyed = send(post(&gateway, "/v1/p?delay_ms=0", "busy")).await;
+    assert_eq!(keyed.status, 504, "{keyed:?}");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(upstream.calls(), 4, "the ones that waited were never sent");
+    let retry = send(post(&gateway, "/v1/p?delay_ms=0", "busy")).await;
+    assert_eq!(retry.status, 201, "released, not in flight: {retry:?}");
+}

@@ -4,6 +4,7 @@
 mod app;
 mod load;
 mod procs;
+mod tls;
 mod upstream;
 
 use std::collections::HashMap;
@@ -47,6 +48,10 @@ enum Cmd {
         body: usize,
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
+        /// Serve over TLS with the certificates `tls.rs` wrote there, a client certificate
+        /// required.
+        #[arg(long)]
+        tls_dir: Option<std::path::PathBuf>,
     },
     /// Run the axum app of the library's figure (used by the harness itself).
     App {
@@ -85,12 +90,15 @@ fn main() -> ExitCode {
         listen,
         body,
         delay_ms,
+        tls_dir,
     }) = cli.command
     {
+        let tls = tls_dir.map(|d| tls::server_config(&tls::Files::in_dir(&d)));
         rt.block_on(upstream::serve(
             listen,
             body,
             Duration::from_millis(delay_ms),
+            tls,
         ))
         .unwrap();
         return ExitCode::SUCCESS;
@@ -411,6 +419,8 @@ async fn bench(cli: Cli) -> ExitCode {
         drop((up, nginx, mem, red));
     }
 
+    https(&mut b, dir.path()).await;
+    http2_replay(&mut b, dir.path()).await;
     library(&mut b).await;
     storm(&mut b, dir.path(), &redis_url).await;
     if soak > 0 {
@@ -425,6 +435,163 @@ async fn bench(cli: Cli) -> ExitCode {
         b.insane.iter().for_each(|s| println!("- {s}"));
         ExitCode::FAILURE
     }
+}
+
+/// An https upstream that requires a client certificate (mutual TLS), 1 KiB: nginx proxying to
+/// it (`proxy_pass https://`, keep-alive, the same client certificate) against the gateway's
+/// pass-through and miss; and how many connections (TLS handshakes) the gateway opened per
+/// 1000 requests.
+async fn https(b: &mut Bench, dir: &std::path::Path) {
+    b.size = 1024;
+    let files = tls::write(&dir.join("tls"));
+    let up = procs::upstream_tls(b.size, &dir.join("tls"));
+    let nginx = procs::nginx_tls(dir, up.addr, &files);
+    let upstream = format!(
+        "upstream = \"https://{}\"\n[upstreams.default]\nserver_name = \"{}\"\nca_file = {:?}\nclient_cert_file = {:?}\nclient_key_file = {:?}\n",
+        up.addr,
+        tls::UPSTREAM_NAME,
+        files.ca,
+        files.client_cert,
+        files.client_key
+    );
+    let gw = procs::gateway_to(dir, "memory", &upstream);
+    b.upstream_pids = up.pids();
+    let (nginx_pids, gw_pids) = (nginx.pids(), gw.pids());
+    let before = upstream_counters(gw.admin.unwrap());
+    let nginx_r = phase(
+        b,
+        "nginx proxy, https upstream",
+        nginx.addr,
+        &nginx_pids,
+        Keys::None,
+        None,
+    )
+    .await;
+    let pass = phase(
+        b,
+        "gateway pass-through, https upstream",
+        gw.addr,
+        &gw_pids,
+        Keys::None,
+        None,
+    )
+    .await;
+    let miss = phase(
+        b,
+        "gateway miss (memory), https upstream",
+        gw.addr,
+        &gw_pids,
+        Keys::Unique(String::new()),
+        None,
+    )
+    .await;
+    let after = upstream_counters(gw.admin.unwrap());
+    let (opened, requests) = (after.0 - before.0, after.1 - before.1);
+    let cpu = |r: &Report| r.cpu.map_or(0.0, |c| c.all());
+    b.notes.push(format!(
+        "https upstream with mutual TLS (1 KiB): pass-through / nginx = {:.2} [CPU {:.2}], miss (memory) / nginx = {:.2} [CPU {:.2}]; the gateway opened {opened} connections for {requests} requests ({:.2} per 1000 requests: pooled, no handshake per request)",
+        pass.rps() / nginx_r.rps(),
+        cpu(&nginx_r) / cpu(&pass).max(f64::MIN_POSITIVE),
+        miss.rps() / nginx_r.rps(),
+        cpu(&nginx_r) / cpu(&miss).max(f64::MIN_POSITIVE),
+        opened as f64 * 1000.0 / requests.max(1) as f64,
+    ));
+    drop((up, nginx, gw));
+}
+
+/// Connections opened and responses received, summed over the gateway's upstreams.
+fn upstream_counters(admin: SocketAddr) -> (u64, u64) {
+    let text = scrape(admin);
+    let sum = |prefix: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    (
+        sum("idemgate_upstream_connections_opened_total"),
+        sum("idemgate_upstream_requests_total{upstream=\"default\",result=\"response\"}"),
+    )
+}
+
+/// Replays of one key driven by h2load (nghttp2's load generator), over HTTP/2 (h2c, 32 streams
+/// on each of 8 connections) against HTTP/1.1 (64 connections, one request at a time each), on
+/// the same gateway: the throughput ratio, and the gateway's CPU per request.
+async fn http2_replay(b: &mut Bench, dir: &std::path::Path) {
+    let up = procs::upstream(1024, 0);
+    let gw = procs::gateway(dir, "memory", up.addr, "");
+    let body = dir.join("h2load-body.json");
+    std::fs::write(&body, b"{\"amount\":1000}").unwrap();
+    let pids = gw.pids();
+    let secs = b.secs.as_secs_f64().max(1.0).round() as u64;
+    let mut results = Vec::new();
+    for (label, protocol) in [
+        ("HTTP/2", &["-c", "8", "-m", "32"][..]),
+        ("HTTP/1.1", &["--h1", "-c", "64", "-m", "1"][..]),
+    ] {
+        let cpu_before = procs::cpu_ns(&pids);
+        let out = std::process::Command::new("h2load")
+            .args(protocol)
+            .args(["-D", &secs.to_string(), "--warm-up-time", "1"])
+            .args([
+                "-H",
+                "idempotency-key: h2load-hot",
+                "-H",
+                "content-type: application/json",
+            ])
+            .arg("-d")
+            .arg(&body)
+            .arg(format!("http://{}/v1/payments", gw.addr))
+            .output();
+        let cpu_after = procs::cpu_ns(&pids);
+        let Ok(out) = out else {
+            b.insane
+                .push("h2load is not installed (Debian package nghttp2-client)".into());
+            return;
+        };
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let rps = text
+            .lines()
+            .find(|l| l.starts_with("finished in"))
+            .and_then(|l| l.split(", ").nth(1))
+            .and_then(|v| v.trim_end_matches(" req/s").parse::<f64>().ok());
+        let done = text
+            .lines()
+            .find(|l| l.starts_with("requests:"))
+            .and_then(|l| l.split(", ").find(|p| p.ends_with("succeeded")))
+            .and_then(|p| p.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        let twoxx = text
+            .lines()
+            .find(|l| l.starts_with("status codes:"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        match rps {
+            Some(rps) if done > 0 && twoxx * 100 >= done * 99 => {
+                let cpu = (cpu_after - cpu_before) as f64 / 1e3 / done as f64;
+                eprintln!("  replay over {label:<8} (h2load)       {rps:>9.0} req/s  gateway CPU {cpu:.1} µs/req");
+                results.push((label, rps, cpu));
+            }
+            _ => b.insane.push(format!(
+                "replay over {label} (h2load): {}",
+                text.lines()
+                    .filter(|l| l.starts_with("finished")
+                        || l.starts_with("requests")
+                        || l.starts_with("status"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )),
+        }
+    }
+    if let [(_, h2, h2_cpu), (_, h1, h1_cpu)] = results[..] {
+        b.notes.push(format!(
+            "replay over HTTP/2 / over HTTP/1.1 (1 KiB, h2load, one gateway on the embedded store) = {:.2} [CPU {:.2}] ({h2:.0} vs {h1:.0} req/s; gateway CPU {h2_cpu:.1} vs {h1_cpu:.1} µs per request)",
+            h2 / h1,
+            h1_cpu / h2_cpu,
+        ));
+    }
+    drop((up, gw));
 }
 
 /// The library's figure: an axum app with idemgate's layer on its route against the same app
@@ -572,12 +739,18 @@ async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashMap<S
 
 /// The gateway's own count of Redis round trips so far: its store operations (each one round
 /// trip) minus the reads its local cache answered. From its `/metrics`.
-fn round_trips(admin: SocketAddr) -> u64 {
+/// The gateway's metrics, as text.
+fn scrape(admin: SocketAddr) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(admin).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
+    text
+}
+
+fn round_trips(admin: SocketAddr) -> u64 {
+    let text = scrape(admin);
     let value = |line: &str| -> u64 {
         line.rsplit(' ')
             .next()

@@ -185,6 +185,47 @@ pub fn upstream(body: usize, delay_ms: u64) -> Proc {
     )
 }
 
+/// The upstream over TLS with the certificates in `tls_dir` (a client certificate required).
+pub fn upstream_tls(body: usize, tls_dir: &Path) -> Proc {
+    let addr = free_addr();
+    let me = std::env::current_exe().unwrap();
+    spawn(
+        "upstream (TLS)",
+        Command::new(me)
+            .arg("upstream")
+            .args(["--listen", &addr.to_string()])
+            .args(["--body", &body.to_string()])
+            .arg("--tls-dir")
+            .arg(tls_dir),
+        addr,
+    )
+}
+
+/// nginx proxying to an https upstream: keep-alive connections, the upstream's certificate
+/// verified against the CA, the client certificate presented, TLS sessions reused.
+pub fn nginx_tls(dir: &Path, upstream: SocketAddr, files: &crate::tls::Files) -> Proc {
+    let location = format!(
+        r#"
+            proxy_pass https://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering on;
+            proxy_buffers 16 16k;
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {ca};
+            proxy_ssl_name {name};
+            proxy_ssl_server_name on;
+            proxy_ssl_certificate {cert};
+            proxy_ssl_certificate_key {key};
+            proxy_ssl_session_reuse on;"#,
+        ca = files.ca.display(),
+        name = crate::tls::UPSTREAM_NAME,
+        cert = files.client_cert.display(),
+        key = files.client_key.display(),
+    );
+    nginx_with(dir, upstream, &location)
+}
+
 /// The axum app of `app.rs`, with or without idemgate's layer.
 pub fn app(body: usize, layer: bool) -> Proc {
     let addr = free_addr();
@@ -200,6 +241,17 @@ pub fn app(body: usize, layer: bool) -> Proc {
 }
 
 pub fn nginx(dir: &Path, upstream: SocketAddr) -> Proc {
+    let location = r#"
+            proxy_pass http://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering on;
+            proxy_buffers 16 16k;"#;
+    nginx_with(dir, upstream, location)
+}
+
+/// nginx as a reverse proxy to `upstream` with `location` as its one location's directives.
+fn nginx_with(dir: &Path, upstream: SocketAddr, location: &str) -> Proc {
     let addr = free_addr();
     let d = dir.join(format!("nginx-{}", addr.port()));
     std::fs::create_dir_all(&d).unwrap();
@@ -222,12 +274,7 @@ http {{
     server {{
         listen {addr};
         keepalive_requests 1000000;
-        location / {{
-            proxy_pass http://app;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering on;
-            proxy_buffers 16 16k;
+        location / {{{location}
         }}
     }}
 }}
@@ -267,6 +314,12 @@ pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Pr
     gateway_with_prefix(dir, store, upstream, extra, "bench:")
 }
 
+/// The gateway with `store` and `upstream`, the TOML of its upstream (the top-level `upstream`
+/// and any `[upstreams.default]` table).
+pub fn gateway_to(dir: &Path, store: &str, upstream: &str) -> Proc {
+    gateway_config(dir, store, upstream, "", "bench:")
+}
+
 /// [`gateway`] with Redis keys under `prefix`.
 pub fn gateway_with_prefix(
     dir: &Path,
@@ -275,6 +328,16 @@ pub fn gateway_with_prefix(
     extra: &str,
     prefix: &str,
 ) -> Proc {
+    gateway_config(
+        dir,
+        store,
+        &format!("upstream = \"http://{upstream}\"\n"),
+        extra,
+        prefix,
+    )
+}
+
+fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: &str) -> Proc {
     let addr = free_addr();
     let store_toml = if store == "memory" {
         "backend = \"memory\"".to_string()
@@ -283,7 +346,7 @@ pub fn gateway_with_prefix(
     };
     let admin = free_addr();
     let conf = format!(
-        "listen = \"{addr}\"\nupstream = \"http://{upstream}\"\n\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n\n[admin]\nlisten = \"{admin}\"\n"
+        "listen = \"{addr}\"\n{upstream}\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n\n[admin]\nlisten = \"{admin}\"\n"
     );
     let path = dir.join(format!("gateway-{}.toml", addr.port()));
     std::fs::write(&path, conf).unwrap();

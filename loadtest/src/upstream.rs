@@ -21,16 +21,22 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-/// Serve forever on `addr`.
-pub async fn serve(addr: SocketAddr, body_size: usize, delay: Duration) -> std::io::Result<()> {
+/// Serve forever on `addr`; with `tls`, over TLS (mutual: a client certificate is required).
+pub async fn serve(
+    addr: SocketAddr,
+    body_size: usize,
+    delay: Duration,
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let body = Bytes::from(json_body(body_size));
     let noise = Bytes::from(random_bytes(body_size, 0x5eed));
     let count = Arc::new(AtomicU64::new(0));
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        let (body, noise, count) = (body.clone(), noise.clone(), count.clone());
+        let (body, noise, count, tls) = (body.clone(), noise.clone(), count.clone(), tls.clone());
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
                 let (body, noise, count) = (body.clone(), noise.clone(), count.clone());
@@ -57,10 +63,18 @@ pub async fn serve(addr: SocketAddr, body_size: usize, delay: Duration) -> std::
                     Ok(resp)
                 }
             });
-            let _ = http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let mut http = http1::Builder::new();
+            http.keep_alive(true);
+            match tls {
+                None => {
+                    let _ = http.serve_connection(TokioIo::new(stream), svc).await;
+                }
+                Some(acceptor) => {
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        let _ = http.serve_connection(TokioIo::new(stream), svc).await;
+                    }
+                }
+            }
         });
     }
 }

@@ -13,7 +13,7 @@ mod service;
 
 pub use layer::IdempotencyLayer;
 pub use routes::Routes;
-pub use service::{Idempotency, NotSent, IDEMPOTENT_REPLAYED, TRACEPARENT};
+pub use service::{Deadline, Idempotency, NotSent, IDEMPOTENT_REPLAYED, TRACEPARENT};
 
 #[cfg(test)]
 mod tests;

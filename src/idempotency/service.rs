@@ -57,6 +57,11 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// How long a duplicate of an in-flight request is told to wait (`Retry-After`).
 const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// When the layer wants a keyed request's answer (head and body): handed to the inner service
+/// as a request extension, so that it can bound its own waits by the same instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline(pub Instant);
+
 /// Marks an inner service's error as "the request was certainly not processed" (a connection
 /// that could not be made, say): the layer then releases the key, so that a retry runs at once.
 ///
@@ -428,18 +433,23 @@ impl<St: Store> Shared<St> {
         let policy = &*held.route;
         let traceparent = parts.headers.get(TRACEPARENT).cloned();
         let is_head = parts.method == Method::HEAD;
-        let req = Request::from_parts(parts, Body::from(body));
+        let mut req = Request::from_parts(parts, Body::from(body));
         let started = Instant::now();
-        let call = tokio::time::timeout(policy.upstream_timeout, self.call(inner, req, held));
+        // The inner service gets the same deadline: when it says "not sent" at that very
+        // moment (it waited for a connection), its answer wins over the timeout.
+        let deadline = started + policy.upstream_timeout;
+        req.extensions_mut().insert(Deadline(deadline));
         let called = tokio::select! {
-            called = call => called,
+            biased;
+            called = self.call(inner, req, held) => Ok(called),
+            () = tokio::time::sleep_until(deadline) => Err(()),
             never = self.hold_lease(held) => match never {},
         };
         let took = started.elapsed();
         self.metrics.upstream(took);
         // From here on the lease is no longer renewed.
         let answer = match called {
-            Err(_elapsed) => {
+            Err(()) => {
                 // The inner service may still be executing: keep the claim until its lease ends.
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
                 Ok(GatewayError::UpstreamTimeout.into_response())

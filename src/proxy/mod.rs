@@ -25,7 +25,7 @@ use http_body_util::BodyExt;
 use crate::config::{Config, Policy, DEFAULT_UPSTREAM};
 use crate::error::GatewayError;
 use crate::headers::content_length;
-use crate::idempotency::NotSent;
+use crate::idempotency::{Deadline, NotSent};
 use crate::metrics::{Metrics, UpstreamResult};
 use upstream::Upstream;
 
@@ -63,6 +63,15 @@ pub enum ProxyError {
         /// The upstream's name.
         upstream: Arc<str>,
     },
+    /// All `max_connections` stayed busy until the deadline: the request was not sent.
+    #[error("upstream {upstream}: {cause}")]
+    Busy {
+        /// The upstream's name.
+        upstream: Arc<str>,
+        /// Says that nothing was sent.
+        #[source]
+        cause: NotSent,
+    },
 }
 
 impl ProxyError {
@@ -79,7 +88,7 @@ impl ProxyError {
             ProxyError::NotSent { tls: true, .. } => UpstreamResult::tls_failed,
             ProxyError::NotSent { .. } => UpstreamResult::not_sent,
             ProxyError::Failed { .. } => UpstreamResult::failed,
-            ProxyError::Timeout { .. } => UpstreamResult::timeout,
+            ProxyError::Timeout { .. } | ProxyError::Busy { .. } => UpstreamResult::timeout,
         }
     }
 }
@@ -90,6 +99,7 @@ impl From<&ProxyError> for GatewayError {
             ProxyError::NotSent { tls: true, .. } => GatewayError::UpstreamTls,
             ProxyError::NotSent { .. } | ProxyError::Failed { .. } => GatewayError::Upstream,
             ProxyError::Timeout { .. } => GatewayError::UpstreamTimeout,
+            ProxyError::Busy { .. } => GatewayError::UpstreamBusy,
         }
     }
 }
@@ -127,12 +137,17 @@ impl Proxy {
             Some(p) => (p.upstream.as_str(), p.upstream_timeout),
             None => (DEFAULT_UPSTREAM, Policy::DEFAULT_UPSTREAM_TIMEOUT),
         };
+        let deadline = match req.extensions().get::<Deadline>() {
+            Some(d) => d.0,
+            None => tokio::time::Instant::now() + timeout,
+        };
         let upstream = self
             .upstreams
             .iter()
             .find(|u| &**u.name() == name)
             .expect("routes name upstreams that exist (checked with the config)");
-        let result = match tokio::time::timeout(timeout, upstream.forward(req)).await {
+        let result = match tokio::time::timeout_at(deadline, upstream.forward(req, deadline)).await
+        {
             Ok(result) => result,
             Err(_) => Err(ProxyError::Timeout {
                 upstream: upstream.name().clone(),

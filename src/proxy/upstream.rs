@@ -28,6 +28,7 @@ use super::connect::{is_handshake_alert, ConnectError, Connector};
 use super::ProxyError;
 use crate::config::UpstreamConfig;
 use crate::headers::relayable;
+use crate::idempotency::NotSent;
 use crate::metrics::{Metrics, UpstreamCounters, UpstreamResult};
 
 /// Most idle connections a worker keeps per upstream.
@@ -312,9 +313,11 @@ impl Upstream {
 
     /// Send a request. Hop-by-hop headers are stripped here, from the request and from the
     /// response, and a `Content-Length` beside `Transfer-Encoding` is dropped from both.
+    /// A request waits for a connection (all `max_connections` busy) until `deadline` at most.
     pub(crate) async fn forward(
         &self,
         mut req: Request<Body>,
+        deadline: tokio::time::Instant,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         // Origin form (`/path?query`), under the upstream's path prefix.
         let pq = req
@@ -348,7 +351,7 @@ impl Upstream {
                 // The upstream's own authority, as nginx's `proxy_set_header Host $proxy_host`.
                 req.headers_mut().insert(header::HOST, self.host.clone());
                 *req.version_mut() = http::Version::HTTP_11;
-                self.send_h1(req).await
+                self.send_h1(req, deadline).await
             }
             Some(slot) => {
                 // HTTP/2 carries the authority in the URI (:authority), not in `Host`.
@@ -365,8 +368,20 @@ impl Upstream {
         }
     }
 
-    async fn send_h1(&self, req: Request<Body>) -> Result<Response<UpstreamBody>, ProxyError> {
-        let (mut conn, pooled) = self.h1().await?;
+    async fn send_h1(
+        &self,
+        req: Request<Body>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
+        let (mut conn, pooled) = match tokio::time::timeout_at(deadline, self.h1()).await {
+            Ok(conn) => conn?,
+            Err(_) => {
+                return Err(ProxyError::Busy {
+                    upstream: self.name.clone(),
+                    cause: NotSent::new("no connection came free before the deadline"),
+                })
+            }
+        };
         let resp = match conn.sender.try_send_request(req).await {
             Ok(resp) => resp,
             Err(mut e) => match e.take_message() {
