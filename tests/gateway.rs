@@ -833,15 +833,7 @@ async fn replays_come_from_the_local_cache_without_a_round_trip() {
     assert_eq!(other.problem_type(), MISMATCH);
     assert_eq!(trips.since().await, 1);
     // The gateway's own count agrees.
-    let admin = env.gateway.admin.expect("admin listener");
-    let metrics = common::client()
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = env.gateway.metrics().await;
     assert!(
         metrics.contains("idemgate_local_cache_hits_total 5"),
         "{metrics}"

@@ -255,14 +255,7 @@ async fn metrics_name_the_upstream() {
         assert_eq!(send(post(&gateway, "/v1/payments", key)).await.status, 201);
     }
     assert_eq!(send(post(&gateway, "/v1/refunds/r", "r")).await.status, 502);
-    let scrape = common::client()
-        .get(format!("http://{}/metrics", gateway.admin.unwrap()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let scrape = gateway.metrics().await;
     for line in [
         "idemgate_upstream_requests_total{upstream=\"default\",result=\"response\"} 3",
         "idemgate_upstream_requests_total{upstream=\"refunds\",result=\"tls_failed\"} 1",

@@ -226,14 +226,20 @@ impl Upstream {
         self.counters.count(result);
     }
 
-    /// Open a new HTTP/1.1 connection (holding a permit).
-    async fn open_h1(&self, permit: OwnedSemaphorePermit) -> Result<H1, ProxyError> {
+    /// Open a connection (TCP, and TLS for https), counted.
+    async fn connect(&self) -> Result<super::connect::Stream, ProxyError> {
         let stream = self
             .connector
             .connect()
             .await
             .map_err(|e| refused(&self.name, e))?;
         self.counters.opened();
+        Ok(stream)
+    }
+
+    /// Open a new HTTP/1.1 connection (holding a permit).
+    async fn open_h1(&self, permit: OwnedSemaphorePermit) -> Result<H1, ProxyError> {
+        let stream = self.connect().await?;
         let (sender, conn) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| ProxyError::not_sent(self.name.clone(), false, e))?;
@@ -295,12 +301,7 @@ impl Upstream {
                 return Ok((sender.clone(), true));
             }
         }
-        let stream = self
-            .connector
-            .connect()
-            .await
-            .map_err(|e| refused(&self.name, e))?;
-        self.counters.opened();
+        let stream = self.connect().await?;
         let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
             .await
             .map_err(|e| ProxyError::not_sent(self.name.clone(), false, e))?;

@@ -57,6 +57,19 @@ impl InProcessGateway {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// What its admin listener's `GET /metrics` says (the config must have `admin.listen`).
+    pub async fn metrics(&self) -> String {
+        let admin = self.admin.expect("an admin listener in the config");
+        client()
+            .get(format!("http://{admin}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// Stop accepting and wait for the server task to end.
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
