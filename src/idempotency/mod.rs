@@ -5,6 +5,7 @@
 
 mod body;
 pub mod fingerprint;
+pub mod json;
 pub mod key;
 mod layer;
 pub mod record;
