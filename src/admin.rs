@@ -180,7 +180,27 @@ fn scoped<S>(
             scope.insert(name.clone(), v);
         }
     }
-    Ok(key.scoped(&scope, &route.scope_headers))
+    // Scope cookies come as `cookie.NAME=VALUE` parameters.
+    let jar: Vec<String> = route
+        .scope_cookies
+        .iter()
+        .filter_map(|name| {
+            query
+                .get(&format!("cookie.{name}"))
+                .map(|v| format!("{name}={v}"))
+        })
+        .collect();
+    if !jar.is_empty() {
+        let v = HeaderValue::from_str(&jar.join("; ")).map_err(|_| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-scope",
+                "bad value for a scope cookie",
+            )
+        })?;
+        scope.insert(header::COOKIE, v);
+    }
+    Ok(key.scoped(&scope, &route.scope_headers, &route.scope_cookies))
 }
 
 /// The store address of `key` for a caller holding the admin token; the refusal otherwise.
@@ -250,6 +270,8 @@ async fn inspect<S: Inspect>(
             fields.insert("body_bytes".into(), r.body.len().into());
             let trace = r.traceparent.as_ref().and_then(|t| t.to_str().ok());
             fields.insert("traceparent".into(), trace.map_or(Value::Null, Value::from));
+            let source = r.key_source.map(|s| s.as_str());
+            fields.insert("key_source".into(), source.map_or(Value::Null, Value::from));
             if with_body {
                 fields.insert(
                     "body_base64".into(),

@@ -18,6 +18,10 @@ pub enum GatewayError {
     /// 400: the request body could not be read.
     #[error("the request body could not be read")]
     InvalidBody,
+    /// 400: a JSON-typed body the route must read (for its key or a canonical fingerprint) does
+    /// not parse, repeats a key in an object, or nests too deep; nothing was claimed.
+    #[error("{0}")]
+    InvalidJson(String),
     /// 400: the request's framing is invalid (`Transfer-Encoding: chunked` applied twice).
     #[error("{0}")]
     InvalidFraming(&'static str),
@@ -81,6 +85,7 @@ impl GatewayError {
             Self::InvalidKey(_)
             | Self::MissingKey
             | Self::InvalidBody
+            | Self::InvalidJson(_)
             | Self::InvalidFraming(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
@@ -101,6 +106,7 @@ impl GatewayError {
             Self::InvalidKey(_) => "invalid-key",
             Self::MissingKey => "missing-key",
             Self::InvalidBody => "invalid-body",
+            Self::InvalidJson(_) => "invalid-json",
             Self::InvalidFraming(_) => "invalid-framing",
             Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
             Self::UnsupportedMethod(_) => "unsupported-method",
@@ -120,6 +126,7 @@ impl GatewayError {
             Self::InvalidKey(_) => "Invalid Idempotency-Key",
             Self::MissingKey => "Idempotency-Key required",
             Self::InvalidBody => "Unreadable request body",
+            Self::InvalidJson(_) => "Invalid JSON body",
             Self::InvalidFraming(_) => "Invalid message framing",
             Self::UnsupportedTransferCoding => "Transfer coding not supported",
             Self::UnsupportedMethod(_) => "Method not supported",

@@ -81,6 +81,7 @@ fn response(body: &'static str) -> EntryState {
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
         traceparent: None,
+        key_source: None,
     }))
 }
 
@@ -281,6 +282,7 @@ fn large(fill: u8) -> EntryState {
         headers: vec![],
         body: Bytes::from(vec![fill; 100_000]),
         traceparent: None,
+        key_source: None,
     }))
 }
 

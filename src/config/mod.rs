@@ -23,7 +23,7 @@ pub mod store;
 pub mod upstream;
 
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
-pub use policy::{OnInFlight, OnStoreError, Policy, PolicyBuilder};
+pub use policy::{FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder};
 pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
@@ -83,6 +83,9 @@ pub fn redact_url(url: &str) -> String {
         None => url.to_string(),
     }
 }
+
+/// The environment variable the key secret comes from (never a file: it is a secret).
+pub const KEY_SECRET_VAR: &str = "IDEMGATE_KEY_SECRET";
 
 /// Where the gateway listens when `listen` is not given.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -161,6 +164,8 @@ pub struct Config {
     pub upstreams: std::collections::BTreeMap<String, Arc<UpstreamConfig>>,
     /// TLS on the listener, when `[tls]` is given.
     pub tls: Option<ListenerTls>,
+    /// The secret derived keys are made with (`IDEMGATE_KEY_SECRET`), when set.
+    pub key_secret: Option<KeySecret>,
     /// The store and its settings. Default: the embedded store.
     pub store: StoreConfig,
     /// The policy for requests that match no route.
@@ -192,27 +197,44 @@ impl Config {
             })?,
             None => String::new(),
         };
-        let env = Env::prefixed("IDEMGATE_").map(|key| {
-            if key == "admin_token" {
-                "admin.admin_token".into()
-            } else {
-                key.as_str().replace("__", ".").into()
-            }
-        });
+        // The key secret is a secret, not a setting of the overlay.
+        let env = Env::prefixed("IDEMGATE_")
+            .ignore(&["key_secret"])
+            .map(|key| {
+                if key == "admin_token" {
+                    "admin.admin_token".into()
+                } else {
+                    key.as_str().replace("__", ".").into()
+                }
+            });
         let raw: RawConfig = figment::Figment::from(Toml::string(&text))
             .merge(env)
             .extract()
             .map_err(|e| ConfigError::Parse(e.to_string()))?;
-        Self::from_raw(raw)
+        let secret = std::env::var_os(KEY_SECRET_VAR);
+        Self::from_raw(raw, secret.as_ref().map(|s| s.as_encoded_bytes()))
     }
 
-    /// Parse and validate TOML text.
+    /// Parse and validate TOML text (without a key secret: a route with `derived_key` is
+    /// refused).
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        Self::from_raw(raw)
+        Self::from_toml_with_key_secret(text, None)
     }
 
-    fn from_raw(raw: RawConfig) -> Result<Self, ConfigError> {
+    /// Parse and validate TOML text, with the secret derived keys are made with.
+    pub fn from_toml_with_key_secret(
+        text: &str,
+        secret: Option<&[u8]>,
+    ) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::from_raw(raw, secret)
+    }
+
+    fn from_raw(raw: RawConfig, secret: Option<&[u8]>) -> Result<Self, ConfigError> {
+        let key_secret = secret
+            .map(KeySecret::new)
+            .transpose()
+            .map_err(|reason| invalid(KEY_SECRET_VAR, reason))?;
         let listen = raw.listen.as_deref().unwrap_or(DEFAULT_LISTEN);
         let listen: SocketAddr = listen.parse().map_err(|_| {
             invalid(
@@ -254,7 +276,11 @@ impl Config {
         if raw.defaults.path.is_some() {
             return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
         }
-        let defaults = Arc::new(Policy::default().overlay(&raw.defaults, "defaults")?);
+        let defaults = Arc::new(
+            Policy::default()
+                .overlay(&raw.defaults, "defaults")?
+                .with_key_secret(key_secret.as_ref(), "defaults")?,
+        );
         // Validated as the route table will be built, so that building it cannot fail.
         let mut table = crate::idempotency::Routes::new((*defaults).clone());
         let mut routes = Vec::with_capacity(raw.routes.len());
@@ -264,7 +290,10 @@ impl Config {
                 .path
                 .clone()
                 .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
-            let mut policy = (*defaults).clone().overlay(r, &at)?;
+            let mut policy = (*defaults)
+                .clone()
+                .overlay(r, &at)?
+                .with_key_secret(key_secret.as_ref(), &at)?;
             policy.route = path.clone();
             table = table.route(&path, policy.clone())?;
             routes.push(Route {
@@ -293,6 +322,7 @@ impl Config {
             upstream,
             upstreams,
             tls,
+            key_secret,
             store,
             defaults,
             routes,
@@ -405,13 +435,20 @@ mod tests {
 
     #[test]
     fn very_large_ttl_is_accepted() {
-        let c =
-            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"").unwrap();
+        let c = Config::from_toml(
+            "upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"\nmax_ttl = \"3650d\"",
+        )
+        .unwrap();
         assert_eq!(c.defaults.ttl, Duration::from_secs(3650 * 86400));
-        let c =
-            Config::from_toml("upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"")
-                .unwrap();
+        let c = Config::from_toml(
+            "upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"\nmax_ttl = \"5000000000000s\"",
+        )
+        .unwrap();
         assert_eq!(c.defaults.ttl, MAX_DURATION);
+        // A ttl past max_ttl (7d by default) is refused, naming the field.
+        assert!(err("upstream = \"http://h:1\"\n[defaults]\nttl = \"8d\"").contains("defaults.ttl"));
+        assert!(err("upstream = \"http://h:1\"\n[[routes]]\npath = \"/a\"\nfailure_ttl = \"1h\"\nmax_ttl = \"30m\"")
+            .contains("routes[0].ttl"));
     }
 
     #[test]

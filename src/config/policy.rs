@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::human::{HumanDuration, HumanSize};
 use super::ConfigError;
+use crate::idempotency::json::Pointer;
 
 /// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -30,6 +31,50 @@ pub enum OnStoreError {
     Reject,
     /// Fail open: forward without idempotency (logged as a warning).
     Pass,
+}
+
+/// What "the same request" means for a body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FingerprintMode {
+    /// The body's exact bytes.
+    #[default]
+    Exact,
+    /// For a JSON-typed body (`application/json`, `*/*+json`), its canonical form (see
+    /// [`crate::idempotency::json`]); other bodies by their exact bytes.
+    Json,
+}
+
+/// The secret that derived keys are an HMAC with (`IDEMGATE_KEY_SECRET`): never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeySecret(std::sync::Arc<[u8]>);
+
+impl KeySecret {
+    /// The shortest secret accepted, in bytes.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret of at least [`KeySecret::MIN_LEN`] bytes.
+    pub fn new(secret: impl AsRef<[u8]>) -> Result<Self, String> {
+        let secret = secret.as_ref();
+        if secret.len() < Self::MIN_LEN {
+            return Err(format!(
+                "must be at least {} characters long",
+                Self::MIN_LEN
+            ));
+        }
+        Ok(KeySecret(secret.into()))
+    }
+
+    /// The secret's bytes.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 /// Every policy field is optional so that `[defaults]` and each `[[routes]]` use one schema and a
@@ -55,6 +100,17 @@ pub(super) struct RawPolicy {
     max_waiters: Option<usize>,
     on_store_error: Option<OnStoreError>,
     upstream: Option<String>,
+    key_headers: Option<Vec<String>>,
+    key_from_body: Option<String>,
+    derived_key: Option<Vec<String>>,
+    fingerprint: Option<FingerprintMode>,
+    fingerprint_ignore: Option<Vec<String>>,
+    scope_cookies: Option<Vec<String>>,
+    fingerprint_headers: Option<Vec<String>>,
+    failure_ttl: Option<HumanDuration>,
+    max_ttl: Option<HumanDuration>,
+    replay_drop_headers: Option<Vec<String>>,
+    expiry_header: Option<String>,
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -94,6 +150,32 @@ pub struct Policy {
     /// The named upstream the gateway forwards these requests to (`[upstreams.NAME]`); a
     /// library user's inner service may read it from the `Arc<Policy>` request extension.
     pub upstream: String,
+    /// Request headers that carry the key, tried in order (lower-case names).
+    pub key_headers: Vec<HeaderName>,
+    /// Where in a JSON body the key is, when no header carries one.
+    pub key_from_body: Option<Pointer>,
+    /// Fields of a JSON body whose canonical values, with [`Policy::key_secret`], make the key
+    /// (an HMAC-SHA256) when no header or body key is present.
+    pub derived_key: Vec<Pointer>,
+    /// The secret of derived keys; set when `derived_key` is (from `IDEMGATE_KEY_SECRET`).
+    pub key_secret: Option<KeySecret>,
+    /// What "the same request" means for the body.
+    pub fingerprint: FingerprintMode,
+    /// JSON pointers left out of a `"json"` fingerprint (`*` matches any array index).
+    pub fingerprint_ignore: Vec<Pointer>,
+    /// Cookies whose values scope the key, like `scope_headers`.
+    pub scope_cookies: Vec<String>,
+    /// Request headers that are part of the fingerprint.
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// How long a stored 4xx (or, with `cache_server_errors`, 5xx) response is replayed.
+    pub failure_ttl: Duration,
+    /// The longest any record lives: `ttl`, `failure_ttl` and an upstream's
+    /// `Idempotency-Control: max-age` are bounded by it.
+    pub max_ttl: Duration,
+    /// Response headers recorded but never replayed.
+    pub replay_drop_headers: Vec<HeaderName>,
+    /// If set, every recorded or replayed answer carries this header with the record's expiry.
+    pub expiry_header: Option<HeaderName>,
 }
 
 impl Policy {
@@ -118,6 +200,18 @@ impl Policy {
             max_waiters: 1024,
             on_store_error: OnStoreError::Reject,
             upstream: super::upstream::DEFAULT_UPSTREAM.to_string(),
+            key_headers: vec![crate::idempotency::key::IDEMPOTENCY_KEY],
+            key_from_body: None,
+            derived_key: Vec::new(),
+            key_secret: None,
+            fingerprint: FingerprintMode::Exact,
+            fingerprint_ignore: Vec::new(),
+            scope_cookies: Vec::new(),
+            fingerprint_headers: Vec::new(),
+            failure_ttl: Duration::from_secs(24 * 3600),
+            max_ttl: Duration::from_secs(7 * 24 * 3600),
+            replay_drop_headers: vec![http::header::SET_COOKIE],
+            expiry_header: None,
         }
     }
 
@@ -125,6 +219,34 @@ impl Policy {
     /// exactly as the same fields in TOML are.
     pub fn builder() -> PolicyBuilder {
         PolicyBuilder::default()
+    }
+
+    /// Give a policy that derives keys its secret; an error naming `{at}.derived_key` when it
+    /// needs one and there is none.
+    pub(super) fn with_key_secret(
+        mut self,
+        secret: Option<&KeySecret>,
+        at: &str,
+    ) -> Result<Self, ConfigError> {
+        if self.derived_key.is_empty() {
+            self.key_secret = None;
+            return Ok(self);
+        }
+        match secret {
+            Some(secret) => {
+                self.key_secret = Some(secret.clone());
+                Ok(self)
+            }
+            None => Err(ConfigError::invalid(
+                format!("{at}.derived_key"),
+                "needs a secret: set IDEMGATE_KEY_SECRET in the environment",
+            )),
+        }
+    }
+
+    /// Whether a request without a key header may carry its key in the body.
+    pub fn keys_from_body(&self) -> bool {
+        self.key_from_body.is_some() || self.key_secret.is_some()
     }
 
     /// Whether idempotency applies to `method` on this route.
@@ -239,6 +361,100 @@ impl Policy {
         if let Some(o) = raw.on_store_error {
             self.on_store_error = o;
         }
+        let header_names = |names: &Vec<String>,
+                            field: &str|
+         -> Result<Vec<HeaderName>, ConfigError> {
+            names
+                .iter()
+                .map(|n| {
+                    HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes()).map_err(|_| {
+                        ConfigError::invalid(
+                            format!("{at}.{field}"),
+                            format!("{n:?} is not a header name"),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let pointers = |texts: &Vec<String>, field: &str| -> Result<Vec<Pointer>, ConfigError> {
+            texts
+                .iter()
+                .map(|t| {
+                    Pointer::parse(t).map_err(|e| ConfigError::invalid(format!("{at}.{field}"), e))
+                })
+                .collect()
+        };
+        if let Some(names) = &raw.key_headers {
+            if names.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("{at}.key_headers"),
+                    "must name at least one header",
+                ));
+            }
+            self.key_headers = header_names(names, "key_headers")?;
+        }
+        if let Some(pointer) = &raw.key_from_body {
+            self.key_from_body = match pointer.as_str() {
+                "" => None,
+                p => Some(
+                    Pointer::parse(p)
+                        .map_err(|e| ConfigError::invalid(format!("{at}.key_from_body"), e))?,
+                ),
+            };
+        }
+        if let Some(fields) = &raw.derived_key {
+            self.derived_key = pointers(fields, "derived_key")?;
+        }
+        if let Some(mode) = raw.fingerprint {
+            self.fingerprint = mode;
+        }
+        if let Some(ignore) = &raw.fingerprint_ignore {
+            self.fingerprint_ignore = pointers(ignore, "fingerprint_ignore")?;
+        }
+        if let Some(cookies) = &raw.scope_cookies {
+            if let Some(bad) = cookies.iter().find(|c| {
+                c.is_empty()
+                    || !c
+                        .bytes()
+                        .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b))
+            }) {
+                return Err(ConfigError::invalid(
+                    format!("{at}.scope_cookies"),
+                    format!("{bad:?} is not a cookie name"),
+                ));
+            }
+            self.scope_cookies = cookies.clone();
+        }
+        if let Some(names) = &raw.fingerprint_headers {
+            self.fingerprint_headers = header_names(names, "fingerprint_headers")?;
+        }
+        if let Some(d) = positive(raw.failure_ttl, "failure_ttl")? {
+            self.failure_ttl = d;
+        }
+        if let Some(d) = positive(raw.max_ttl, "max_ttl")? {
+            self.max_ttl = d;
+        }
+        for (field, ttl) in [("ttl", self.ttl), ("failure_ttl", self.failure_ttl)] {
+            if ttl > self.max_ttl {
+                return Err(ConfigError::invalid(
+                    format!("{at}.{field}"),
+                    format!(
+                        "{} is longer than max_ttl ({})",
+                        humantime::format_duration(ttl),
+                        humantime::format_duration(self.max_ttl)
+                    ),
+                ));
+            }
+        }
+        if let Some(names) = &raw.replay_drop_headers {
+            self.replay_drop_headers = header_names(names, "replay_drop_headers")?;
+        }
+        if let Some(name) = &raw.expiry_header {
+            self.expiry_header = match name.trim() {
+                "" => None,
+                n => Some(header_names(&vec![n.to_string()], "expiry_header")?.remove(0)),
+            };
+        }
         if let Some(name) = &raw.upstream {
             if name.is_empty()
                 || !name
@@ -281,6 +497,7 @@ impl Default for Policy {
 #[derive(Debug, Default, Clone)]
 pub struct PolicyBuilder {
     raw: RawPolicy,
+    secret: Option<KeySecret>,
 }
 
 impl PolicyBuilder {
@@ -368,6 +585,77 @@ impl PolicyBuilder {
         self
     }
 
+    /// `key_headers`: the headers that carry the key, tried in order.
+    pub fn key_headers<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.key_headers = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `key_from_body`: a JSON pointer to the key in a JSON body (`""`: none).
+    pub fn key_from_body(mut self, pointer: &str) -> Self {
+        self.raw.key_from_body = Some(pointer.to_string());
+        self
+    }
+
+    /// `derived_key`: the JSON fields whose canonical values, with `secret`, make the key.
+    pub fn derived_key<'a>(
+        mut self,
+        fields: impl IntoIterator<Item = &'a str>,
+        secret: KeySecret,
+    ) -> Self {
+        self.raw.derived_key = Some(fields.into_iter().map(str::to_string).collect());
+        self.secret = Some(secret);
+        self
+    }
+
+    /// `fingerprint`: `Exact` bytes or canonical `Json`.
+    pub fn fingerprint(mut self, mode: FingerprintMode) -> Self {
+        self.raw.fingerprint = Some(mode);
+        self
+    }
+
+    /// `fingerprint_ignore`: JSON pointers left out of a `Json` fingerprint.
+    pub fn fingerprint_ignore<'a>(mut self, pointers: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.fingerprint_ignore = Some(pointers.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `scope_cookies`: cookies whose values scope the key.
+    pub fn scope_cookies<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.scope_cookies = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `fingerprint_headers`: request headers that are part of the fingerprint.
+    pub fn fingerprint_headers<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.fingerprint_headers = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `failure_ttl`: how long a stored 4xx is replayed.
+    pub fn failure_ttl(mut self, ttl: Duration) -> Self {
+        self.raw.failure_ttl = Some(HumanDuration::new(ttl));
+        self
+    }
+
+    /// `max_ttl`: the longest any record lives.
+    pub fn max_ttl(mut self, ttl: Duration) -> Self {
+        self.raw.max_ttl = Some(HumanDuration::new(ttl));
+        self
+    }
+
+    /// `replay_drop_headers`: response headers recorded but never replayed.
+    pub fn replay_drop_headers<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.raw.replay_drop_headers = Some(names.into_iter().map(str::to_string).collect());
+        self
+    }
+
+    /// `expiry_header`: the header that carries a record's expiry (`""`: none).
+    pub fn expiry_header(mut self, name: &str) -> Self {
+        self.raw.expiry_header = Some(name.to_string());
+        self
+    }
+
     /// `upstream`: the named upstream the gateway forwards to.
     pub fn upstream(mut self, name: &str) -> Self {
         self.raw.upstream = Some(name.to_string());
@@ -376,6 +664,8 @@ impl PolicyBuilder {
 
     /// The policy, or the first field refused (named as `policy.<field>`).
     pub fn build(self) -> Result<Policy, ConfigError> {
-        Policy::builtin().overlay(&self.raw, "policy")
+        Policy::builtin()
+            .overlay(&self.raw, "policy")?
+            .with_key_secret(self.secret.as_ref(), "policy")
     }
 }

@@ -3,6 +3,8 @@
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
+use super::json::{hash_canonical, Json, Pointer};
+use crate::config::KeySecret;
 use crate::error::GatewayError;
 
 /// The request header that carries the key.
@@ -15,20 +17,117 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyKey(String);
 
-impl IdempotencyKey {
-    /// Extract the key from `headers`: `Ok(None)` when there is none, an error when there are
-    /// several or the one there is invalid.
-    pub fn from_headers(headers: &HeaderMap, max_len: usize) -> Result<Option<Self>, GatewayError> {
-        let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
-        let Some(value) = values.next() else {
-            return Ok(None);
-        };
-        if values.next().is_some() {
-            return Err(GatewayError::InvalidKey(
-                "send exactly one Idempotency-Key header".into(),
-            ));
+/// Where a request's key came from: shown in the debug log and the admin key view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header (one of `key_headers`).
+    Header,
+    /// A field of the JSON body (`key_from_body`).
+    Body,
+    /// An HMAC of fields of the JSON body (`derived_key`).
+    Derived,
+}
+
+impl KeySource {
+    /// The name logs and the admin API give it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySource::Header => "header",
+            KeySource::Body => "body",
+            KeySource::Derived => "derived",
         }
-        Self::parse(value.as_bytes(), max_len).map(Some)
+    }
+}
+
+impl IdempotencyKey {
+    /// Extract the key from the first of `names` that `headers` carry: `Ok(None)` when none
+    /// does, an error when one is repeated or invalid, or when two of them carry different
+    /// keys (the same key under two names is that key).
+    pub fn from_headers(
+        headers: &HeaderMap,
+        names: &[HeaderName],
+        max_len: usize,
+    ) -> Result<Option<Self>, GatewayError> {
+        let mut found: Option<(Self, &HeaderName)> = None;
+        for name in names {
+            let mut values = headers.get_all(name).iter();
+            let Some(value) = values.next() else {
+                continue;
+            };
+            if values.next().is_some() {
+                return Err(GatewayError::InvalidKey(format!(
+                    "send exactly one {name} header"
+                )));
+            }
+            let key = Self::parse(value.as_bytes(), max_len)?;
+            match &found {
+                None => found = Some((key, name)),
+                Some((first, _)) if *first == key => {}
+                Some((_, first_name)) => {
+                    return Err(GatewayError::InvalidKey(format!(
+                        "the {first_name} and {name} headers carry different keys"
+                    )))
+                }
+            }
+        }
+        Ok(found.map(|(key, _)| key))
+    }
+
+    /// The key at `pointer` in a JSON body: `Ok(None)` when the body has no such field; an error
+    /// naming the pointer when the value is not a string or a number, or not a valid key. A
+    /// number is taken as written.
+    pub fn from_json(
+        doc: &Json<'_>,
+        pointer: &Pointer,
+        max_len: usize,
+    ) -> Result<Option<Self>, GatewayError> {
+        let raw = match pointer.get(doc) {
+            None => return Ok(None),
+            Some(Json::String(s)) => s.as_ref(),
+            Some(Json::Number { text, .. }) => text,
+            Some(_) => {
+                return Err(GatewayError::InvalidKey(format!(
+                    "the key at {} in the body must be a string or a number",
+                    pointer.as_str()
+                )))
+            }
+        };
+        if raw.len() > max_len {
+            return Err(GatewayError::InvalidKey(format!(
+                "the key at {} in the body is {} characters long; the limit is {max_len}",
+                pointer.as_str(),
+                raw.len()
+            )));
+        }
+        Self::validated(raw.as_bytes().to_vec(), max_len)
+            .map(Some)
+            .map_err(|e| match e {
+                GatewayError::InvalidKey(why) => GatewayError::InvalidKey(format!(
+                    "{} (at {} in the body)",
+                    why,
+                    pointer.as_str()
+                )),
+                other => other,
+            })
+    }
+
+    /// The key derived from `fields` of a JSON body: an HMAC-SHA256, with `secret`, over each
+    /// field's pointer and canonical value; `None` when a field is missing.
+    pub fn derived(doc: &Json<'_>, fields: &[Pointer], secret: &KeySecret) -> Option<Self> {
+        use hmac::{Hmac, Mac};
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(secret.expose()).expect("HMAC takes any key length");
+        for field in fields {
+            let value = field.get(doc)?;
+            let name = field.as_str().as_bytes();
+            mac.update(&(name.len() as u64).to_be_bytes());
+            mac.update(name);
+            hash_canonical(value, &[], &mut mac);
+        }
+        Some(IdempotencyKey(format!(
+            "derived-{}",
+            hex(&mac.finalize().into_bytes())
+        )))
     }
 
     /// Validate one header value.
@@ -39,6 +138,11 @@ impl IdempotencyKey {
         } else {
             raw.to_vec()
         };
+        Self::validated(key, max_len)
+    }
+
+    /// A key of 1 to `max_len` visible ASCII characters.
+    fn validated(key: Vec<u8>, max_len: usize) -> Result<Self, GatewayError> {
         if key.is_empty() {
             return Err(GatewayError::InvalidKey(
                 "the Idempotency-Key header is empty".into(),
@@ -68,7 +172,15 @@ impl IdempotencyKey {
     /// The store address of this key for the caller identified by `scope_headers`: a SHA-256 over
     /// the key and every scope header's values, so callers with different credentials never share
     /// a record even when they pick the same key.
-    pub fn scoped(&self, headers: &HeaderMap, scope_headers: &[HeaderName]) -> ScopedKey {
+    ///
+    /// With `scope_cookies`, the values of those cookies (from the `Cookie` headers) scope it too;
+    /// other cookies do not.
+    pub fn scoped(
+        &self,
+        headers: &HeaderMap,
+        scope_headers: &[HeaderName],
+        scope_cookies: &[String],
+    ) -> ScopedKey {
         let mut h = Sha256::new();
         write_field(&mut h, self.0.as_bytes());
         for name in scope_headers {
@@ -77,6 +189,19 @@ impl IdempotencyKey {
             h.update((values.iter().count() as u32).to_be_bytes());
             for v in values {
                 write_field(&mut h, v.as_bytes());
+            }
+        }
+        // Only when cookies scope the key, so that keys scoped by headers alone keep their
+        // addresses.
+        if !scope_cookies.is_empty() {
+            write_field(&mut h, b"cookies");
+            for name in scope_cookies {
+                write_field(&mut h, name.as_bytes());
+                let values: Vec<&[u8]> = cookies(headers, name).collect();
+                h.update((values.len() as u32).to_be_bytes());
+                for v in values {
+                    write_field(&mut h, v);
+                }
             }
         }
         ScopedKey(h.finalize().into())
@@ -103,6 +228,20 @@ impl ScopedKey {
         use base64::Engine;
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&self.0[..16])
     }
+}
+
+/// The values of the cookie `name` in the `Cookie` headers of a request (RFC 6265: pairs
+/// separated by `;`).
+fn cookies<'h>(headers: &'h HeaderMap, name: &'h str) -> impl Iterator<Item = &'h [u8]> + 'h {
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
+        .filter_map(move |pair| {
+            let pair = trim(pair);
+            let eq = pair.iter().position(|&b| b == b'=')?;
+            (trim(&pair[..eq]) == name.as_bytes()).then(|| trim(&pair[eq + 1..]))
+        })
 }
 
 /// Length-prefix a field so that ("ab","c") and ("a","bc") hash differently.
@@ -188,10 +327,12 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
         h.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        assert!(IdempotencyKey::from_headers(&h, 16).is_err());
-        assert!(IdempotencyKey::from_headers(&HeaderMap::new(), 16)
-            .unwrap()
-            .is_none());
+        assert!(IdempotencyKey::from_headers(&h, &[IDEMPOTENCY_KEY], 16).is_err());
+        assert!(
+            IdempotencyKey::from_headers(&HeaderMap::new(), &[IDEMPOTENCY_KEY], 16)
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[test]
@@ -208,9 +349,115 @@ mod tests {
             http::header::AUTHORIZATION,
             HeaderValue::from_static("Bearer b"),
         );
-        assert_ne!(k.scoped(&a, &scope), k.scoped(&b, &scope));
-        assert_ne!(k.scoped(&a, &scope), k.scoped(&HeaderMap::new(), &scope));
-        assert_eq!(k.scoped(&a, &scope), k.scoped(&a.clone(), &scope));
-        assert_eq!(k.scoped(&a, &[]), k.scoped(&b, &[]));
+        assert_ne!(k.scoped(&a, &scope, &[]), k.scoped(&b, &scope, &[]));
+        assert_ne!(
+            k.scoped(&a, &scope, &[]),
+            k.scoped(&HeaderMap::new(), &scope, &[])
+        );
+        assert_eq!(k.scoped(&a, &scope, &[]), k.scoped(&a.clone(), &scope, &[]));
+        assert_eq!(k.scoped(&a, &[], &[]), k.scoped(&b, &[], &[]));
+    }
+
+    #[test]
+    fn key_headers_are_tried_in_order_and_must_agree() {
+        let names = [
+            IDEMPOTENCY_KEY,
+            HeaderName::from_static("x-idempotency-key"),
+        ];
+        let with = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (n, v) in pairs {
+                h.append(*n, HeaderValue::from_static(v));
+            }
+            IdempotencyKey::from_headers(&h, &names, 16).map(|k| k.map(|k| k.0))
+        };
+        assert_eq!(
+            with(&[("x-idempotency-key", "a")]).unwrap().as_deref(),
+            Some("a")
+        );
+        assert_eq!(
+            with(&[("idempotency-key", "a"), ("x-idempotency-key", "\"a\"")])
+                .unwrap()
+                .as_deref(),
+            Some("a"),
+            "the same key under two names"
+        );
+        assert!(with(&[("idempotency-key", "a"), ("x-idempotency-key", "b")]).is_err());
+        assert!(with(&[]).unwrap().is_none());
+    }
+
+    #[test]
+    fn body_keys_are_strings_or_numbers_within_the_limit() {
+        let doc = crate::idempotency::json::parse(
+            br#"{"ref":"r-1","n":12345,"obj":{},"long":"0123456789abcdefX","sp":"a b"}"#,
+        )
+        .unwrap();
+        let at = |p: &str| Pointer::parse(p).unwrap();
+        let key = |p: &str| IdempotencyKey::from_json(&doc, &at(p), 16);
+        assert_eq!(
+            key("/ref").unwrap().unwrap(),
+            IdempotencyKey::parse(b"r-1", 16).unwrap()
+        );
+        assert_eq!(key("/n").unwrap().unwrap().as_str(), "12345");
+        assert!(key("/missing").unwrap().is_none());
+        for bad in ["/obj", "/long", "/sp"] {
+            let e = key(bad).unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn derived_keys_follow_the_canonical_values() {
+        let secret = KeySecret::new("0123456789abcdef-secret").unwrap();
+        let other = KeySecret::new("fedcba9876543210-secret").unwrap();
+        let fields = [
+            Pointer::parse("/merchant").unwrap(),
+            Pointer::parse("/amount").unwrap(),
+        ];
+        let key = |body: &str, secret: &KeySecret| {
+            let doc = crate::idempotency::json::parse(body.as_bytes()).unwrap();
+            IdempotencyKey::derived(&doc, &fields, secret)
+        };
+        let a = key(r#"{"merchant":"m1","amount":100,"ts":1}"#, &secret).unwrap();
+        let b = key(r#"{"ts":2,"amount":1.0e2,"merchant":"m1"}"#, &secret).unwrap();
+        assert_eq!(
+            a, b,
+            "key order, number spelling and other fields do not matter"
+        );
+        assert_ne!(
+            a,
+            key(r#"{"merchant":"m1","amount":101}"#, &secret).unwrap()
+        );
+        assert_ne!(a, key(r#"{"merchant":"m1","amount":100}"#, &other).unwrap());
+        assert!(
+            key(r#"{"merchant":"m1"}"#, &secret).is_none(),
+            "a missing field: no key"
+        );
+    }
+
+    #[test]
+    fn scope_cookies_separate_sessions_and_ignore_other_cookies() {
+        let k = key("k1").unwrap();
+        let cookies = ["session_id".to_string()];
+        let jar = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(http::header::COOKIE, HeaderValue::from_static(v));
+            h
+        };
+        let a = k.scoped(&jar("session_id=s1; theme=dark"), &[], &cookies);
+        assert_eq!(
+            a,
+            k.scoped(&jar("theme=light;session_id=s1"), &[], &cookies)
+        );
+        assert_ne!(
+            a,
+            k.scoped(&jar("session_id=s2; theme=dark"), &[], &cookies)
+        );
+        assert_ne!(a, k.scoped(&HeaderMap::new(), &[], &cookies));
+        assert_eq!(
+            k.scoped(&jar("session_id=s1"), &[], &[]),
+            k.scoped(&HeaderMap::new(), &[], &[]),
+            "cookies scope nothing unless named"
+        );
     }
 }

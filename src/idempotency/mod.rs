@@ -14,7 +14,9 @@ mod service;
 
 pub use layer::IdempotencyLayer;
 pub use routes::Routes;
-pub use service::{Deadline, Idempotency, NotSent, IDEMPOTENT_REPLAYED, TRACEPARENT};
+pub use service::{
+    Deadline, Idempotency, NotSent, IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT,
+};
 
 #[cfg(test)]
 mod tests;

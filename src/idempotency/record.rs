@@ -1,10 +1,10 @@
 //! What the store keeps per key, and its compact binary encoding.
 //!
-//! Layout of an encoded entry (all integers big-endian), version 2 (version 1, still read, had
-//! no written-at time and no traceparent):
+//! Layout of an encoded entry (all integers big-endian), version 3 (still read: version 2, without
+//! the key source byte, and version 1, without the written-at time and the traceparent):
 //!
 //! ```text
-//! [0]      format version (2)
+//! [0]      format version (3)
 //! [1]      state: b'P' in flight, b'C' completed (response follows), b'Z' the same with an
 //!          LZ4-compressed body, b'N' completed, not replayable
 //! [2..34]  request fingerprint (SHA-256)
@@ -14,6 +14,7 @@
 //! u16      status
 //! u16      header count, then per header: u16 name length, name, u32 value length, value
 //! u8       length of the original request's W3C traceparent (0: none), then its bytes
+//! u8       where the key came from: 0 unknown, 1 a header, 2 the body, 3 derived
 //! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
 //! ```
 //!
@@ -28,9 +29,10 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
 use super::fingerprint::Fingerprint;
+use super::key::KeySource;
 
 /// The encoding version written by this build.
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 /// Offset of the state byte.
 pub const STATE_AT: usize = 1;
 /// Offset of the token.
@@ -72,6 +74,8 @@ pub struct StoredResponse {
     /// The W3C `traceparent` of the request that produced it, so a replay can name the trace of
     /// the original execution.
     pub traceparent: Option<HeaderValue>,
+    /// Where the request's key came from (unknown for records written before it was kept).
+    pub key_source: Option<KeySource>,
 }
 
 /// Where a key stands.
@@ -92,6 +96,7 @@ impl StoredResponse {
         mut head: http::response::Parts,
         body: Bytes,
         traceparent: Option<HeaderValue>,
+        key_source: KeySource,
     ) -> Self {
         crate::headers::strip_hop_by_hop(&mut head.headers);
         let mut headers = Vec::with_capacity(head.headers.len());
@@ -108,6 +113,7 @@ impl StoredResponse {
             headers,
             body,
             traceparent,
+            key_source: Some(key_source),
         }
     }
 
@@ -137,6 +143,7 @@ impl StoredResponse {
                 .collect(),
             body: Bytes::copy_from_slice(&self.body),
             traceparent: self.traceparent.clone(),
+            key_source: self.key_source,
         })
     }
 }
@@ -260,6 +267,7 @@ pub fn encode_parts<'a>(
                 .sum::<usize>()
                 + 1
                 + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
+                + 1
         });
     let mut out = BytesMut::with_capacity(size);
     out.put_u8(FORMAT_VERSION);
@@ -284,6 +292,12 @@ pub fn encode_parts<'a>(
             }
             None => out.put_u8(0),
         }
+        out.put_u8(match r.key_source {
+            None => 0,
+            Some(KeySource::Header) => 1,
+            Some(KeySource::Body) => 2,
+            Some(KeySource::Derived) => 3,
+        });
     }
     Encoded { head: out, body }
 }
@@ -293,7 +307,7 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
     // Version 1 (the first release) is still read: no written-at time, no traceparent.
     let (header_len, v1) = match raw.first() {
         Some(1) => (WRITTEN_AT, true),
-        Some(2) => (HEADER_LEN, false),
+        Some(2 | 3) => (HEADER_LEN, false),
         Some(_) => return Err(DecodeError("unknown version")),
         None => return Err(DecodeError("too short")),
     };
@@ -311,10 +325,10 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         IN_FLIGHT => EntryState::InFlight,
         NOT_REPLAYABLE => EntryState::NotReplayable,
         COMPLETED => {
-            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), !v1)?))
+            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), raw[0])?))
         }
         COMPRESSED if !v1 => {
-            let mut r = decode_response(raw.slice(header_len..), true)?;
+            let mut r = decode_response(raw.slice(header_len..), raw[0])?;
             let (expanded, _) = lz4_flex::block::uncompressed_size(&r.body)
                 .map_err(|_| DecodeError("truncated compressed body"))?;
             if expanded > MAX_EXPANDED {
@@ -338,7 +352,8 @@ pub fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
     ))
 }
 
-fn decode_response(mut buf: Bytes, with_trace: bool) -> Result<StoredResponse, DecodeError> {
+fn decode_response(mut buf: Bytes, version: u8) -> Result<StoredResponse, DecodeError> {
+    let with_trace = version >= 2;
     let need = |buf: &Bytes, n: usize| {
         if buf.remaining() < n {
             Err(DecodeError("truncated"))
@@ -376,11 +391,24 @@ fn decode_response(mut buf: Bytes, with_trace: bool) -> Result<StoredResponse, D
                 .map_err(|_| DecodeError("bad traceparent"))?,
         ),
     };
+    let key_source = if version >= 3 {
+        need(&buf, 1)?;
+        match buf.get_u8() {
+            0 => None,
+            1 => Some(KeySource::Header),
+            2 => Some(KeySource::Body),
+            3 => Some(KeySource::Derived),
+            _ => return Err(DecodeError("bad key source")),
+        }
+    } else {
+        None
+    };
     Ok(StoredResponse {
         status,
         headers,
         body: buf,
         traceparent,
+        key_source,
     })
 }
 
@@ -411,15 +439,16 @@ mod tests {
             traceparent: Some(HeaderValue::from_static(
                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             )),
+            key_source: Some(KeySource::Body),
         };
         let fp = Fingerprint([7; 32]);
         let tok = Token::random();
         let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
         // 58 fixed + 4 (status, count) + 3 headers (6 bytes of lengths each + name + value)
-        // + traceparent (1 + 55) + body.
+        // + traceparent (1 + 55) + key source (1) + body.
         assert_eq!(
             raw.len(),
-            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 56 + 1000
+            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 56 + 1 + 1000
         );
         let before = now_ms();
         let (entry, tok2) = decode(raw).unwrap();
@@ -453,6 +482,7 @@ mod tests {
                 headers: vec![(HeaderName::from_static("x"), HeaderValue::from_static("y"))],
                 body: Bytes::new(),
                 traceparent: None,
+                key_source: None,
             })),
         )
         .to_vec();
@@ -506,6 +536,7 @@ mod tests {
             headers,
             body: Bytes::from(body),
             traceparent: None,
+            key_source: None,
         }))
     }
 

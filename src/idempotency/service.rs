@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Method, Request, Response, StatusCode};
 use tokio::sync::OwnedSemaphorePermit;
@@ -39,10 +39,11 @@ use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
 use super::body::{collect_capped, replay_then_rest, Collected};
 use super::fingerprint::Fingerprint;
-use super::key::{IdempotencyKey, ScopedKey};
+use super::json;
+use super::key::{IdempotencyKey, KeySource, ScopedKey};
 use super::record::{EntryState, StoredResponse, Token};
 use super::routes::{RouteState, RouteTable};
-use crate::config::{OnInFlight, OnStoreError, Policy};
+use crate::config::{FingerprintMode, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
 use crate::headers::declares_its_length;
 use crate::metrics::{Metrics, Outcome, StoreOp, StoreOpMetrics};
@@ -179,14 +180,17 @@ where
         let mut req = req.map(Body::new);
         // The inner service learns the policy applied (the proxy reads its upstream_timeout).
         req.extensions_mut().insert(policy.clone());
-        let key = if policy.applies_to(req.method()) {
-            IdempotencyKey::from_headers(req.headers(), policy.key_max_len)
+        let applies = policy.applies_to(req.method());
+        let key = if applies {
+            IdempotencyKey::from_headers(req.headers(), &policy.key_headers, policy.key_max_len)
         } else {
             Ok(None)
         };
         let key = match key {
-            Ok(Some(key)) => key,
-            Ok(None) if policy.require_key && policy.applies_to(req.method()) => {
+            Ok(Some(key)) => Some(key),
+            // The key may be in the body: the keyed path reads it first.
+            Ok(None) if applies && policy.keys_from_body() => None,
+            Ok(None) if applies && policy.require_key => {
                 return shared.refuse_now(&route, started, GatewayError::MissingKey)
             }
             Ok(None) => {
@@ -195,7 +199,7 @@ where
                 shared.metrics.overhead(started.elapsed());
                 return Box::pin(async move {
                     let called = Instant::now();
-                    let answer = call.await.map(|r| r.map(Body::new));
+                    let answer = call.await.map(relayed);
                     shared.metrics.upstream(called.elapsed());
                     route.metrics.count(Outcome::passthrough);
                     answer
@@ -209,7 +213,8 @@ where
             "idempotent_request",
             method = %req.method(),
             route = %policy.route,
-            key = %key.short_hash(),
+            key = field::Empty,
+            key_source = field::Empty,
             outcome = field::Empty,
             original_trace = field::Empty,
         );
@@ -233,6 +238,57 @@ where
     }
 }
 
+/// The header by which an upstream steers the recording of one response (`no-store`,
+/// `max-age=SECONDS`); never relayed to a client.
+pub const IDEMPOTENCY_CONTROL: HeaderName = HeaderName::from_static("idempotency-control");
+
+/// A response the inner service gave, as relayed to the client: its body boxed, and
+/// `Idempotency-Control` removed.
+fn relayed<RB>(resp: Response<RB>) -> Response<Body>
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    let mut resp = resp.map(Body::new);
+    if !resp.headers().is_empty() {
+        resp.headers_mut().remove(IDEMPOTENCY_CONTROL);
+    }
+    resp
+}
+
+/// What an upstream's `Idempotency-Control` asks for one response.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Control {
+    // `no-store`, or `max-age=0`: not recorded.
+    no_store: bool,
+    // `max-age=SECONDS`: recorded for this long (bounded by the route's max_ttl).
+    max_age: Option<Duration>,
+}
+
+impl Control {
+    /// Read the directives of every `Idempotency-Control` header (comma-separated,
+    /// case-insensitive; unknown ones ignored), and remove them.
+    fn take(headers: &mut http::HeaderMap) -> Self {
+        let mut control = Control::default();
+        for value in headers.get_all(IDEMPOTENCY_CONTROL) {
+            for directive in value.to_str().unwrap_or("").split(',').map(str::trim) {
+                let (name, arg) = directive.split_once('=').unwrap_or((directive, ""));
+                if name.eq_ignore_ascii_case("no-store") {
+                    control.no_store = true;
+                } else if name.eq_ignore_ascii_case("max-age") {
+                    match arg.trim().trim_matches('"').parse::<u64>() {
+                        Ok(0) => control.no_store = true,
+                        Ok(secs) => control.max_age = Some(Duration::from_secs(secs)),
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        headers.remove(IDEMPOTENCY_CONTROL);
+        control
+    }
+}
+
 /// A response or the inner service's error.
 type Answer<E> = Result<Response<Body>, E>;
 
@@ -246,10 +302,11 @@ enum Called<E> {
     BodyFailed,
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
     Transient(Response<Body>),
-    /// A storable response whose whole body fits in `max_body`.
-    Whole(http::response::Parts, Bytes),
-    /// A storable response larger than `max_body`: the chunks read so far and the rest.
-    TooLarge(http::response::Parts, Vec<Bytes>, Body),
+    /// A storable response whose whole body fits in `max_body`, to keep for the duration.
+    Whole(http::response::Parts, Bytes, Duration),
+    /// A storable response larger than `max_body`: the chunks read so far and the rest; the
+    /// key is recorded as not replayable for the duration.
+    TooLarge(http::response::Parts, Vec<Bytes>, Body, Duration),
 }
 
 impl<St: Store> Shared<St> {
@@ -269,12 +326,14 @@ impl<St: Store> Shared<St> {
         Box::pin(std::future::ready(Ok(e.into_response())))
     }
 
-    /// The state machine of a keyed request, up to the claim.
+    /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
+    /// one), the key is looked for in the body; a request that has none after all goes to the
+    /// inner service as it would have without a key route.
     async fn keyed<S, RB>(
         self: Arc<Self>,
         route: Arc<RouteState>,
         inner: S,
-        key: IdempotencyKey,
+        key: Option<IdempotencyKey>,
         req: Request<Body>,
     ) -> (Outcome, Answer<S::Error>, Duration)
     where
@@ -289,7 +348,13 @@ impl<St: Store> Shared<St> {
         let (parts, body) = req.into_parts();
         let body = match collect_capped(body, policy.max_body).await {
             Ok(Collected::Whole(body)) => body,
-            Ok(Collected::TooLarge { .. }) => {
+            Ok(Collected::TooLarge { read, rest }) => {
+                if key.is_none() && !policy.require_key {
+                    // No key in a header, and too large to look for one in the body.
+                    let req = Request::from_parts(parts, replay_then_rest(read, rest));
+                    let (answer, took) = self.pass_through(inner, req).await;
+                    return (Outcome::passthrough, answer, took);
+                }
                 let limit = policy.max_body;
                 return refused(
                     Outcome::rejected_invalid,
@@ -298,13 +363,49 @@ impl<St: Store> Shared<St> {
             }
             Err(_) => return refused(Outcome::rejected_invalid, GatewayError::InvalidBody),
         };
+        // The body is parsed once, when something needs it: a canonical fingerprint, or a key
+        // that no header carried.
+        let json_typed = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|ct| json::is_json_type(ct.as_bytes()));
+        let doc = if json_typed && (policy.fingerprint == FingerprintMode::Json || key.is_none()) {
+            match json::parse(&body) {
+                Ok(doc) => Some(doc),
+                Err(e) => {
+                    return refused(Outcome::rejected_invalid, GatewayError::InvalidJson(e.0))
+                }
+            }
+        } else {
+            None
+        };
+        let (key, source) = match key {
+            Some(key) => (key, KeySource::Header),
+            None => match body_key(&policy, doc.as_ref()) {
+                Ok(Some(found)) => found,
+                Ok(None) if policy.require_key => {
+                    return refused(Outcome::rejected_invalid, GatewayError::MissingKey)
+                }
+                Ok(None) => {
+                    drop(doc);
+                    let req = Request::from_parts(parts, Body::from(body));
+                    let (answer, took) = self.pass_through(inner, req).await;
+                    return (Outcome::passthrough, answer, took);
+                }
+                Err(e) => return refused(Outcome::rejected_invalid, e),
+            },
+        };
+        Span::current().record("key", key.short_hash());
+        Span::current().record("key_source", source.as_str());
         let held = Arc::new(Held {
-            key: key.scoped(&parts.headers, &policy.scope_headers),
+            key: key.scoped(&parts.headers, &policy.scope_headers, &policy.scope_cookies),
             token: Token::random(),
-            fingerprint: Fingerprint::of(&parts, &body),
+            fingerprint: Fingerprint::for_policy(&parts, &body, doc.as_ref(), &policy),
             route: policy.clone(),
             client_key: key,
+            source,
         });
+        drop(doc);
         // Set once this request starts waiting for an in-flight duplicate (`on_in_flight = "wait"`).
         let mut waiting: Option<Waiting> = None;
 
@@ -375,7 +476,10 @@ impl<St: Store> Shared<St> {
                 Claim::NotReplayable => {
                     return refused(Outcome::not_replayable, GatewayError::NotReplayable)
                 }
-                Claim::Replay(Replay { response, .. }) => {
+                Claim::Replay(Replay {
+                    response,
+                    expires_in,
+                }) => {
                     if !framed_as_stored(&response, &parts.method) {
                         error!(route = %policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
                         return refused(Outcome::store_error, GatewayError::CorruptRecord);
@@ -385,7 +489,12 @@ impl<St: Store> Shared<St> {
                         Span::current().record("original_trace", trace);
                     }
                     self.metrics.replayed_bytes(response.body.len());
-                    return (Outcome::replayed, Ok(respond(&response, true)), NO_CALL);
+                    let resp = respond(
+                        &response,
+                        Some(&policy.replay_drop_headers),
+                        expiry(&policy, expires_in),
+                    );
+                    return (Outcome::replayed, Ok(resp), NO_CALL);
                 }
                 Claim::Claimed => {
                     // The claimed work runs in its own task so that a client that disconnects does
@@ -468,22 +577,26 @@ impl<St: Store> Shared<St> {
                 self.release(held).await;
                 Ok(resp)
             }
-            Ok(Called::Whole(head, body)) => {
-                let stored = Arc::new(StoredResponse::new(head, body, traceparent));
+            Ok(Called::Whole(head, body, ttl)) => {
+                let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
                 if declares_its_length(stored.status, stored.lengths(), stored.body.len(), is_head)
                 {
                     let state = EntryState::Completed(stored.clone());
-                    self.complete(held, &state).await;
-                    Ok(respond(&stored, false))
+                    self.complete(held, &state, ttl).await;
+                    Ok(respond(&stored, None, expiry(policy, Some(ttl))))
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
                     Ok(GatewayError::Upstream.into_response())
                 }
             }
-            Ok(Called::TooLarge(head, read, rest)) => {
-                self.complete(held, &EntryState::NotReplayable).await;
-                Ok(Response::from_parts(head, replay_then_rest(read, rest)))
+            Ok(Called::TooLarge(head, read, rest, ttl)) => {
+                self.complete(held, &EntryState::NotReplayable, ttl).await;
+                let mut resp = Response::from_parts(head, replay_then_rest(read, rest));
+                if let Some((name, value)) = expiry(policy, Some(ttl)) {
+                    resp.headers_mut().insert(name, value);
+                }
+                Ok(resp)
             }
         };
         (answer, took)
@@ -503,14 +616,20 @@ impl<St: Store> Shared<St> {
             Err(e) if is_not_sent(&e) => return Called::NotSent(e),
             Err(e) => return Called::Failed(e),
         };
-        let (head, body) = resp.into_parts();
+        let (mut head, body) = resp.into_parts();
         let body = Body::new(body);
-        if !is_storable(head.status, policy.cache_server_errors) {
+        let control = Control::take(&mut head.headers);
+        if !is_storable(head.status, policy.cache_server_errors) || control.no_store {
             return Called::Transient(Response::from_parts(head, body));
         }
+        let ttl = match control.max_age {
+            Some(age) => age.min(policy.max_ttl),
+            None if head.status.as_u16() >= 400 => policy.failure_ttl,
+            None => policy.ttl,
+        };
         match collect_capped(body, policy.max_body).await {
-            Ok(Collected::Whole(body)) => Called::Whole(head, body),
-            Ok(Collected::TooLarge { read, rest }) => Called::TooLarge(head, read, rest),
+            Ok(Collected::Whole(body)) => Called::Whole(head, body, ttl),
+            Ok(Collected::TooLarge { read, rest }) => Called::TooLarge(head, read, rest, ttl),
             Err(e) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream response body failed midway; key stays claimed until its lease ends");
                 Called::BodyFailed
@@ -545,8 +664,8 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    async fn complete(&self, held: &Held, state: &EntryState) {
-        let (route, ttl) = (&held.route.route, held.route.ttl);
+    async fn complete(&self, held: &Held, state: &EntryState, ttl: Duration) {
+        let route = &held.route.route;
         let (key, token) = (&held.key, &held.token);
         match self
             .timed(
@@ -610,7 +729,7 @@ impl<St: Store> Shared<St> {
         RB::Error: Into<Box<dyn StdError + Send + Sync>>,
     {
         let started = Instant::now();
-        let answer = inner.oneshot(req).await.map(|r| r.map(Body::new));
+        let answer = inner.oneshot(req).await.map(relayed);
         let took = started.elapsed();
         self.metrics.upstream(took);
         (answer, took)
@@ -634,6 +753,8 @@ struct Held {
     route: Arc<Policy>,
     // The client's key, logged only as a short hash.
     client_key: IdempotencyKey,
+    // Where the key came from, kept with the record.
+    source: KeySource,
 }
 
 impl Held {
@@ -714,6 +835,26 @@ fn refused<E>(outcome: Outcome, e: GatewayError) -> (Outcome, Answer<E>, Duratio
     (outcome, Ok(e.into_response()), Duration::ZERO)
 }
 
+/// The key a JSON body carries (`key_from_body`), or else the one derived from its fields
+/// (`derived_key`); `None` when neither is there (or the body is not JSON).
+fn body_key(
+    policy: &Policy,
+    doc: Option<&json::Json<'_>>,
+) -> Result<Option<(IdempotencyKey, KeySource)>, GatewayError> {
+    let Some(doc) = doc else { return Ok(None) };
+    if let Some(pointer) = &policy.key_from_body {
+        if let Some(key) = IdempotencyKey::from_json(doc, pointer, policy.key_max_len)? {
+            return Ok(Some((key, KeySource::Body)));
+        }
+    }
+    if let Some(secret) = &policy.key_secret {
+        if let Some(key) = IdempotencyKey::derived(doc, &policy.derived_key, secret) {
+            return Ok(Some((key, KeySource::Derived)));
+        }
+    }
+    Ok(None)
+}
+
 /// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:
 /// answers that say "try again" (5xx, 408 Request Timeout, 429 Too Many Requests).
 fn is_storable(status: StatusCode, cache_server_errors: bool) -> bool {
@@ -736,17 +877,36 @@ fn framed_as_stored(stored: &StoredResponse, method: &Method) -> bool {
     )
 }
 
-/// Build the client's response from a stored one; `replayed` adds `Idempotent-Replayed: true`.
-fn respond(stored: &StoredResponse, replayed: bool) -> Response<Body> {
+/// The expiry header of `policy`, for a record that lives `lives` more (unknown: none).
+fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, HeaderValue)> {
+    let name = policy.expiry_header.clone()?;
+    let at = std::time::SystemTime::now() + lives?;
+    let value = HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()?;
+    Some((name, value))
+}
+
+/// Build the client's response from a stored one. A replay (`drop` given) carries
+/// `Idempotent-Replayed: true` and none of the headers in `drop`; `expiry` is added when set.
+fn respond(
+    stored: &StoredResponse,
+    drop: Option<&[HeaderName]>,
+    expiry: Option<(HeaderName, HeaderValue)>,
+) -> Response<Body> {
     let mut resp = Response::new(Body::from(stored.body.clone()));
     *resp.status_mut() = stored.status;
     let headers = resp.headers_mut();
-    headers.reserve(stored.headers.len() + 1);
+    headers.reserve(stored.headers.len() + 2);
     for (n, v) in &stored.headers {
+        if drop.is_some_and(|drop| drop.contains(n)) {
+            continue;
+        }
         headers.append(n.clone(), v.clone());
     }
-    if replayed {
+    if drop.is_some() {
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    if let Some((name, value)) = expiry {
+        headers.insert(name, value);
     }
     resp
 }

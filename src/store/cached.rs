@@ -273,6 +273,7 @@ mod tests {
             headers: vec![],
             body: Bytes::from_static(body),
             traceparent: None,
+            key_source: None,
         }))
     }
 
@@ -330,6 +331,7 @@ mod tests {
             headers: vec![],
             body: Bytes::from(vec![0u8; 1000]),
             traceparent: None,
+            key_source: None,
         });
         for i in 0..100u8 {
             cache.put(

@@ -461,6 +461,7 @@ mod tests {
             headers: vec![],
             body: bytes::Bytes::from(vec![0u8; 4000]),
             traceparent: None,
+            key_source: None,
         };
         let state = EntryState::Completed(Arc::new(body));
         for i in 0..20 {
