@@ -267,6 +267,9 @@ async fn inspect<S: Inspect>(
                 .map(|(n, v)| n.as_str().len() + v.len())
                 .sum();
             fields.insert("header_bytes".into(), header_bytes.into());
+            // Names only: values such as Set-Cookie are the caller's secrets.
+            let names: Vec<&str> = r.headers.iter().map(|(n, _)| n.as_str()).collect();
+            fields.insert("header_names".into(), names.into());
             fields.insert("body_bytes".into(), r.body.len().into());
             let trace = r.traceparent.as_ref().and_then(|t| t.to_str().ok());
             fields.insert("traceparent".into(), trace.map_or(Value::Null, Value::from));

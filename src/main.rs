@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idemgate::config::{Config, StoreConfig};
+use idemgate::config::{Config, StoreConfig, KEY_SECRET_VAR};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -129,6 +129,10 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         StoreConfig::Redis(settings) => println!("[store] {settings:#?}"),
     }
     println!("admin          = {:?}", config.admin);
+    match &config.key_secret {
+        Some(_) => println!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),
+        None => println!("key_secret     = none ({KEY_SECRET_VAR} not set)"),
+    }
     println!("[defaults] {:#?}", config.defaults);
     for r in &config.routes {
         println!("[route {}] {:#?}", r.path, r.policy);

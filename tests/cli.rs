@@ -312,3 +312,102 @@ fn tls_and_upstream_settings_are_checked_and_keys_never_printed() {
         "{stdout}"
     );
 }
+
+/// Key and fingerprint settings are checked: JSON pointers (RFC 6901), header names, durations
+/// against `max_ttl`, and a secret for `derived_key`; each mistake exits 1 naming the field. The
+/// key secret is shown as `<redacted>`, never printed.
+#[test]
+fn key_and_fingerprint_settings_are_checked_and_the_secret_never_printed() {
+    let base = "upstream = \"http://127.0.0.1:9\"\n";
+    let secret = "a-derived-key-secret-never-shown";
+    let cases = [
+        (
+            "[defaults]\nkey_from_body = \"payment/reference\"",
+            "defaults.key_from_body",
+            Some(secret),
+        ),
+        (
+            "[defaults]\nfingerprint_ignore = [\"/a/~2\"]",
+            "defaults.fingerprint_ignore",
+            None,
+        ),
+        ("[defaults]\nfingerprint = \"yaml\"", "fingerprint", None),
+        (
+            "[defaults]\nkey_headers = [\"bad header\"]",
+            "defaults.key_headers",
+            None,
+        ),
+        ("[defaults]\nkey_headers = []", "defaults.key_headers", None),
+        (
+            "[defaults]\nfingerprint_headers = [\"x:y\"]",
+            "defaults.fingerprint_headers",
+            None,
+        ),
+        (
+            "[defaults]\nexpiry_header = \"bad header\"",
+            "defaults.expiry_header",
+            None,
+        ),
+        ("[defaults]\nttl = \"30d\"", "defaults.ttl", None),
+        (
+            "[[routes]]\npath = \"/r\"\nfailure_ttl = \"8d\"",
+            "routes[0].failure_ttl",
+            None,
+        ),
+        (
+            "[[routes]]\npath = \"/r\"\nmax_ttl = \"1h\"",
+            "routes[0].ttl",
+            None,
+        ),
+        (
+            "[[routes]]\npath = \"/r\"\nderived_key = [\"/merchant\"]",
+            "routes[0].derived_key",
+            None,
+        ),
+        (
+            "[[routes]]\npath = \"/r\"\nderived_key = [\"/merchant\"]",
+            "IDEMGATE_KEY_SECRET",
+            Some("short"),
+        ),
+    ];
+    for (text, field, key_secret) in cases {
+        let file = write(&format!("{base}{text}\n"));
+        let mut env = vec![];
+        if let Some(s) = key_secret {
+            env.push(("IDEMGATE_KEY_SECRET", s));
+        }
+        let out = idemgate_env(&["check-config", file.path().to_str().unwrap()], &env);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{text}: {stderr}");
+        assert!(stderr.contains(field), "{field} not named in: {stderr}");
+        assert!(
+            !stderr.contains(secret) && !stderr.contains("short"),
+            "{stderr}"
+        );
+    }
+    let valid = write(&format!(
+        "{base}[defaults]\nkey_headers = [\"Idempotency-Key\", \"X-Idempotency-Key\"]\nfingerprint = \"json\"\nfingerprint_ignore = [\"/request_id\", \"/items/*/client_ts\"]\nfailure_ttl = \"5m\"\nexpiry_header = \"idempotency-expires\"\n[[routes]]\npath = \"/v1/orders\"\nderived_key = [\"/merchant\", \"/order\", \"/amount\"]\nscope_cookies = [\"session_id\"]\n"
+    ));
+    let out = idemgate_env(
+        &["check-config", valid.path().to_str().unwrap()],
+        &[("IDEMGATE_KEY_SECRET", secret)],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for shown in [
+        "key_secret     = <redacted>",
+        "\"/items/*/client_ts\"",
+        "\"x-idempotency-key\"",
+        "\"/amount\"",
+        "failure_ttl: 300s",
+        "fingerprint: Json",
+        "\"session_id\"",
+    ] {
+        assert!(stdout.contains(shown), "{shown} not in: {stdout}");
+    }
+    assert!(!stdout.contains(secret), "the key secret is never printed");
+}

@@ -343,10 +343,17 @@ fn canonical_number(negative: bool, int: &str, frac: &str, exponent: i128) -> St
 
 /// A JSON pointer (RFC 6901), its reference tokens unescaped. In a `fingerprint_ignore`
 /// pattern, the token `*` also matches any array index.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Pointer {
     text: String,
     tokens: Vec<String>,
+}
+
+impl std::fmt::Debug for Pointer {
+    /// As written in the config: `"/items/*/client_ts"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.text, f)
+    }
 }
 
 impl Pointer {

@@ -41,7 +41,10 @@ pub struct LocalCache {
 struct Cached {
     fingerprint: Fingerprint,
     response: Arc<StoredResponse>,
+    // When this entry leaves the cache: the record's expiry or `max_age`, whichever is first.
     expires_at: Instant,
+    // When the record leaves the store, told to clients in the expiry header.
+    record_expires_at: Instant,
 }
 
 /// Weighs an entry by the bytes it holds, so the bound is on memory, not on a count.
@@ -117,12 +120,13 @@ impl LocalCache {
         self.cache.len() == 0
     }
 
-    fn get(&self, key: &ScopedKey, fingerprint: &Fingerprint) -> Option<Arc<StoredResponse>> {
+    fn get(&self, key: &ScopedKey, fingerprint: &Fingerprint) -> Option<Replay> {
         if !self.enabled {
             return None;
         }
         let hit = self.cache.get(key)?;
-        if hit.expires_at <= Instant::now() {
+        let now = Instant::now();
+        if hit.expires_at <= now {
             self.cache.remove(key);
             return None;
         }
@@ -130,7 +134,10 @@ impl LocalCache {
             return None;
         }
         self.hits.inc();
-        Some(hit.response)
+        Some(Replay {
+            response: hit.response,
+            expires_in: Some(hit.record_expires_at - now),
+        })
     }
 
     fn put(
@@ -143,13 +150,14 @@ impl LocalCache {
         if !self.enabled {
             return;
         }
-        let expires_at = Instant::now() + lives.min(self.max_age);
+        let now = Instant::now();
         self.cache.insert(
             *key,
             Cached {
                 fingerprint: *fingerprint,
                 response: response.clone(),
-                expires_at,
+                expires_at: now + lives.min(self.max_age),
+                record_expires_at: now + lives,
             },
         );
     }
@@ -187,11 +195,8 @@ impl<S: Store> Store for CachedStore<S> {
         token: &Token,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        if let Some(response) = self.cache.get(key, fingerprint) {
-            return Ok(Claim::Replay(Replay {
-                response,
-                expires_in: None,
-            }));
+        if let Some(replay) = self.cache.get(key, fingerprint) {
+            return Ok(Claim::Replay(replay));
         }
         let claim = self.inner.claim(key, fingerprint, token, lease).await?;
         if let Claim::Replay(Replay {
@@ -306,11 +311,16 @@ mod tests {
         assert_eq!(store.cache().len(), 1);
         // ...so even with the record gone underneath, the cache answers the next replay...
         inner.purge_all();
+        tokio::time::advance(Duration::from_secs(3)).await;
         let hit = store
             .claim(&k, &fp, &Token([4; 16]), Duration::from_secs(5))
             .await
             .unwrap();
-        assert!(matches!(hit, Claim::Replay(_)));
+        let Claim::Replay(hit) = hit else {
+            panic!("expected a replay from the cache")
+        };
+        // ...and tells when the record expires in the store, not when the entry leaves the cache.
+        assert_eq!(hit.expires_in, Some(Duration::from_secs(7)));
         // ...but a different request always asks the store underneath.
         let other = Fingerprint([9; 32]);
         let miss = store

@@ -19,6 +19,8 @@ use super::RedisServer;
 #[derive(Clone, Debug)]
 pub struct TestConfig {
     table: toml::Table,
+    /// What `IDEMGATE_KEY_SECRET` holds for this gateway (derived keys), if anything.
+    pub key_secret: Option<String>,
 }
 
 impl Default for TestConfig {
@@ -26,6 +28,7 @@ impl Default for TestConfig {
     fn default() -> Self {
         TestConfig {
             table: toml::Table::new(),
+            key_secret: None,
         }
         .set("listen", "127.0.0.1:0")
         .set("store.backend", "memory")
@@ -60,6 +63,12 @@ impl TestConfig {
             Some(server) => self.redis(server),
             None => self.set("store.backend", "memory"),
         }
+    }
+
+    /// Give the gateway `secret` as `IDEMGATE_KEY_SECRET` (derived keys are made with it).
+    pub fn key_secret(mut self, secret: &str) -> Self {
+        self.key_secret = Some(secret.to_string());
+        self
     }
 
     /// Set the field at the dotted `path` (its tables are created as needed).
@@ -99,7 +108,8 @@ impl TestConfig {
 
     /// The config as the gateway library parses it.
     pub fn parse(&self) -> idemgate::config::Config {
-        idemgate::config::Config::from_toml(&self.to_toml())
+        let secret = self.key_secret.as_ref().map(|s| s.as_bytes());
+        idemgate::config::Config::from_toml_with_key_secret(&self.to_toml(), secret)
             .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", self.to_toml()))
     }
 }

@@ -111,16 +111,20 @@ impl GatewayBinary {
                 config.clone().set("listen", &*listen).to_toml(),
             )
             .unwrap();
-            let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+            command
                 .arg("--config")
                 .arg(file.path())
                 .env(
                     "RUST_LOG",
                     std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
                 )
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
+                .env_remove("IDEMGATE_KEY_SECRET")
+                .stdout(Stdio::null());
+            if let Some(secret) = &config.key_secret {
+                command.env("IDEMGATE_KEY_SECRET", secret);
+            }
+            let mut child = command.spawn().unwrap();
             let addr: SocketAddr = listen.parse().unwrap();
             let mut exited = false;
             wait_until(

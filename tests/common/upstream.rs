@@ -16,7 +16,8 @@ use tokio::net::TcpListener;
 use super::wait_until;
 
 /// An HTTP upstream that counts its executions. Behaviour per request, by query string:
-/// `status=NNN` answers that status, `delay_ms=N` sleeps first; path `/echo` answers the request
+/// `status=NNN` answers that status, `delay_ms=N` sleeps first, `control=V` adds
+/// `Idempotency-Control: V` (`no-store`, `max-age=N`) to the answer; path `/echo` answers the request
 /// body as-is; path `/big` answers `bytes=N` bytes. Every other path answers a JSON description
 /// of the request with the execution number, so two executions never answer the same bytes.
 #[derive(Clone)]
@@ -160,6 +161,7 @@ struct Knobs {
     status: Option<u16>,
     delay_ms: Option<u64>,
     bytes: Option<usize>,
+    control: Option<String>,
 }
 
 async fn handle(
@@ -185,7 +187,7 @@ async fn handle(
     }
     let status = StatusCode::from_u16(knobs.status.unwrap_or(201)).unwrap();
     let call = [("x-call", n.to_string())];
-    match parts.uri.path() {
+    let mut resp = match parts.uri.path() {
         "/echo" => (
             status,
             call,
@@ -218,5 +220,10 @@ async fn handle(
                 .append("set-cookie", "b=2".parse().unwrap());
             resp
         }
+    };
+    if let Some(control) = knobs.control {
+        resp.headers_mut()
+            .insert("idempotency-control", control.parse().unwrap());
     }
+    resp
 }
