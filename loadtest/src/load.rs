@@ -102,10 +102,74 @@ impl Report {
     }
 }
 
-/// Run `connections` connections against `addr` for `duration`.
+/// The request body every scenario sends unless it says otherwise: a small payment.
+pub fn small_request() -> Bytes {
+    Bytes::from_static(b"{\"amount\":1000,\"currency\":\"eur\"}")
+}
+
+/// A JSON request body of about `bytes` bytes (at least the small payment), shaped like a
+/// payments API's order: an amount, a customer, a request id, and line items with a client
+/// timestamp each, the kind of document `fingerprint = "json"` canonicalises.
+pub fn json_request(bytes: usize) -> Bytes {
+    if bytes <= small_request().len() {
+        return small_request();
+    }
+    let mut doc = String::from(
+        "{\"amount\": 129900, \"currency\": \"eur\", \"customer\": \"cus_9s6XKzkNRiz8i3\", \"request_id\": \"req_4f1c2d9e8a7b\", \"metadata\": {\"channel\": \"web\", \"order\": \"ord_2026_11_0042\"}, \"items\": [",
+    );
+    let mut i = 0u64;
+    while doc.len() + 3 < bytes {
+        if i > 0 {
+            doc.push_str(", ");
+        }
+        // A cheap deterministic spread of values (an LCG), so items differ.
+        let r = i
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407)
+            >> 33;
+        doc.push_str(&format!(
+            "{{\"sku\": \"sku_{:08x}\", \"quantity\": {}, \"unit_amount\": {}.{:02}, \"description\": \"Line item {i} \\u00e9t\\u00e9\", \"client_ts\": \"2026-11-26T09:{:02}:{:02}.{:03}Z\"}}",
+            r & 0xffff_ffff,
+            1 + r % 5,
+            r % 10_000,
+            r % 100,
+            r % 60,
+            (r / 60) % 60,
+            r % 1000
+        ));
+        i += 1;
+    }
+    doc.push_str("]}");
+    Bytes::from(doc)
+}
+
+/// Run `connections` connections against `addr` for `duration`, each request with the small
+/// payment as its body.
 pub async fn run(
     addr: SocketAddr,
     path: &str,
+    keys: Keys,
+    connections: usize,
+    duration: Duration,
+    pace: Pace,
+) -> Report {
+    run_with_body(
+        addr,
+        path,
+        small_request(),
+        keys,
+        connections,
+        duration,
+        pace,
+    )
+    .await
+}
+
+/// [`run`] with `body` as every request's body.
+pub async fn run_with_body(
+    addr: SocketAddr,
+    path: &str,
+    body: Bytes,
     keys: Keys,
     connections: usize,
     duration: Duration,
@@ -116,7 +180,12 @@ pub async fn run(
     let deadline = start + duration;
     let mut tasks = Vec::new();
     for c in 0..connections {
-        let (keys, counter, path) = (keys.clone(), counter.clone(), path.to_string());
+        let (keys, counter, path, body) = (
+            keys.clone(),
+            counter.clone(),
+            path.to_string(),
+            body.clone(),
+        );
         let interval = match pace {
             Pace::Closed => None,
             Pace::Rate(r) => Some(Duration::from_secs_f64(connections as f64 / r)),
@@ -124,7 +193,7 @@ pub async fn run(
         // Stagger open-loop connections so their requests interleave evenly.
         let offset = interval.map(|i| i.mul_f64(c as f64 / connections as f64));
         tasks.push(tokio::spawn(async move {
-            connection(addr, &path, keys, counter, deadline, interval, offset).await
+            connection(addr, &path, body, keys, counter, deadline, interval, offset).await
         }));
     }
     let mut report = Report::empty();
@@ -140,9 +209,11 @@ pub async fn run(
     report
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn connection(
     addr: SocketAddr,
     path: &str,
+    body: Bytes,
     keys: Keys,
     counter: Arc<AtomicU64>,
     deadline: Instant,
@@ -150,7 +221,6 @@ async fn connection(
     offset: Option<Duration>,
 ) -> Report {
     let mut r = Report::empty();
-    let body = Bytes::from_static(b"{\"amount\":1000,\"currency\":\"eur\"}");
     let mut sender = None;
     let mut next = Instant::now() + offset.unwrap_or_default();
     let mut prev_done = Instant::now();

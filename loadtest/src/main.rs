@@ -34,6 +34,10 @@ struct Cli {
     /// Seconds of the RSS soak (miss path on Redis); default 120, 0 with --quick.
     #[arg(long)]
     soak: Option<u64>,
+    /// Run only these sections (comma-separated): proxy (the main table), https, http2,
+    /// library, fingerprint, storm, soak.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -77,6 +81,10 @@ enum Cmd {
         /// Requests per second in all (open loop); without it, as fast as answered.
         #[arg(long)]
         rate: Option<f64>,
+        /// Send a JSON request body of about this many bytes (a payments order) instead of the
+        /// small payment.
+        #[arg(long)]
+        request_bytes: Option<usize>,
     },
 }
 
@@ -118,6 +126,7 @@ fn main() -> ExitCode {
         secs,
         connections,
         rate,
+        request_bytes,
     }) = cli.command
     {
         let keys = match keys.as_str() {
@@ -125,9 +134,11 @@ fn main() -> ExitCode {
             "hot" => Keys::Hot("manual-hot".into(), 1000),
             _ => Keys::None,
         };
-        let r = rt.block_on(load::run(
+        let body = request_bytes.map_or_else(load::small_request, load::json_request);
+        let r = rt.block_on(load::run_with_body(
             target,
             "/v1/payments",
+            body,
             keys,
             connections,
             Duration::from_secs_f64(secs),
@@ -175,6 +186,8 @@ struct Bench {
     // The upstream's and Redis's processes, for the CPU figures.
     upstream_pids: Vec<u32>,
     redis_pids: Vec<u32>,
+    // The body of every request sent (the small payment, but for the fingerprint phases).
+    request: bytes::Bytes,
 }
 
 impl Bench {
@@ -196,9 +209,10 @@ impl Bench {
             ]
         };
         let before = sample();
-        let mut r = load::run(
+        let mut r = load::run_with_body(
             addr,
             "/v1/payments",
+            self.request.clone(),
             keys,
             self.connections,
             self.secs,
@@ -254,6 +268,7 @@ async fn bench(cli: Cli) -> ExitCode {
         size: 1024,
         upstream_pids: Vec::new(),
         redis_pids: Vec::new(),
+        request: load::small_request(),
     };
     let soak = cli.soak.unwrap_or(if cli.quick { 0 } else { 120 });
     let dir = tempfile::tempdir().unwrap();
@@ -272,7 +287,8 @@ async fn bench(cli: Cli) -> ExitCode {
     );
 
     let sizes: &[usize] = if cli.quick { &[1024] } else { &[1024, 65536] };
-    for &size in sizes {
+    let run = |section: &str| cli.only.is_empty() || cli.only.iter().any(|s| s == section);
+    for &size in sizes.iter().filter(|_| run("proxy")) {
         b.size = size;
         // Each body size starts from an empty Redis, so the per-record figures are its own.
         // ASYNC: freeing a million records takes longer than the client's response timeout.
@@ -419,11 +435,22 @@ async fn bench(cli: Cli) -> ExitCode {
         drop((up, nginx, mem, red));
     }
 
-    https(&mut b, dir.path()).await;
-    http2_replay(&mut b, dir.path()).await;
-    library(&mut b).await;
-    storm(&mut b, dir.path(), &redis_url).await;
-    if soak > 0 {
+    if run("https") {
+        https(&mut b, dir.path()).await;
+    }
+    if run("http2") {
+        http2_replay(&mut b, dir.path()).await;
+    }
+    if run("library") {
+        library(&mut b).await;
+    }
+    if run("fingerprint") {
+        fingerprint(&mut b, dir.path(), sizes).await;
+    }
+    if run("storm") {
+        storm(&mut b, dir.path(), &redis_url).await;
+    }
+    if soak > 0 && run("soak") {
         soak_rss(&mut b, dir.path(), &redis_url, soak).await;
     }
     print_table(&b);
@@ -647,6 +674,88 @@ async fn library(b: &mut Bench) {
     drop((plain, layered));
 }
 
+/// What `fingerprint = "json"` costs over "exact": the miss path on the embedded store, with a
+/// JSON request body of each size (a payments order with line items, see
+/// [`load::json_request`]) and two ignored fields, one inside the items array; interleaved
+/// rounds, the CPU per miss of the gateway side by side. The upstream answers 1 KiB.
+async fn fingerprint(b: &mut Bench, dir: &std::path::Path, sizes: &[usize]) {
+    let up = procs::upstream(1024, 0);
+    b.upstream_pids = up.pids();
+    b.redis_pids = Vec::new();
+    let route = |mode: &str| {
+        format!(
+            "[[routes]]\npath = \"/v1/payments\"\nmethods = [\"POST\"]\nfingerprint = \"{mode}\"\nfingerprint_ignore = [\"/request_id\", \"/items/*/client_ts\"]\n"
+        )
+    };
+    let exact = procs::gateway(dir, "memory", up.addr, &route("exact"));
+    let json = procs::gateway(dir, "memory", up.addr, &route("json"));
+    let (exact_pids, json_pids) = (exact.pids(), json.pids());
+    // Three rounds at least: the figure is a difference of a few per cent.
+    let rounds = b.rounds.max(3);
+    for &size in sizes {
+        b.request = load::json_request(size);
+        b.size = b.request.len();
+        let label = |mode: &str| format!("gateway miss, fingerprint {mode}");
+        let start = b.rows.len();
+        phase(
+            b,
+            &label("exact"),
+            exact.addr,
+            &exact_pids,
+            Keys::Unique(String::new()),
+            None,
+        )
+        .await;
+        phase(
+            b,
+            &label("json"),
+            json.addr,
+            &json_pids,
+            Keys::Unique(String::new()),
+            None,
+        )
+        .await;
+        for round in 1..rounds {
+            for (i, addr, pids) in [
+                (start, exact.addr, &exact_pids),
+                (start + 1, json.addr, &json_pids),
+            ] {
+                let keys = Keys::Unique(b.prefix("fp-miss"));
+                let r = b.closed(addr, keys, pids).await;
+                b.check(
+                    &format!("{} (round {})", b.rows[i].scenario, round + 1),
+                    &r,
+                    false,
+                );
+                b.rows[i].samples.push(r);
+            }
+        }
+        // The median CPU per miss of each, and the req/s of the same rounds.
+        let median = |samples: &[Report], f: &dyn Fn(&Report) -> f64| {
+            let mut v: Vec<f64> = samples.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let gw_cpu = |r: &Report| r.cpu.map_or(0.0, |c| c.proxy);
+        for row in &mut b.rows[start..] {
+            let mut samples = row.samples.clone();
+            samples.sort_by(|x, y| x.rps().total_cmp(&y.rps()));
+            row.closed = samples[samples.len() / 2].clone();
+        }
+        let (e, j) = (&b.rows[start].samples, &b.rows[start + 1].samples);
+        let (e_cpu, j_cpu) = (median(e, &gw_cpu), median(j, &gw_cpu));
+        let (e_rps, j_rps) = (median(e, &Report::rps), median(j, &Report::rps));
+        b.notes.push(format!(
+            "fingerprint (miss, memory store, {} JSON request, 2 ignored pointers, {rounds} rounds): gateway CPU per miss json {j_cpu:.1} µs vs exact {e_cpu:.1} µs ({:+.1}%); req/s json / exact = {:.2}",
+            human(b.request.len()),
+            (j_cpu / e_cpu.max(f64::MIN_POSITIVE) - 1.0) * 100.0,
+            j_rps / e_rps.max(f64::MIN_POSITIVE),
+        ));
+    }
+    b.request = load::small_request();
+    drop((up, exact, json));
+}
+
 fn keys_for(scenario: &str, b: &mut Bench) -> Keys {
     if scenario.contains("miss") {
         Keys::Unique(b.prefix("rate-miss"))
@@ -675,9 +784,10 @@ async fn phase(
         k => k,
     };
     // Warm-up: pools, caches and (for the replay path) the hot keys' first executions.
-    load::run(
+    load::run_with_body(
         addr,
         "/v1/payments",
+        b.request.clone(),
         keys.clone(),
         b.connections,
         b.warm,

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::human::{HumanDuration, HumanSize};
 use super::ConfigError;
-use crate::idempotency::json::Pointer;
+use crate::idempotency::json::{Pointer, MAX_IGNORED};
 
 /// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -409,6 +409,12 @@ impl Policy {
             self.fingerprint = mode;
         }
         if let Some(ignore) = &raw.fingerprint_ignore {
+            if ignore.len() > MAX_IGNORED {
+                return Err(ConfigError::invalid(
+                    format!("{at}.fingerprint_ignore"),
+                    format!("at most {MAX_IGNORED} pointers"),
+                ));
+            }
             self.fingerprint_ignore = pointers(ignore, "fingerprint_ignore")?;
         }
         if let Some(cookies) = &raw.scope_cookies {

@@ -1,5 +1,7 @@
 //! The `Idempotency-Key` header: extraction, validation and scoping.
 
+use std::borrow::Cow;
+
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
@@ -83,8 +85,8 @@ impl IdempotencyKey {
     ) -> Result<Option<Self>, GatewayError> {
         let raw = match pointer.get(doc) {
             None => return Ok(None),
-            Some(Json::String(s)) => s.as_ref(),
-            Some(Json::Number { text, .. }) => text,
+            Some(Json::String(s)) => s.value(),
+            Some(Json::Number(n)) => Cow::Borrowed(n.as_str()),
             Some(_) => {
                 return Err(GatewayError::InvalidKey(format!(
                     "the key at {} in the body must be a string or a number",
