@@ -864,11 +864,15 @@ async fn without_the_local_cache_a_replay_is_one_round_trip() {
     )
     .await;
     let url = env.url("/v1/p");
-    send(
-        env.client
-            .post(&url)
-            .header("idempotency-key", "nc")
-            .body("x"),
+    // The record is written as the response ends: a first replay shows it is there.
+    wait_until(
+        Duration::from_secs(5),
+        "the record is complete",
+        async || {
+            send(env.post_keyed("/v1/p", "nc").body("x"))
+                .await
+                .replayed()
+        },
     )
     .await;
     let mut trips = RoundTrips::start(env.redis()).await;
