@@ -71,7 +71,9 @@ pub mod proxy;
 pub mod store;
 mod tls;
 
-pub use config::{ConfigError, OnInFlight, OnStoreError, Policy, PolicyBuilder};
+pub use config::{
+    ConfigError, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
+};
 pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
 pub use metrics::Metrics;
 pub use store::{MemoryStore, RedisStore, Store, StoreError};

@@ -12,7 +12,7 @@ use http_body_util::BodyExt;
 use tower::{Layer, Service, ServiceExt};
 
 use super::{IdempotencyLayer, NotSent, IDEMPOTENT_REPLAYED};
-use crate::config::{OnInFlight, Policy, PolicyBuilder};
+use crate::config::{FingerprintMode, KeySecret, OnInFlight, Policy, PolicyBuilder};
 use crate::store::MemoryStore;
 
 /// How the inner service fails, when it does.
@@ -351,4 +351,55 @@ async fn a_caller_that_goes_away_does_not_cancel_the_claimed_call() {
     let retry = s.post("/slow?ms=1000", "k", "a").await.unwrap();
     assert!(retry.replayed);
     assert_eq!(s.calls(), 1);
+}
+
+/// `POST /ok` with a JSON body and no key header.
+fn json_without_key(body: &str) -> Request<Body> {
+    Request::post("/ok")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_derived_key_and_a_canonical_fingerprint_make_a_reserialised_payment_a_retry() {
+    let secret = KeySecret::new("a-secret-of-the-service-0123").unwrap();
+    let s = Setup::new(|p| {
+        p.derived_key(["/merchant", "/amount"], secret)
+            .fingerprint(FingerprintMode::Json)
+            .fingerprint_ignore(["/sent_at"])
+    });
+    let send = |body: &'static str| async {
+        Seen::of(s.service().oneshot(json_without_key(body)).await.unwrap()).await
+    };
+    let first = send(r#"{"merchant":"m","amount":100,"sent_at":1}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send("{ \"sent_at\": 2, \"amount\": 1.0e2, \"merchant\": \"m\" }").await;
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(again.body, first.body);
+    let other = send(r#"{"merchant":"m","amount":101}"#).await;
+    assert!(!other.replayed);
+    assert_eq!(s.calls(), 2);
+    let broken = send(r#"{"merchant":"m","amount":100"#).await;
+    assert_eq!(broken.problem(), "invalid-json");
+    assert_eq!(s.calls(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_4xx_lives_for_failure_ttl_and_a_2xx_for_ttl() {
+    let s = Setup::new(|p| {
+        p.ttl(Duration::from_secs(3600))
+            .failure_ttl(Duration::from_secs(300))
+    });
+    s.post("/status/400", "bad", "a").await.unwrap();
+    s.post("/ok", "good", "a").await.unwrap();
+    tokio::time::advance(Duration::from_secs(299)).await;
+    assert!(s.post("/status/400", "bad", "a").await.unwrap().replayed);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert!(
+        !s.post("/status/400", "bad", "a").await.unwrap().replayed,
+        "expired"
+    );
+    assert!(s.post("/ok", "good", "a").await.unwrap().replayed);
+    assert_eq!(s.calls(), 3);
 }
