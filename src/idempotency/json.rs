@@ -56,8 +56,22 @@ pub struct Number<'a> {
 /// in up to two pieces of its text (both empty for zero), and the exponent of the last one.
 struct Decimal<'a> {
     negative: bool,
-    digits: (&'a str, &'a str),
+    digits: (&'a [u8], &'a [u8]),
     exponent: i64,
+}
+
+fn trim_zeros_start(mut digits: &[u8]) -> &[u8] {
+    while let [b'0', rest @ ..] = digits {
+        digits = rest;
+    }
+    digits
+}
+
+fn trim_zeros_end(mut digits: &[u8]) -> &[u8] {
+    while let [rest @ .., b'0'] = digits {
+        digits = rest;
+    }
+    digits
 }
 
 impl<'a> Number<'a> {
@@ -76,28 +90,28 @@ impl<'a> Number<'a> {
 
     /// The value of a number the parser accepted.
     fn decimal(&self) -> Decimal<'a> {
-        let text = self.text;
+        let t = self.text.as_bytes();
         let (dot, e) = (self.dot as usize, self.e as usize);
-        let negative = text.as_bytes()[0] == b'-';
-        let int = &text[negative as usize..dot];
-        let frac = if dot < e { &text[dot + 1..e] } else { "" };
-        let exponent = if e < text.len() {
-            parse_exponent(&text[e + 1..])
+        let negative = t[0] == b'-';
+        let int = &t[negative as usize..dot];
+        let frac = if dot < e { &t[dot + 1..e] } else { &[][..] };
+        let exponent = if e < t.len() {
+            parse_exponent(&t[e + 1..])
         } else {
             0
         };
         // Leading zeros go from the integer part (and from the fraction when the integer part
         // is zero), trailing zeros from the fraction (and from the integer part when the
         // fraction is all zeros).
-        let (mut a, mut f) = (int.trim_start_matches('0'), frac);
+        let (mut a, mut f) = (trim_zeros_start(int), frac);
         if a.is_empty() {
-            f = f.trim_start_matches('0');
+            f = trim_zeros_start(f);
         }
-        let trimmed = f.trim_end_matches('0');
+        let trimmed = trim_zeros_end(f);
         let mut dropped = f.len() - trimmed.len();
         f = trimmed;
         if f.is_empty() {
-            let trimmed = a.trim_end_matches('0');
+            let trimmed = trim_zeros_end(a);
             dropped += a.len() - trimmed.len();
             a = trimmed;
         }
@@ -118,26 +132,20 @@ impl<'a> Number<'a> {
             return [b"0", b"", b"", b"", b""];
         }
         let sign: &[u8] = if d.negative { b"-" } else { b"" };
-        [
-            sign,
-            d.digits.0.as_bytes(),
-            d.digits.1.as_bytes(),
-            b"e",
-            itoa(d.exponent, exp),
-        ]
+        [sign, d.digits.0, d.digits.1, b"e", itoa(d.exponent, exp)]
     }
 }
 
 /// An exponent's digits with an optional sign, at most 18 significant digits (checked by the
 /// parser).
-fn parse_exponent(text: &str) -> i64 {
-    let (sign, digits) = match text.as_bytes().first() {
-        Some(b'-') => (-1, &text[1..]),
-        Some(b'+') => (1, &text[1..]),
+fn parse_exponent(text: &[u8]) -> i64 {
+    let (sign, digits) = match text {
+        [b'-', rest @ ..] => (-1, rest),
+        [b'+', rest @ ..] => (1, rest),
         _ => (1, text),
     };
     sign * digits
-        .bytes()
+        .iter()
         .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'))
 }
 
@@ -293,6 +301,7 @@ pub fn parse(body: &[u8]) -> Result<Json<'_>, JsonError> {
 
 /// The index of the first byte from `i` on that ends a run of plain string characters: a
 /// quote, a backslash or a control character (or the end), eight bytes at a time.
+#[inline(always)]
 fn plain_run(b: &[u8], mut i: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGHS: u64 = 0x8080_8080_8080_8080;
@@ -329,6 +338,7 @@ struct Parser<'a> {
 }
 
 impl<'a> Parser<'a> {
+    #[inline(always)]
     fn skip_ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.bytes.get(self.at) {
             self.at += 1;
@@ -431,6 +441,7 @@ impl<'a> Parser<'a> {
         Ok(Json::Object(members))
     }
 
+    #[inline(always)]
     fn string(&mut self) -> Result<Str<'a>, JsonError> {
         let start = self.at + 1;
         let b = self.bytes;
@@ -462,6 +473,7 @@ impl<'a> Parser<'a> {
         })
     }
 
+    #[inline(always)]
     fn number(&mut self) -> Result<Number<'a>, JsonError> {
         let start = self.at;
         let b = self.bytes;
