@@ -175,6 +175,19 @@ pub async fn run_with_body(
     duration: Duration,
     pace: Pace,
 ) -> Report {
+    run_spread(&[addr], path, body, keys, connections, duration, pace).await
+}
+
+/// [`run_with_body`] against several replicas: connection `c` goes to `addrs[c % len]`.
+pub async fn run_spread(
+    addrs: &[SocketAddr],
+    path: &str,
+    body: Bytes,
+    keys: Keys,
+    connections: usize,
+    duration: Duration,
+    pace: Pace,
+) -> Report {
     let counter = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let deadline = start + duration;
@@ -192,6 +205,7 @@ pub async fn run_with_body(
         };
         // Stagger open-loop connections so their requests interleave evenly.
         let offset = interval.map(|i| i.mul_f64(c as f64 / connections as f64));
+        let addr = addrs[c % addrs.len()];
         tasks.push(tokio::spawn(async move {
             connection(addr, &path, body, keys, counter, deadline, interval, offset).await
         }));
@@ -299,4 +313,182 @@ async fn connect(addr: SocketAddr) -> Option<http1::SendRequest<Full<Bytes>>> {
         let _ = conn.await;
     });
     Some(sender)
+}
+
+/// One request of a [`run_retrying`] client.
+#[derive(Debug, Clone, Copy)]
+pub struct Attempt {
+    /// When it was sent and when its answer ended, from the run's start.
+    pub start: Duration,
+    pub end: Duration,
+    /// The status, 0 when no answer came (connection refused or closed, or the client's 10 s
+    /// timeout).
+    pub status: u16,
+    /// A retry after a 2xx, sent to another replica: the client that did not get its answer.
+    pub confirm: bool,
+}
+
+impl Attempt {
+    /// An answer the client retries: the store down (503), in flight (409), the gateway's
+    /// upstream errors (502, 504) or no answer at all.
+    pub fn refused(&self) -> bool {
+        matches!(self.status, 0 | 409 | 502 | 503 | 504)
+    }
+}
+
+/// What the clients of [`run_retrying`] share while it runs.
+pub struct Live {
+    pub start: Instant,
+    pub stop: std::sync::atomic::AtomicBool,
+    /// When the last refused answer ended, in ms from `start` (0: none yet).
+    pub last_refusal_ms: AtomicU64,
+    /// Keys answered 2xx so far (their first 2xx).
+    pub succeeded: AtomicU64,
+}
+
+impl Live {
+    pub fn new() -> Arc<Live> {
+        Arc::new(Live {
+            start: Instant::now(),
+            stop: Default::default(),
+            last_refusal_ms: AtomicU64::new(0),
+            succeeded: AtomicU64::new(0),
+        })
+    }
+}
+
+/// What the retrying clients saw.
+#[derive(Debug, Default)]
+pub struct RetryReport {
+    /// Keys answered 2xx, and then 2xx again by another replica.
+    pub keys: u64,
+    /// Keys still being retried when the run stopped.
+    pub unfinished: u64,
+    /// Keys given up on: an answer that is neither 2xx nor retried (a 4xx other than 409, a 500).
+    pub given_up: u64,
+    pub attempts: Vec<Attempt>,
+}
+
+/// Clients that each send one key at a time, retrying it until a 2xx: keyed requests as a
+/// careful client sends them while the store fails over. Each key goes to the replicas in
+/// turn, starting with one of them, and is retried on the next one after `backoff` on 503,
+/// 409, 502, 504 or no answer; after its 2xx it is sent once more, to another replica, again
+/// until a 2xx (the client whose answer was lost and who retries: what it gets must be the
+/// replay, not a second execution). Runs until `live.stop`.
+pub async fn run_retrying(
+    addrs: Vec<SocketAddr>,
+    prefix: String,
+    connections: usize,
+    backoff: Duration,
+    live: Arc<Live>,
+) -> RetryReport {
+    let counter = Arc::new(AtomicU64::new(0));
+    let addrs: Arc<[SocketAddr]> = addrs.into();
+    let mut tasks = Vec::new();
+    for c in 0..connections {
+        let (addrs, prefix, counter, live) =
+            (addrs.clone(), prefix.clone(), counter.clone(), live.clone());
+        tasks.push(tokio::spawn(async move {
+            retrying_client(c, &addrs, &prefix, &counter, backoff, &live).await
+        }));
+    }
+    let mut report = RetryReport::default();
+    for t in tasks {
+        let r = t.await.unwrap();
+        report.keys += r.keys;
+        report.unfinished += r.unfinished;
+        report.given_up += r.given_up;
+        report.attempts.extend(r.attempts);
+    }
+    report.attempts.sort_by_key(|a| a.start);
+    report
+}
+
+async fn retrying_client(
+    c: usize,
+    addrs: &[SocketAddr],
+    prefix: &str,
+    counter: &AtomicU64,
+    backoff: Duration,
+    live: &Live,
+) -> RetryReport {
+    let mut r = RetryReport::default();
+    let mut senders: Vec<Option<http1::SendRequest<Full<Bytes>>>> =
+        addrs.iter().map(|_| None).collect();
+    let body = small_request();
+    'keys: while !live.stop.load(Ordering::Relaxed) {
+        let i = counter.fetch_add(1, Ordering::Relaxed);
+        let key = format!("{prefix}-{i}");
+        let mut replica = (c + i as usize) % addrs.len();
+        for confirm in [false, true] {
+            loop {
+                if live.stop.load(Ordering::Relaxed) {
+                    r.unfinished += 1;
+                    break 'keys;
+                }
+                let start = live.start.elapsed();
+                let status = send_once(&mut senders[replica], addrs[replica], &key, &body).await;
+                let a = Attempt {
+                    start,
+                    end: live.start.elapsed(),
+                    status,
+                    confirm,
+                };
+                r.attempts.push(a);
+                // The next attempt (a retry, or the confirmation) goes to another replica.
+                replica = (replica + 1) % addrs.len();
+                if (200..300).contains(&status) {
+                    if !confirm {
+                        live.succeeded.fetch_add(1, Ordering::Relaxed);
+                    }
+                    break;
+                }
+                if !a.refused() {
+                    r.given_up += 1;
+                    continue 'keys;
+                }
+                live.last_refusal_ms
+                    .fetch_max(a.end.as_millis() as u64, Ordering::Relaxed);
+                tokio::time::sleep(backoff).await;
+            }
+        }
+        r.keys += 1;
+    }
+    r
+}
+
+/// One POST with `key`, on the kept connection or a new one; its status, or 0 without an answer.
+async fn send_once(
+    sender: &mut Option<http1::SendRequest<Full<Bytes>>>,
+    addr: SocketAddr,
+    key: &str,
+    body: &Bytes,
+) -> u16 {
+    if sender.is_none() {
+        *sender = connect(addr).await;
+    }
+    let Some(s) = sender.as_mut() else {
+        return 0;
+    };
+    let req = http::Request::post("/v1/payments")
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .header("idempotency-key", key)
+        .body(Full::new(body.clone()))
+        .unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(10), async {
+        s.ready().await.ok()?;
+        let resp = s.send_request(req).await.ok()?;
+        let status = resp.status().as_u16();
+        resp.into_body().collect().await.ok()?;
+        Some(status)
+    })
+    .await;
+    match result {
+        Ok(Some(status)) => status,
+        _ => {
+            *sender = None;
+            0
+        }
+    }
 }

@@ -2,6 +2,7 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 
 mod app;
+mod cluster;
 mod load;
 mod procs;
 mod tls;
@@ -35,7 +36,9 @@ struct Cli {
     #[arg(long)]
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
-    /// library, fingerprint, storm, soak.
+    /// library, fingerprint, storm, soak, cluster (2 gateways on a Redis Cluster against one
+    /// Redis, and wait_replicas), failover (Redis Cluster and Sentinel; cluster only with
+    /// --quick).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     #[command(subcommand)]
@@ -56,6 +59,9 @@ enum Cmd {
         /// required.
         #[arg(long)]
         tls_dir: Option<std::path::PathBuf>,
+        /// Count executions per Idempotency-Key (`GET /__keys`).
+        #[arg(long)]
+        count_keys: bool,
     },
     /// Run the axum app of the library's figure (used by the harness itself).
     App {
@@ -99,6 +105,7 @@ fn main() -> ExitCode {
         body,
         delay_ms,
         tls_dir,
+        count_keys,
     }) = cli.command
     {
         let tls = tls_dir.map(|d| tls::server_config(&tls::Files::in_dir(&d)));
@@ -107,6 +114,7 @@ fn main() -> ExitCode {
             body,
             Duration::from_millis(delay_ms),
             tls,
+            count_keys,
         ))
         .unwrap();
         return ExitCode::SUCCESS;
@@ -199,6 +207,11 @@ impl Bench {
     /// A closed-loop run against `addr`, with the CPU time per request of `proxy` (the processes
     /// under test), the upstream, Redis and the load generator (this process).
     async fn closed(&self, addr: SocketAddr, keys: Keys, proxy: &[u32]) -> Report {
+        self.closed_spread(&[addr], keys, proxy).await
+    }
+
+    /// [`Bench::closed`] against several replicas, the connections spread over them.
+    async fn closed_spread(&self, addrs: &[SocketAddr], keys: Keys, proxy: &[u32]) -> Report {
         let me = [std::process::id()];
         let sample = || {
             [
@@ -209,8 +222,8 @@ impl Bench {
             ]
         };
         let before = sample();
-        let mut r = load::run_with_body(
-            addr,
+        let mut r = load::run_spread(
+            addrs,
             "/v1/payments",
             self.request.clone(),
             keys,
@@ -449,6 +462,12 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("storm") {
         storm(&mut b, dir.path(), &redis_url).await;
+    }
+    if run("cluster") {
+        cluster::throughput(&mut b, dir.path()).await;
+    }
+    if run("failover") {
+        cluster::failover(&mut b, dir.path(), cli.quick).await;
     }
     if soak > 0 && run("soak") {
         soak_rss(&mut b, dir.path(), &redis_url, soak).await;
@@ -1063,6 +1082,11 @@ async fn storm(b: &mut Bench, dir: &std::path::Path, redis_url: &str) {
 }
 
 async fn upstream_count(addr: SocketAddr) -> u64 {
+    get_text(addr, "/__count").await.parse().unwrap()
+}
+
+/// `GET path` from `addr`, the body as text.
+async fn get_text(addr: SocketAddr, path: &str) -> String {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut s, conn) = hyper::client::conn::http1::handshake::<
         _,
@@ -1073,7 +1097,7 @@ async fn upstream_count(addr: SocketAddr) -> u64 {
     tokio::spawn(conn);
     let resp = s
         .send_request(
-            http::Request::get("/__count")
+            http::Request::get(path)
                 .header("host", "u")
                 .body(http_body_util::Empty::new())
                 .unwrap(),
@@ -1082,7 +1106,7 @@ async fn upstream_count(addr: SocketAddr) -> u64 {
         .unwrap();
     use http_body_util::BodyExt;
     let body = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8_lossy(&body).parse().unwrap()
+    String::from_utf8_lossy(&body).to_string()
 }
 
 /// The gateway's RSS across a long run of unique keys on Redis, sampled every 10 s.

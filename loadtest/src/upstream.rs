@@ -1,5 +1,7 @@
 //! The fast fixed-response upstream: answers every request with the same body (after an
 //! optional delay) and counts executions; `GET /__count` tells the count without counting itself.
+//! With `count_keys`, it also counts executions per `Idempotency-Key` (the gateway forwards the
+//! header), and `GET /__keys` tells `<keys> <executions> <keys executed more than once>`.
 //!
 //! The body looks like a payments API's JSON (a list of payment objects with random ids, amounts
 //! and customers), so that what the Redis store's compression does to it is what it would do in
@@ -27,25 +29,43 @@ pub async fn serve(
     body_size: usize,
     delay: Duration,
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    count_keys: bool,
 ) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let body = Bytes::from(json_body(body_size));
     let noise = Bytes::from(random_bytes(body_size, 0x5eed));
     let count = Arc::new(AtomicU64::new(0));
+    let per_key: Option<Arc<PerKey>> = count_keys.then(Default::default);
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        let (body, noise, count, tls) = (body.clone(), noise.clone(), count.clone(), tls.clone());
+        let (body, noise, count, tls, per_key) = (
+            body.clone(),
+            noise.clone(),
+            count.clone(),
+            tls.clone(),
+            per_key.clone(),
+        );
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
-                let (body, noise, count) = (body.clone(), noise.clone(), count.clone());
+                let (body, noise, count, per_key) =
+                    (body.clone(), noise.clone(), count.clone(), per_key.clone());
                 async move {
                     if req.uri().path() == "/__count" {
                         let n = count.load(Ordering::SeqCst).to_string();
                         return Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(n))));
                     }
+                    if req.uri().path() == "/__keys" {
+                        let text = per_key.as_deref().map_or(String::new(), PerKey::summary);
+                        return Ok(Response::new(Full::new(Bytes::from(text))));
+                    }
                     count.fetch_add(1, Ordering::SeqCst);
+                    if let (Some(per_key), Some(key)) =
+                        (&per_key, req.headers().get("idempotency-key"))
+                    {
+                        per_key.executed(key.as_bytes());
+                    }
                     let path = req.uri().path().to_string();
                     // Read the request body so the connection can be reused.
                     let _ = req.into_body().collect().await;
@@ -76,6 +96,24 @@ pub async fn serve(
                 }
             }
         });
+    }
+}
+
+/// Executions per `Idempotency-Key`.
+#[derive(Default)]
+struct PerKey(std::sync::Mutex<std::collections::HashMap<Vec<u8>, u32>>);
+
+impl PerKey {
+    fn executed(&self, key: &[u8]) {
+        *self.0.lock().unwrap().entry(key.to_vec()).or_default() += 1;
+    }
+
+    /// `<keys> <executions> <keys executed more than once>`.
+    fn summary(&self) -> String {
+        let map = self.0.lock().unwrap();
+        let executions: u64 = map.values().map(|&n| n as u64).sum();
+        let twice = map.values().filter(|&&n| n > 1).count();
+        format!("{} {executions} {twice}", map.len())
     }
 }
 
