@@ -73,9 +73,12 @@ fn commandstats(nodes: &[SocketAddr]) -> HashMap<String, u64> {
     info_counts(nodes, "commandstats", "cmdstat_", "calls")
 }
 
-/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), summed over `nodes`.
-fn errorstats(nodes: &[SocketAddr]) -> HashMap<String, u64> {
-    info_counts(nodes, "errorstats", "errorstat_", "count")
+/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), of each node.
+fn errorstats(nodes: &[SocketAddr]) -> Vec<HashMap<String, u64>> {
+    nodes
+        .iter()
+        .map(|&n| info_counts(&[n], "errorstats", "errorstat_", "count"))
+        .collect()
 }
 
 /// `name n, ...` of the commands run per request between two `commandstats`, most first.
@@ -99,6 +102,22 @@ fn per_request(
     } else {
         parts.join(", ")
     }
+}
+
+/// The error replies of [`errorstats`] `after` less `before`, summed over the nodes. A count
+/// lower than before is a node started again (its counts start from 0): all of it is new.
+fn since(
+    before: &[HashMap<String, u64>],
+    after: Vec<HashMap<String, u64>>,
+) -> HashMap<String, u64> {
+    let mut sum: HashMap<String, u64> = HashMap::new();
+    for (b, a) in before.iter().zip(after) {
+        for (k, v) in a {
+            let was = b.get(&k).copied().unwrap_or(0);
+            *sum.entry(k).or_default() += if v >= was { v - was } else { v };
+        }
+    }
+    sum
 }
 
 fn errors_text(errors: &HashMap<String, u64>) -> String {
@@ -208,6 +227,9 @@ pub async fn throughput(b: &mut Bench, dir: &Path) {
             return;
         }
     };
+    let all_nodes: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
+    // What the cluster's making left (redis-cli's retried CLUSTER REPLICATE): not counted.
+    let errors_before = errorstats(&all_nodes);
     let standalone = procs::redis(dir);
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
@@ -230,7 +252,6 @@ pub async fn throughput(b: &mut Bench, dir: &Path) {
                 .collect(),
         )
     };
-    let all_nodes: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
     let mut s_redis = Setup::new("redis", &on_redis, standalone.pids());
     s_redis.primaries = vec![standalone.addr];
     let mut s_cluster = Setup::new("redis-cluster", &on_cluster, cluster.pids());
@@ -305,7 +326,7 @@ pub async fn throughput(b: &mut Bench, dir: &Path) {
             cz / ca.max(f64::MIN_POSITIVE)
         )
     };
-    let errors = errorstats(&all_nodes);
+    let errors = since(&errors_before, errorstats(&all_nodes));
     let redirections =
         errors.get("MOVED").copied().unwrap_or(0) + errors.get("ASK").copied().unwrap_or(0);
     if redirections > 0 {
@@ -496,6 +517,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
     let gateways = two_gateways(dir, &store, up.addr, "fo:");
     let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
     let all_nodes: Vec<SocketAddr> = topology.nodes().iter().map(|n| n.addr).collect();
+    let errors_before = errorstats(&all_nodes);
 
     let live = Live::new();
     let clients = tokio::spawn(load::run_retrying(
@@ -536,7 +558,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
     let (topology, t) = tokio::task::spawn_blocking(move || supervisor.join().unwrap())
         .await
         .unwrap();
-    let errors = errorstats(&all_nodes);
+    let errors = since(&errors_before, errorstats(&all_nodes));
     let (keys_executed, executions, twice) = upstream_keys(up.addr).await;
     drop(gateways);
     drop(topology);
