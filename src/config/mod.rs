@@ -24,7 +24,7 @@ pub mod upstream;
 
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
 pub use policy::{FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder};
-pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig};
+pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use policy::RawPolicy;
@@ -532,7 +532,7 @@ mod tests {
             let c = Config::load(None).unwrap();
             assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
             assert!(
-                matches!(&c.store, StoreConfig::Redis(r) if r.url == "redis://user:pw@redis:6379/0")
+                matches!(&c.store, StoreConfig::Redis(r) if r.topology == Topology::Single { url: "redis://user:pw@redis:6379/0".into() })
             );
             assert!(
                 !format!("{c:?}").contains(":pw@"),
@@ -590,7 +590,10 @@ mod tests {
         let StoreConfig::Redis(settings) = c.store else {
             panic!("redis.toml is a Redis config")
         };
-        assert_eq!(settings, RedisSettings::new(settings.url.clone()));
+        assert_eq!(
+            settings,
+            RedisSettings::with_topology(settings.topology.clone())
+        );
         assert_eq!(*c.defaults, Policy::default(), "[defaults] of redis.toml");
     }
 
