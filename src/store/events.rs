@@ -27,6 +27,9 @@ pub enum Evicted {
 
 type OnEvict = Box<dyn Fn(Evicted) + Send + Sync>;
 
+/// A channel's wake-up signal, and how many waiters watch it.
+type Watched = (watch::Sender<()>, usize);
+
 /// One process's subscriptions, shared by its store handles.
 pub(crate) struct Events {
     shared: Arc<Shared>,
@@ -39,7 +42,7 @@ pub(crate) struct Events {
 #[derive(Default)]
 struct Shared {
     // Channels waited on, with how many waiters watch each.
-    watched: Mutex<HashMap<Vec<u8>, (watch::Sender<()>, usize)>>,
+    watched: Mutex<HashMap<Vec<u8>, Watched>>,
     evict_channel: Vec<u8>,
     on_evict: OnceLock<OnEvict>,
 }
