@@ -487,9 +487,13 @@ impl RedisStore {
     }
 }
 
-/// Whether `e` means the connection broke, so that one retry on a fresh connection is worth it.
+/// Whether `e` means the connection broke (or, behind Sentinel, the node is no longer the
+/// primary), so that one retry on a fresh connection is worth it.
 fn reconnects(e: &redis::RedisError) -> bool {
-    e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal()
+    e.is_connection_dropped()
+        || e.is_io_error()
+        || e.is_connection_refusal()
+        || e.code() == Some("READONLY")
 }
 
 /// Entries from this size on are completed through a staging key (see `complete_staged`).
