@@ -105,16 +105,24 @@ impl Events {
     }
 
     /// Hear of evictions from now on (from this process and every other); the first call wins.
+    /// While Redis is unreachable the subscription is tried again every second, in the
+    /// background.
     pub(crate) async fn on_evicted(&self, f: OnEvict) {
-        if self.shared.on_evict.set(f).is_ok() {
-            if let Err(e) = self
-                .conn
-                .clone()
-                .subscribe(&self.evict_channel, false)
-                .await
-            {
-                tracing::warn!(error = %e, "could not subscribe to evictions; other gateways' evictions reach this local cache only when its entries expire");
-            }
+        if self.shared.on_evict.set(f).is_err() {
+            return;
+        }
+        let (mut conn, channel) = (self.conn.clone(), self.evict_channel.clone());
+        if let Err(e) = conn.subscribe(&channel, false).await {
+            tracing::warn!(error = %e, "could not subscribe to evictions yet; trying again every second (until then, other gateways' evictions reach this local cache when its entries expire)");
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    if conn.subscribe(&channel, false).await.is_ok() {
+                        tracing::info!("subscribed to evictions");
+                        return;
+                    }
+                }
+            });
         }
     }
 
