@@ -683,3 +683,37 @@ async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
         .await
         .replayed());
 }
+
+/// `wait_replicas = 1` on a Redis without a replica: every claim goes unacknowledged, so keyed
+/// requests are refused as a store outage (nothing forwarded, nothing left claimed) and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_no_replica_acknowledges_are_refused_and_counted() {
+    let env = TestEnv::start(
+        Backend::Redis,
+        TestConfig::new()
+            .set("store.wait_replicas", 1)
+            .set("store.timeout", "200ms")
+            .set("admin.listen", "127.0.0.1:0"),
+    )
+    .await;
+    let refused = send(env.post_keyed("/v1/p", "k").body("x")).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert_eq!(env.upstream.calls(), 0, "nothing is forwarded");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut env.redis().connection().await)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "the claim was taken back: {keys:?}");
+    let metrics = env.gateway.metrics().await;
+    assert!(
+        metrics.contains("idemgate_store_unacknowledged_writes_total{operation=\"claim\"} 1"),
+        "{metrics}"
+    );
+    // Unkeyed requests never touch the store.
+    assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
+}
