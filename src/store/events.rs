@@ -91,6 +91,9 @@ impl Events {
             ca_pem: o.ca_pem,
             push: Some(push),
         })?;
+        if matches!(o.topology, crate::config::Topology::Sentinel { .. }) {
+            keep_following(&conn, &shared);
+        }
         Ok(Arc::new(Events {
             shared,
             conn,
@@ -148,6 +151,21 @@ impl Events {
             channel,
             events: self.clone(),
         }
+    }
+}
+
+/// Behind Sentinel, a subscriber connection carries no commands that would notice a failover:
+/// ping the primary every second, so that a lost primary makes the connection ask the sentinels
+/// and subscribe again on the new one. Ends with the process's subscriptions.
+fn keep_following(conn: &Conn, shared: &Arc<Shared>) {
+    let (mut conn, alive) = (conn.clone(), Arc::downgrade(shared));
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            while alive.strong_count() > 0 {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                let _: Result<(), _> = redis::cmd("PING").query_async(&mut conn).await;
+            }
+        });
     }
 }
 
