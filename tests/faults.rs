@@ -717,3 +717,55 @@ async fn claims_no_replica_acknowledges_are_refused_and_counted() {
     // Unkeyed requests never touch the store.
     assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
 }
+
+/// Redis goes down while the upstream runs, so the completion fails; the response reaches the
+/// client, and the completion is sent again in the background until Redis is back (AOF: the
+/// claim survived the restart). The retry then gets the replay: the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_completion_is_sent_again_until_redis_is_back() {
+    let redis = RedisServer::start_durable().await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(500));
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis(&redis)
+        .set("store.timeout", "300ms");
+    let gateway = InProcessGateway::start(&config).await;
+    let client = common::client();
+    let url = gateway.url("/v1/p");
+    let pending = tokio::spawn(send(
+        client
+            .post(&url)
+            .header("idempotency-key", "later")
+            .body("x"),
+    ));
+    upstream.wait_for_calls(1).await;
+    redis.kill();
+    let first = pending.await.unwrap();
+    assert_eq!(
+        first.status, 201,
+        "the upstream's answer reaches the client"
+    );
+    redis.restart().await;
+    wait_until(
+        Duration::from_secs(10),
+        "the retry gets the replay",
+        async || {
+            let r = send(
+                client
+                    .post(&url)
+                    .header("idempotency-key", "later")
+                    .body("x"),
+            )
+            .await;
+            assert!(
+                [201, 409, 503].contains(&r.status),
+                "a retry meanwhile is refused or waits: {r:?}"
+            );
+            r.replayed()
+        },
+    )
+    .await;
+    assert_eq!(upstream.calls(), 1, "the upstream ran once");
+}
