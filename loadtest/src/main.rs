@@ -464,7 +464,7 @@ async fn bench(cli: Cli) -> ExitCode {
         storm(&mut b, dir.path(), &redis_url).await;
     }
     if run("cluster") {
-        cluster::throughput(&mut b, dir.path()).await;
+        cluster::throughput(&mut b, dir.path(), cli.quick).await;
     }
     if run("failover") {
         cluster::failover(&mut b, dir.path(), cli.quick).await;
