@@ -22,6 +22,8 @@ struct Setup {
     /// The nodes that take the clients' commands (the primaries), and their replicas.
     primaries: Vec<SocketAddr>,
     replicas: Vec<SocketAddr>,
+    /// The replicas' processes, whose CPU is told apart from the primaries'.
+    replica_pids: Vec<u32>,
 }
 
 impl Setup {
@@ -34,6 +36,7 @@ impl Setup {
             redis_pids,
             primaries: Vec::new(),
             replicas: Vec::new(),
+            replica_pids: Vec::new(),
         }
     }
 
@@ -169,9 +172,13 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
         commandstats(&setup.replicas),
     );
     b.redis_pids = setup.redis_pids.clone();
+    let replica_cpu = procs::cpu_ns(&setup.replica_pids);
     let r = b
         .closed_spread(&setup.addrs, keys, &setup.gateway_pids)
         .await;
+    let replica_cpu = procs::cpu_ns(&setup.replica_pids).saturating_sub(replica_cpu) as f64
+        / 1e3
+        / r.requests.max(1) as f64;
     let after = (
         setup.round_trips(),
         commandstats(&setup.primaries),
@@ -185,10 +192,12 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
         per_request(&before.1, &after.1, r.requests)
     );
     if !setup.replicas.is_empty() {
+        let redis_cpu = r.cpu.map_or(0.0, |c| c.redis);
         note.push_str(&format!(
-            "; on their {} replicas (the replication stream): {}",
+            "; on their {} replicas (the replication stream): {}; Redis CPU per request {:.1} µs on the primaries, {replica_cpu:.1} on the replicas",
             setup.replicas.len(),
-            per_request(&before.2, &after.2, r.requests)
+            per_request(&before.2, &after.2, r.requests),
+            redis_cpu - replica_cpu,
         ));
     }
     b.notes.push(note);
@@ -248,24 +257,24 @@ pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
         up.addr,
         &prefix,
     );
-    let (primaries, replicas): (Vec<SocketAddr>, Vec<SocketAddr>) = {
-        let p = cluster.primaries();
-        (
-            p.iter().map(|&i| cluster.nodes[i].addr).collect(),
-            (0..cluster.nodes.len())
-                .filter(|i| !p.contains(i))
-                .map(|i| cluster.nodes[i].addr)
-                .collect(),
-        )
-    };
+    let p = cluster.primaries();
+    let replica_nodes: Vec<&RedisNode> = (0..cluster.nodes.len())
+        .filter(|i| !p.contains(i))
+        .map(|i| &cluster.nodes[i])
+        .collect();
+    let primaries: Vec<SocketAddr> = p.iter().map(|&i| cluster.nodes[i].addr).collect();
+    let replicas: Vec<SocketAddr> = replica_nodes.iter().map(|n| n.addr).collect();
+    let replica_pids: Vec<u32> = replica_nodes.iter().flat_map(|n| n.pids()).collect();
     let mut s_redis = Setup::new("redis", &on_redis, standalone.pids());
     s_redis.primaries = vec![standalone.addr];
     let mut s_cluster = Setup::new("redis-cluster", &on_cluster, cluster.pids());
     s_cluster.primaries = primaries.clone();
     s_cluster.replicas = replicas.clone();
+    s_cluster.replica_pids = replica_pids.clone();
     let mut s_wait = Setup::new("redis-cluster, wait_replicas 1", &waiting, cluster.pids());
     s_wait.primaries = primaries;
     s_wait.replicas = replicas;
+    s_wait.replica_pids = replica_pids;
 
     let hot = |s: &Setup| Keys::Hot(format!("hot-{}", s.name), 1000);
     let scenarios: Vec<(String, &Setup, bool)> = vec![
