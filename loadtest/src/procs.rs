@@ -558,7 +558,7 @@ impl Cluster {
     pub fn wait_healthy(&self, secs: u64) -> Result<(), String> {
         wait_until("cluster state ok on every node", secs, || {
             self.nodes.iter().filter(|n| n.is_running()).all(|n| {
-                n.query::<String>(&redis::cmd("CLUSTER").arg("INFO"))
+                n.query::<String>(redis::cmd("CLUSTER").arg("INFO"))
                     .is_ok_and(|s| s.contains("cluster_state:ok"))
             })
         })?;
