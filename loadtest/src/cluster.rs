@@ -84,6 +84,24 @@ fn errorstats(nodes: &[SocketAddr]) -> Vec<HashMap<String, u64>> {
         .collect()
 }
 
+/// Commands answered with an error, by command, of each node: `<command> rejected` (refused
+/// before running: a redirection, READONLY, CLUSTERDOWN) and `<command> failed` (an error
+/// while running).
+fn failed_commands(nodes: &[SocketAddr]) -> Vec<HashMap<String, u64>> {
+    nodes
+        .iter()
+        .map(|&n| {
+            let mut m = HashMap::new();
+            for field in ["rejected", "failed"] {
+                let calls =
+                    info_counts(&[n], "commandstats", "cmdstat_", &format!("{field}_calls"));
+                m.extend(calls.into_iter().map(|(k, v)| (format!("{k} {field}"), v)));
+            }
+            m
+        })
+        .collect()
+}
+
 /// `name n, ...` of the commands run per request between two `commandstats`, most first.
 fn per_request(
     before: &HashMap<String, u64>,
@@ -484,20 +502,34 @@ fn wait_synced(node: &RedisNode) -> Result<(), String> {
 }
 
 /// Section `failover`: for a cluster and a Sentinel set, each with `wait_replicas` 1 and 0 (with
-/// `--quick`, the cluster with 1 only).
-pub async fn failover(b: &mut Bench, dir: &Path, quick: bool) {
-    let runs: &[(&str, u32)] = if quick {
-        &[("redis-cluster", 1)]
+/// `--quick`, the cluster with 1 only), or the runs `--failover` names.
+pub async fn failover(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
+    let default: &[&str] = if quick {
+        &["redis-cluster:1"]
     } else {
         &[
-            ("redis-cluster", 1),
-            ("redis-cluster", 0),
-            ("redis-sentinel", 1),
-            ("redis-sentinel", 0),
+            "redis-cluster:1",
+            "redis-cluster:0",
+            "redis-sentinel:1",
+            "redis-sentinel:0",
         ]
     };
-    for &(kind, wait) in runs {
-        failover_run(b, dir, kind, wait, quick).await;
+    let runs: Vec<&str> = if runs.is_empty() {
+        default.to_vec()
+    } else {
+        runs.iter().map(String::as_str).collect()
+    };
+    for run in runs {
+        let parsed = run
+            .split_once(':')
+            .and_then(|(kind, wait)| Some((kind, wait.parse::<u32>().ok()?)))
+            .filter(|(kind, _)| matches!(*kind, "redis-cluster" | "redis-sentinel"));
+        match parsed {
+            Some((kind, wait)) => failover_run(b, dir, kind, wait, quick).await,
+            None => b.insane.push(format!(
+                "--failover {run}: not redis-cluster:N or redis-sentinel:N"
+            )),
+        }
     }
 }
 
@@ -534,6 +566,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
     let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
     let all_nodes: Vec<SocketAddr> = topology.nodes().iter().map(|n| n.addr).collect();
     let errors_before = errorstats(&all_nodes);
+    let failed_before = failed_commands(&all_nodes);
 
     let live = Live::new();
     let clients = tokio::spawn(load::run_retrying(
@@ -595,6 +628,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         .await
         .unwrap();
     let errors = since(&errors_before, errorstats(&all_nodes));
+    let failed = since(&failed_before, failed_commands(&all_nodes));
     // Each kind of error reply with the window in which its count grew, from the kill.
     let error_windows: Vec<String> = {
         let mut kinds: Vec<&String> = errors
@@ -693,17 +727,26 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         b.insane
             .push(format!("{label}: no key succeeded before the kill"));
     }
-    if before > 0 {
-        b.insane
-            .push(format!("{label}: {before} refusals before the kill"));
+    // Refusals per second from the kill, through each gateway (for the eye: where they end).
+    let mut per_second: BTreeMap<u64, [u64; 2]> = BTreeMap::new();
+    for a in &refused {
+        per_second.entry((a.end - t.kill).as_secs()).or_default()[a.replica.min(1)] += 1;
     }
+    let timeline: Vec<String> = per_second
+        .iter()
+        .map(|(s, [x, y])| format!("{s}s: {x}+{y}"))
+        .collect();
+    eprintln!(
+        "    refusals per second from the kill (gateway 1 + gateway 2): {}",
+        timeline.join(", ")
+    );
     eprintln!(
         "  {label:<40} recovered {:.2} s after the kill, {} refused, {twice} keys executed twice",
         recovery.as_secs_f64(),
         refused.len()
     );
     b.notes.push(format!(
-        "{label} (1 KiB, 2 gateways, {CLIENTS} clients each retrying its key every {} ms on 503/409/502/504 until a 2xx, then once more on the other gateway; kill -9 of the primary {} at {:.1} s): failover seen {}, killed node restarted as a replica {}, in sync {}; keyed requests succeed again {:.2} s after the kill (the last refusal); {} attempts refused ({}; {confirms_refused} of them retries after a 2xx; {} until the failover was seen, {} until the restart, {} until in sync, {} after) of {} after the kill; longest attempt {} ms; {} keys completed, {} unfinished at the stop, {} given up; upstream: {keys_executed} keys executed {executions} times, {twice} keys executed twice; error replies over the nodes: {}",
+        "{label} (1 KiB, 2 gateways, {CLIENTS} clients each retrying its key every {} ms on 503/409/502/504 until a 2xx, then once more on the other gateway; kill -9 of the primary {} at {:.1} s): failover seen {}, killed node restarted as a replica {}, in sync {}; keyed requests succeed again {:.2} s after the kill (the last refusal); {} attempts refused ({}; {confirms_refused} of them retries after a 2xx; {} until the failover was seen, {} until the restart, {} until in sync, {} after) of {} after the kill, {before} before it (409s: a retry after a 2xx can reach the other gateway before the record is written); longest attempt {} ms; {} keys completed, {} unfinished at the stop, {} given up; upstream: {keys_executed} keys executed {executions} times, {twice} keys executed twice; error replies over the nodes: {}; the commands answered with them: {}",
         BACKOFF.as_millis(),
         t.killed.map_or("?".into(), |a| a.to_string()),
         t.kill.as_secs_f64(),
@@ -723,6 +766,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         report.unfinished,
         report.given_up,
         if error_windows.is_empty() { "none".into() } else { error_windows.join(", ") },
+        errors_text(&failed),
     ));
 }
 

@@ -326,6 +326,8 @@ pub struct Attempt {
     pub status: u16,
     /// A retry after a 2xx, sent to another replica: the client that did not get its answer.
     pub confirm: bool,
+    /// Which of the addresses it went to.
+    pub replica: usize,
 }
 
 impl Attempt {
@@ -433,6 +435,7 @@ async fn retrying_client(
                     end: live.start.elapsed(),
                     status,
                     confirm,
+                    replica,
                 };
                 r.attempts.push(a);
                 // The next attempt (a retry, or the confirmation) goes to another replica.

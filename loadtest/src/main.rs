@@ -42,6 +42,11 @@ struct Cli {
     /// --quick).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The failover section's runs, as backend:wait_replicas (comma-separated), e.g.
+    /// redis-sentinel:1; default redis-cluster:1,redis-cluster:0,redis-sentinel:1,
+    /// redis-sentinel:0, or redis-cluster:1 with --quick.
+    #[arg(long, value_delimiter = ',')]
+    failover: Vec<String>,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -468,7 +473,7 @@ async fn bench(cli: Cli) -> ExitCode {
         cluster::throughput(&mut b, dir.path(), cli.quick).await;
     }
     if run("failover") {
-        cluster::failover(&mut b, dir.path(), cli.quick).await;
+        cluster::failover(&mut b, dir.path(), cli.quick, &cli.failover).await;
     }
     if soak > 0 && run("soak") {
         soak_rss(&mut b, dir.path(), &redis_url, soak).await;
