@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{RedisCluster, RedisSentinelSet};
+use common::{wait_until, RedisCluster, RedisSentinelSet};
 use redis::AsyncCommands;
 
 // === the fixtures themselves, with redis-rs only ===
@@ -53,7 +53,11 @@ async fn the_cluster_fixture_shards_fails_over_and_takes_a_node_back() {
 
     let back = cluster.restart(victim).await;
     eprintln!("node {victim} back as a replica in {back:?}");
-    assert_eq!(cluster.primaries().await, primaries, "it rejoined as a replica");
+    assert_eq!(
+        cluster.primaries().await,
+        primaries,
+        "it rejoined as a replica"
+    );
     let _: () = conn.set("fixture:after", 1).await.unwrap();
     let acked: i64 = redis::cmd("WAIT")
         .arg(1)
@@ -84,10 +88,11 @@ async fn the_sentinel_fixture_fails_over_and_takes_the_old_primary_back() {
         .await
         .unwrap()
     };
+    // Within 200 ms: the client's default response timeout is 500 ms.
     let wait_one = async |conn: &mut redis::aio::MultiplexedConnection| -> i64 {
         redis::cmd("WAIT")
             .arg(1)
-            .arg(500)
+            .arg(200)
             .query_async(conn)
             .await
             .unwrap()
@@ -110,6 +115,12 @@ async fn the_sentinel_fixture_fails_over_and_takes_the_old_primary_back() {
     let back = set.restart_as_replica(victim).await;
     eprintln!("node {victim} back as a replica in {back:?}");
     assert_eq!(set.primary().await, 1);
+    // Its replication stream may start a moment after the sync (WAIT times out until then).
     let _: () = conn.set("fixture", "after").await.unwrap();
-    assert_eq!(wait_one(&mut conn).await, 1, "the old primary replicates");
+    wait_until(
+        Duration::from_secs(2),
+        "the old primary acknowledges writes",
+        async || wait_one(&mut conn).await == 1,
+    )
+    .await;
 }

@@ -178,7 +178,7 @@ impl RedisCluster {
     }
 
     /// Wait until all six nodes run and agree: cluster state ok, six nodes known, none flagged
-    /// failing, three primaries owning every slot, and every replica's link to its primary up.
+    /// failing, three primaries owning every slot, each streaming to its replica.
     pub async fn wait_until_healthy(&self) -> Duration {
         wait_until(SETTLE, "the cluster is healthy", async || {
             let mut roles = None;
@@ -207,7 +207,12 @@ impl RedisCluster {
                     return false;
                 }
                 let me = view.iter().find(|n| n.myself).expect("myself");
-                if !me.is_primary() && !node.replication_link_up().await {
+                let replicating = if me.is_primary() {
+                    node.online_replicas().await == 1
+                } else {
+                    node.replication_link_up().await
+                };
+                if !replicating {
                     return false;
                 }
             }
@@ -363,8 +368,8 @@ impl RedisSentinelSet {
         started.elapsed()
     }
 
-    /// Wait until data node `primary` is the primary with the other one replicating from it, and
-    /// every sentinel names it, knows a replica and the two other sentinels.
+    /// Wait until data node `primary` is the primary streaming to the other one, and every
+    /// sentinel names it, knows a replica and the two other sentinels.
     async fn wait_until_healthy(&self, primary: usize) -> Duration {
         let (p, r) = (&self.data[primary], &self.data[1 - primary]);
         wait_until(SETTLE, "the Sentinel set is healthy", async || {
@@ -386,7 +391,9 @@ impl RedisSentinelSet {
                     return false;
                 }
             }
-            p.role().await.as_deref() == Some("master") && r.replication_link_up().await
+            p.role().await.as_deref() == Some("master")
+                && p.online_replicas().await == 1
+                && r.replication_link_up().await
         })
         .await
     }
@@ -547,10 +554,7 @@ impl Node {
 
     /// Field `name` of `INFO section`.
     async fn info(&self, section: &str, name: &str) -> Option<String> {
-        let info: String = self
-            .query(redis::cmd("INFO").arg(section))
-            .await
-            .ok()?;
+        let info: String = self.query(redis::cmd("INFO").arg(section)).await.ok()?;
         info.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(|v| v.trim().to_string())
@@ -563,7 +567,24 @@ impl Node {
 
     /// Whether this replica's link to its primary is up.
     async fn replication_link_up(&self) -> bool {
-        self.info("replication", "master_link_status").await.as_deref() == Some("up")
+        self.info("replication", "master_link_status")
+            .await
+            .as_deref()
+            == Some("up")
+    }
+
+    /// How many replicas this primary streams to (`state=online` in `INFO replication`: synced,
+    /// and counted by `WAIT`).
+    async fn online_replicas(&self) -> usize {
+        let Ok(info) = self
+            .query::<String>(redis::cmd("INFO").arg("replication"))
+            .await
+        else {
+            return 0;
+        };
+        info.lines()
+            .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+            .count()
     }
 
     /// Whether `CLUSTER INFO` says the state is ok, and `CLUSTER NODES`; `None` when the node
@@ -632,7 +653,13 @@ impl NodeLine {
     fn parse(line: &str) -> Option<Self> {
         let fields: Vec<&str> = line.split_whitespace().collect();
         let addr = fields.get(1)?;
-        let port = addr.split(['@', ',']).next()?.rsplit_once(':')?.1.parse().ok()?;
+        let port = addr
+            .split(['@', ','])
+            .next()?
+            .rsplit_once(':')?
+            .1
+            .parse()
+            .ok()?;
         let flags: Vec<String> = fields.get(2)?.split(',').map(str::to_string).collect();
         let slots = fields
             .iter()
