@@ -31,7 +31,7 @@ use crate::metrics::Metrics;
 use crate::proxy::{Proxy, ProxyError};
 use crate::store::redis::RedisOptions;
 use crate::store::{
-    CachedStore, Claim, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
+    CachedStore, Claim, Evicted, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
 };
 
 /// How long a client's TLS handshake may take.
@@ -167,9 +167,17 @@ impl AnyStore {
                 info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
             }
         }
-        // One local cache of completed records for the whole process.
+        // One local cache of completed records for the whole process, told of every gateway's
+        // evictions.
         let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
             .counting_hits(metrics.local_cache_hits());
+        let evicted = cache.clone();
+        redis
+            .on_evicted(move |what| match what {
+                Evicted::Key(key) => evicted.invalidate(&key),
+                Evicted::All => evicted.clear(),
+            })
+            .await;
         Ok(AnyStore::Redis(CachedStore::new(redis, cache), options))
     }
 
@@ -179,7 +187,7 @@ impl AnyStore {
     async fn for_worker(&self) -> Self {
         match self {
             AnyStore::Memory(_) => self.clone(),
-            AnyStore::Redis(shared, options) => match RedisStore::connect(options).await {
+            AnyStore::Redis(shared, options) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(
                     CachedStore::new(own, shared.cache().clone()),
                     options.clone(),
@@ -240,6 +248,10 @@ impl Store for AnyStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         on_store!(self, s => s.renew(key, token, lease).await)
+    }
+
+    async fn watch(&self, key: &crate::idempotency::key::ScopedKey) -> Option<crate::store::Watch> {
+        on_store!(self, s => s.watch(key).await)
     }
 }
 

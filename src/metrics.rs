@@ -122,6 +122,7 @@ struct Inner {
     in_flight: Gauge,
     replayed_bytes: Counter,
     store_errors_passed: Counter,
+    unacknowledged: Family<OpLabels, Counter>,
     local_cache_hits: Counter,
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
@@ -192,6 +193,12 @@ impl Metrics {
             "Keyed requests forwarded WITHOUT idempotency because the store was down (on_store_error = \"pass\")",
             store_errors_passed.clone(),
         );
+        let unacknowledged = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_unacknowledged_writes",
+            "Claims and completions fewer replicas than store.wait_replicas acknowledged in time",
+            unacknowledged.clone(),
+        );
         let local_cache_hits = Counter::default();
         registry.register(
             "idemgate_local_cache_hits",
@@ -234,6 +241,7 @@ impl Metrics {
                 in_flight,
                 replayed_bytes,
                 store_errors_passed,
+                unacknowledged,
                 local_cache_hits,
                 local_cache_entries,
                 local_cache_bytes,
@@ -330,6 +338,14 @@ impl Metrics {
     /// Count a keyed request forwarded without idempotency because the store was down.
     pub fn store_error_passed(&self) {
         self.inner.store_errors_passed.inc();
+    }
+
+    /// Count a claim or completion that too few replicas acknowledged (`wait_replicas`).
+    pub fn unacknowledged(&self, operation: StoreOp) {
+        self.inner
+            .unacknowledged
+            .get_or_create(&OpLabels { operation })
+            .inc();
     }
 
     /// The counter of replays served from the local cache (given to the cache to count into).

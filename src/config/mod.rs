@@ -24,7 +24,7 @@ pub mod upstream;
 
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
 pub use policy::{FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder};
-pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig};
+pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use policy::RawPolicy;
@@ -434,6 +434,76 @@ mod tests {
     }
 
     #[test]
+    fn cluster_and_sentinel_stores_name_their_fields() {
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        let cluster = "[store]\nbackend = \"redis-cluster\"\n";
+        let sentinel = "[store]\nbackend = \"redis-sentinel\"\n";
+        assert!(err(&format!("{base}{cluster}")).contains("store.urls"));
+        assert!(err(&format!("{base}{cluster}urls = []")).contains("store.urls"));
+        assert!(err(&format!("{base}{cluster}url = \"redis://h:1\"")).contains("store.url"));
+        assert!(err(&format!("{base}{cluster}urls = [\"http://h:1\"]")).contains("store.urls"));
+        assert!(
+            err(&format!("{base}{cluster}urls = [\"unix:///tmp/r.sock\"]")).contains("store.urls")
+        );
+        assert!(err(&format!(
+            "{base}{cluster}urls = [\"redis://a:1\", \"rediss://b:1\"]"
+        ))
+        .contains("store.urls"));
+        assert!(err(&format!(
+            "{base}{cluster}urls = [\"redis://a:1\"]\nprefix = \"{{x}}:\""
+        ))
+        .contains("store.prefix"));
+        assert!(err(&format!(
+            "{base}{cluster}urls = [\"redis://a:1\"]\nmaster_name = \"m\""
+        ))
+        .contains("store.master_name"));
+        assert!(
+            err(&format!("{base}{sentinel}urls = [\"redis://s:26379\"]"))
+                .contains("store.master_name")
+        );
+        assert!(err(&format!("{base}[store]\nwait_replicas = 1")).contains("store.wait_replicas"));
+        assert!(err(&format!(
+            "{base}[store]\nbackend = \"redis\"\nurl = \"redis://h:1\"\nwait_replicas = -1"
+        ))
+        .contains("wait_replicas"));
+        // A prefix with braces is fine on one server, where it is no hash tag.
+        Config::from_toml(&format!(
+            "{base}[store]\nbackend = \"redis\"\nurl = \"redis://h:1\"\nprefix = \"{{x}}:\""
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn cluster_and_sentinel_stores_read_as_written() {
+        let c = Config::from_toml(
+            "upstream = \"http://h:1\"\n[store]\nbackend = \"redis-sentinel\"\n\
+             urls = [\"redis://:pw@s1:26379\", \"redis://:pw@s2:26379\"]\n\
+             master_name = \"idemgate\"\nwait_replicas = 1\nprefix = \"p:\"",
+        )
+        .unwrap();
+        let StoreConfig::Redis(r) = &c.store else {
+            panic!("a Redis store")
+        };
+        assert_eq!(
+            r.topology,
+            Topology::Sentinel {
+                urls: vec!["redis://:pw@s1:26379".into(), "redis://:pw@s2:26379".into()],
+                master_name: "idemgate".into()
+            }
+        );
+        assert_eq!((r.wait_replicas, r.prefix.as_str()), (1, "p:"));
+        assert_eq!(c.store.backend(), "redis-sentinel");
+        let shown = format!("{:?} {}", c.store, c.store.describe());
+        assert!(!shown.contains("pw"), "{shown}");
+        assert!(shown.contains("redis://:***@s2:26379"), "{shown}");
+        let c = Config::from_toml(
+            "upstream = \"http://h:1\"\n[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a:7001\"]",
+        )
+        .unwrap();
+        assert_eq!(c.store.backend(), "redis-cluster");
+    }
+
+    #[test]
     fn very_large_ttl_is_accepted() {
         let c = Config::from_toml(
             "upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"\nmax_ttl = \"3650d\"",
@@ -532,7 +602,7 @@ mod tests {
             let c = Config::load(None).unwrap();
             assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
             assert!(
-                matches!(&c.store, StoreConfig::Redis(r) if r.url == "redis://user:pw@redis:6379/0")
+                matches!(&c.store, StoreConfig::Redis(r) if r.topology == Topology::Single { url: "redis://user:pw@redis:6379/0".into() })
             );
             assert!(
                 !format!("{c:?}").contains(":pw@"),
@@ -590,7 +660,10 @@ mod tests {
         let StoreConfig::Redis(settings) = c.store else {
             panic!("redis.toml is a Redis config")
         };
-        assert_eq!(settings, RedisSettings::new(settings.url.clone()));
+        assert_eq!(
+            settings,
+            RedisSettings::with_topology(settings.topology.clone())
+        );
         assert_eq!(*c.defaults, Policy::default(), "[defaults] of redis.toml");
     }
 

@@ -31,8 +31,11 @@ pub(super) struct RawStore {
     // memory
     max_entries: Option<usize>,
     max_bytes: Option<HumanSize>,
-    // redis
+    // redis, redis-cluster, redis-sentinel
     url: Option<String>,
+    urls: Option<Vec<String>>,
+    master_name: Option<String>,
+    wait_replicas: Option<u32>,
     prefix: Option<String>,
     timeout: Option<HumanDuration>,
     local_cache: Option<HumanSize>,
@@ -46,7 +49,8 @@ pub(super) struct RawStore {
 pub enum StoreConfig {
     /// The embedded in-process store: zero setup, one gateway process, lost on restart.
     Memory(MemorySettings),
-    /// Redis: shared by every gateway replica and durable as far as Redis is.
+    /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
+    /// gateway replica and durable as far as Redis is.
     Redis(RedisSettings),
 }
 
@@ -74,11 +78,80 @@ impl Default for MemorySettings {
     }
 }
 
-/// `backend = "redis"`.
+/// Which Redis deployment holds the records, and how to find it. URLs may carry a password, so
+/// they are never logged whole.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Topology {
+    /// `backend = "redis"`: one server at `url` (`redis://`, `rediss://` or `unix://`).
+    Single {
+        /// The server.
+        url: String,
+    },
+    /// `backend = "redis-cluster"`: seed nodes of a Redis Cluster; the rest are discovered.
+    Cluster {
+        /// Seed nodes.
+        urls: Vec<String>,
+    },
+    /// `backend = "redis-sentinel"`: the primary that these sentinels name `master_name`. The
+    /// data nodes are reached with the sentinels' user, password and TLS setting.
+    Sentinel {
+        /// The sentinels.
+        urls: Vec<String>,
+        /// The name the sentinels monitor the primary under.
+        master_name: String,
+    },
+}
+
+impl Topology {
+    /// The `backend` value that selects this topology.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Topology::Single { .. } => "redis",
+            Topology::Cluster { .. } => "redis-cluster",
+            Topology::Sentinel { .. } => "redis-sentinel",
+        }
+    }
+
+    /// Every URL, for TLS checks and logs.
+    pub fn urls(&self) -> Vec<&str> {
+        match self {
+            Topology::Single { url } => vec![url.as_str()],
+            Topology::Cluster { urls } | Topology::Sentinel { urls, .. } => {
+                urls.iter().map(String::as_str).collect()
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Passwords in URLs are never printed.
+        let redacted = |urls: &[String]| urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>();
+        match self {
+            Topology::Single { url } => f
+                .debug_struct("Single")
+                .field("url", &redact_url(url))
+                .finish(),
+            Topology::Cluster { urls } => f
+                .debug_struct("Cluster")
+                .field("urls", &redacted(urls))
+                .finish(),
+            Topology::Sentinel { urls, master_name } => f
+                .debug_struct("Sentinel")
+                .field("urls", &redacted(urls))
+                .field("master_name", master_name)
+                .finish(),
+        }
+    }
+}
+
+/// `backend = "redis"`, `"redis-cluster"` or `"redis-sentinel"`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// `redis://`, `rediss://` or `unix://` URL; may carry a password, so never log it whole.
-    pub url: String,
+    /// Where the records are.
+    pub topology: Topology,
+    /// Replicas that must acknowledge each claim and completion (`WAIT`); 0: none.
+    pub wait_replicas: u32,
     /// Prefix of every key the gateway writes, so one Redis can serve several deployments.
     pub prefix: String,
     /// How long to wait to connect or for one answer before the store counts as down.
@@ -95,10 +168,16 @@ pub struct RedisSettings {
 }
 
 impl RedisSettings {
-    /// The settings for Redis at `url`, every other field at its default.
+    /// The settings for the one Redis at `url`, every other field at its default.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::with_topology(Topology::Single { url: url.into() })
+    }
+
+    /// The settings for Redis found by `topology`, every other field at its default.
+    pub fn with_topology(topology: Topology) -> Self {
         RedisSettings {
-            url: url.into(),
+            topology,
+            wait_replicas: 0,
             prefix: redis_store::DEFAULT_PREFIX.to_string(),
             timeout: redis_store::DEFAULT_TIMEOUT,
             local_cache: cached::DEFAULT_BYTES,
@@ -110,7 +189,8 @@ impl RedisSettings {
 
     /// How to reach this Redis (with the PEM of `tls_ca_file`, read now).
     pub fn options(&self) -> Result<RedisOptions, StoreError> {
-        let mut options = RedisOptions::new(&self.url)
+        let mut options = RedisOptions::with_topology(self.topology.clone())
+            .wait_replicas(self.wait_replicas)
             .prefix(&self.prefix)
             .timeout(self.timeout)
             .compression(self.compression);
@@ -132,7 +212,8 @@ impl fmt::Debug for RedisSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The URL's password is never printed.
         f.debug_struct("RedisSettings")
-            .field("url", &redact_url(&self.url))
+            .field("topology", &self.topology)
+            .field("wait_replicas", &self.wait_replicas)
             .field("prefix", &self.prefix)
             .field("timeout", &HumanDuration(self.timeout))
             .field("local_cache", &HumanSize(self.local_cache))
@@ -148,7 +229,16 @@ impl StoreConfig {
     pub fn describe(&self) -> String {
         match self {
             StoreConfig::Memory(_) => "memory".into(),
-            StoreConfig::Redis(r) => format!("redis {}", redact_url(&r.url)),
+            StoreConfig::Redis(r) => format!(
+                "{} {}",
+                r.topology.backend(),
+                r.topology
+                    .urls()
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
         }
     }
 
@@ -156,37 +246,58 @@ impl StoreConfig {
     pub fn backend(&self) -> &'static str {
         match self {
             StoreConfig::Memory(_) => "memory",
-            StoreConfig::Redis(_) => "redis",
+            StoreConfig::Redis(r) => r.topology.backend(),
         }
     }
 
     /// Validate the table as written.
     pub(super) fn from_raw(raw: RawStore) -> Result<Self, ConfigError> {
         let backend = raw.backend.as_deref().unwrap_or("memory");
-        // Each field with the backend it belongs to.
-        let set = [
-            ("max_entries", raw.max_entries.is_some(), "memory"),
-            ("max_bytes", raw.max_bytes.is_some(), "memory"),
-            ("url", raw.url.is_some(), "redis"),
-            ("prefix", raw.prefix.is_some(), "redis"),
-            ("timeout", raw.timeout.is_some(), "redis"),
-            ("local_cache", raw.local_cache.is_some(), "redis"),
-            ("local_cache_ttl", raw.local_cache_ttl.is_some(), "redis"),
-            ("tls_ca_file", raw.tls_ca_file.is_some(), "redis"),
-            ("compression", raw.compression.is_some(), "redis"),
-        ];
-        if !["memory", "redis"].contains(&backend) {
+        const BACKENDS: [&str; 4] = ["memory", "redis", "redis-cluster", "redis-sentinel"];
+        if !BACKENDS.contains(&backend) {
             return Err(ConfigError::invalid(
                 "store.backend",
-                format!("{backend:?} is not a backend; use \"memory\" or \"redis\""),
+                format!(
+                    "{backend:?} is not a backend; use \"memory\", \"redis\", \"redis-cluster\" or \"redis-sentinel\""
+                ),
             ));
         }
-        if let Some((field, _, owner)) =
-            set.iter().find(|(_, set, owner)| *set && *owner != backend)
+        // Each field with the backends it belongs to.
+        const REDIS_ALL: &[&str] = &["redis", "redis-cluster", "redis-sentinel"];
+        let set: [(&str, bool, &[&str]); 12] = [
+            ("max_entries", raw.max_entries.is_some(), &["memory"]),
+            ("max_bytes", raw.max_bytes.is_some(), &["memory"]),
+            ("url", raw.url.is_some(), &["redis"]),
+            (
+                "urls",
+                raw.urls.is_some(),
+                &["redis-cluster", "redis-sentinel"],
+            ),
+            (
+                "master_name",
+                raw.master_name.is_some(),
+                &["redis-sentinel"],
+            ),
+            ("wait_replicas", raw.wait_replicas.is_some(), REDIS_ALL),
+            ("prefix", raw.prefix.is_some(), REDIS_ALL),
+            ("timeout", raw.timeout.is_some(), REDIS_ALL),
+            ("local_cache", raw.local_cache.is_some(), REDIS_ALL),
+            ("local_cache_ttl", raw.local_cache_ttl.is_some(), REDIS_ALL),
+            ("tls_ca_file", raw.tls_ca_file.is_some(), REDIS_ALL),
+            ("compression", raw.compression.is_some(), REDIS_ALL),
+        ];
+        if let Some((field, _, owners)) = set
+            .iter()
+            .find(|(_, set, owners)| *set && !owners.contains(&backend))
         {
+            let owners = owners
+                .iter()
+                .map(|o| format!("\"{o}\""))
+                .collect::<Vec<_>>()
+                .join(" or ");
             return Err(ConfigError::invalid(
                 format!("store.{field}"),
-                format!("belongs to backend = \"{owner}\", not \"{backend}\""),
+                format!("belongs to backend = {owners}, not \"{backend}\""),
             ));
         }
         if backend == "memory" {
@@ -216,19 +327,55 @@ impl StoreConfig {
                 max_bytes,
             }));
         }
-        let url = raw.url.ok_or_else(|| {
-            ConfigError::invalid("store.url", "is required when store.backend = \"redis\"")
-        })?;
-        if !(url.starts_with("redis://")
-            || url.starts_with("rediss://")
-            || url.starts_with("unix://"))
-        {
-            return Err(ConfigError::invalid(
-                "store.url",
-                "must start with redis://, rediss:// or unix://",
-            ));
-        }
-        let mut settings = RedisSettings::new(url);
+        let topology = match backend {
+            "redis" => {
+                let url = raw.url.ok_or_else(|| {
+                    ConfigError::invalid("store.url", "is required when store.backend = \"redis\"")
+                })?;
+                check_url("store.url", &url)?;
+                Topology::Single { url }
+            }
+            _ => {
+                let urls = raw.urls.unwrap_or_default();
+                if urls.is_empty() {
+                    return Err(ConfigError::invalid(
+                        "store.urls",
+                        format!("needs at least one URL when store.backend = \"{backend}\""),
+                    ));
+                }
+                for url in &urls {
+                    if url.starts_with("unix://") {
+                        return Err(ConfigError::invalid(
+                            "store.urls",
+                            "must be redis:// or rediss:// URLs (nodes are reached over TCP)",
+                        ));
+                    }
+                    check_url("store.urls", url)?;
+                }
+                if urls.iter().any(|u| u.starts_with("rediss://"))
+                    && !urls.iter().all(|u| u.starts_with("rediss://"))
+                {
+                    return Err(ConfigError::invalid(
+                        "store.urls",
+                        "mixes redis:// and rediss://: use one scheme for every node",
+                    ));
+                }
+                if backend == "redis-cluster" {
+                    Topology::Cluster { urls }
+                } else {
+                    let master_name = raw.master_name.unwrap_or_default();
+                    if master_name.is_empty() {
+                        return Err(ConfigError::invalid(
+                            "store.master_name",
+                            "is required when store.backend = \"redis-sentinel\"",
+                        ));
+                    }
+                    Topology::Sentinel { urls, master_name }
+                }
+            }
+        };
+        let mut settings = RedisSettings::with_topology(topology);
+        settings.wait_replicas = raw.wait_replicas.unwrap_or(0);
         if let Some(prefix) = raw.prefix {
             // The prefix scopes every key this gateway writes, and the admin API's evict-all
             // deletes everything under it: an empty one would mean the whole database.
@@ -236,6 +383,13 @@ impl StoreConfig {
                 return Err(ConfigError::invalid(
                     "store.prefix",
                     "must be non-empty and free of the glob characters * ? [ ] \\",
+                ));
+            }
+            // In a cluster, braces would make a hash tag of the prefix: every record on one slot.
+            if backend == "redis-cluster" && prefix.contains(['{', '}']) {
+                return Err(ConfigError::invalid(
+                    "store.prefix",
+                    "must be free of { and } on a Redis Cluster (they would put every record on one slot)",
                 ));
             }
             settings.prefix = prefix;
@@ -257,10 +411,15 @@ impl StoreConfig {
             settings.local_cache_ttl = d;
         }
         if let Some(path) = raw.tls_ca_file {
-            if !settings.url.starts_with("rediss://") {
+            if !settings
+                .topology
+                .urls()
+                .iter()
+                .all(|u| u.starts_with("rediss://"))
+            {
                 return Err(ConfigError::invalid(
                     "store.tls_ca_file",
-                    "needs a rediss:// store.url",
+                    "needs rediss:// URLs",
                 ));
             }
             if let Err(e) = std::fs::metadata(&path) {
@@ -275,5 +434,17 @@ impl StoreConfig {
             settings.compression = c;
         }
         Ok(StoreConfig::Redis(settings))
+    }
+}
+
+/// A Redis URL's scheme, checked for `field`.
+fn check_url(field: &str, url: &str) -> Result<(), ConfigError> {
+    if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            field,
+            "must start with redis://, rediss:// or unix://",
+        ))
     }
 }

@@ -47,6 +47,7 @@ use crate::config::{FingerprintMode, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
 use crate::headers::declares_its_length;
 use crate::metrics::{Metrics, Outcome, StoreOp, StoreOpMetrics};
+use crate::store::Watch;
 use crate::store::{Claim, Replay, Store, StoreError};
 
 /// The W3C trace context header, forwarded to the inner service and stored with the record.
@@ -435,6 +436,9 @@ impl<St: Store> Shared<St> {
                 }
                 Err(e) => {
                     drop(pending);
+                    if matches!(e, StoreError::NotAcknowledged { .. }) {
+                        self.metrics.unacknowledged(StoreOp::claim);
+                    }
                     match policy.on_store_error {
                         OnStoreError::Reject => {
                             error!(error = %e, route = %policy.route, key = %held.tag(), "store unavailable; refusing the keyed request (on_store_error = reject)");
@@ -459,13 +463,28 @@ impl<St: Store> Shared<St> {
                 }
                 Claim::InFlight => {
                     if policy.on_in_flight == OnInFlight::Wait {
-                        let w = match waiting.as_mut() {
-                            Some(w) => Some(w),
-                            None => Waiting::start(&route).map(|w| waiting.insert(w)),
-                        };
-                        if let Some(delay) = w.and_then(Waiting::next_delay) {
-                            tokio::time::sleep(delay).await;
-                            continue;
+                        if waiting.is_none() {
+                            if let Some(mut w) = Waiting::start(&route) {
+                                // Subscribed first, then looked at again: a completion between
+                                // the two is seen by the second look.
+                                w.watch = self.store.watch(&held.key).await;
+                                waiting = Some(w);
+                                continue;
+                            }
+                        }
+                        if let Some(w) = waiting.as_mut() {
+                            if let Some(delay) = w.next_delay() {
+                                match w.watch.as_mut() {
+                                    Some(watch) => {
+                                        tokio::select! {
+                                            () = tokio::time::sleep(delay) => {}
+                                            () = watch.changed() => {}
+                                        }
+                                    }
+                                    None => tokio::time::sleep(delay).await,
+                                }
+                                continue;
+                            }
                         }
                     }
                     let e = GatewayError::InFlight {
@@ -527,9 +546,9 @@ impl<St: Store> Shared<St> {
     /// The state machine of a claimed key: call the inner service while holding the lease, then
     /// record; with the time the call took.
     async fn run_claimed<S, RB>(
-        &self,
+        self: &Arc<Self>,
         inner: S,
-        held: &Held,
+        held: &Arc<Held>,
         parts: Parts,
         body: Bytes,
     ) -> (Answer<S::Error>, Duration)
@@ -664,7 +683,7 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    async fn complete(&self, held: &Held, state: &EntryState, ttl: Duration) {
+    async fn complete(self: &Arc<Self>, held: &Arc<Held>, state: &EntryState, ttl: Duration) {
         let route = &held.route.route;
         let (key, token) = (&held.key, &held.token);
         match self
@@ -680,9 +699,47 @@ impl<St: Store> Shared<St> {
                 warn!(%route, key = %held.tag(), "lease was lost before completion; response delivered but not recorded")
             }
             Err(e) => {
-                error!(%route, key = %held.tag(), error = %e, "store failed to record the response; delivered anyway, key stays in flight until its lease ends")
+                if matches!(e, StoreError::NotAcknowledged { .. }) {
+                    self.metrics.unacknowledged(StoreOp::complete);
+                }
+                warn!(%route, key = %held.tag(), error = %e, "store did not record the response (or no replica acknowledged it); delivered anyway, sent again in the background until the lease ends");
+                let (this, held, state) = (self.clone(), held.clone(), state.clone());
+                self.tasks
+                    .spawn(async move { this.complete_again(&held, &state, ttl).await });
             }
         }
+    }
+
+    /// Send a completion again until the store records it and the replicas acknowledge it (a
+    /// failover in progress, a Redis restart), for as long as the claim's lease could last:
+    /// after that the key is free and the response no longer ours to record. Fenced by the
+    /// token, and a completion already there counts as done.
+    async fn complete_again(&self, held: &Held, state: &EntryState, ttl: Duration) {
+        let route = &held.route.route;
+        let until = Instant::now() + held.route.lock_ttl;
+        let mut delay = Duration::from_millis(100);
+        while Instant::now() + delay < until {
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+            match self
+                .store
+                .complete(&held.key, &held.fingerprint, &held.token, state, ttl)
+                .await
+            {
+                Ok(true) => {
+                    tracing::info!(%route, key = %held.tag(), "response recorded on a later try");
+                    return;
+                }
+                Ok(false) => {
+                    warn!(%route, key = %held.tag(), "lease was lost before the response could be recorded");
+                    return;
+                }
+                Err(e) => {
+                    debug!(%route, key = %held.tag(), error = %e, "recording the response failed again")
+                }
+            }
+        }
+        error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
     }
 
     /// Take back a claim whose answer was lost. It may still be applied after the error: stuck
@@ -798,12 +855,14 @@ impl<St: Store> Drop for PendingClaim<St> {
 }
 
 /// A duplicate waiting for an in-flight request: holds one of the route's waiter permits and
-/// polls the store with a growing delay until the deadline.
+/// looks at the store again when the key's holder completes or releases it (when the store
+/// says), and otherwise with a growing delay until the deadline.
 struct Waiting {
     // Released when the wait ends, however it ends.
     _permit: OwnedSemaphorePermit,
     deadline: Instant,
     delay: Duration,
+    watch: Option<Watch>,
 }
 
 impl Waiting {
@@ -814,6 +873,7 @@ impl Waiting {
             _permit: permit,
             deadline: Instant::now() + route.policy.wait_timeout,
             delay: Duration::from_millis(5),
+            watch: None,
         })
     }
 

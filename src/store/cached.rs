@@ -238,6 +238,10 @@ impl<S: Store> Store for CachedStore<S> {
     ) -> Result<bool, StoreError> {
         self.inner.renew(key, token, lease).await
     }
+
+    async fn watch(&self, key: &ScopedKey) -> Option<super::Watch> {
+        self.inner.watch(key).await
+    }
 }
 
 impl<S: super::Inspect> super::Inspect for CachedStore<S> {

@@ -13,10 +13,13 @@ use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 
 pub mod cached;
+pub mod events;
 pub mod memory;
 pub mod redis;
+mod topology;
 
 pub use self::cached::{CachedStore, LocalCache};
+pub use self::events::{Evicted, Watch};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 
@@ -73,6 +76,15 @@ pub enum StoreError {
     /// The embedded store is at `max_entries` and every entry is an in-flight claim.
     #[error("the embedded store is full of in-flight claims (store.max_entries)")]
     Full,
+    /// Fewer replicas than `wait_replicas` acknowledged a write within the timeout: a failover
+    /// now could lose it.
+    #[error("{acked} of {wanted} replicas acknowledged the write in time (store.wait_replicas)")]
+    NotAcknowledged {
+        /// Replicas that acknowledged.
+        acked: i64,
+        /// Replicas wanted.
+        wanted: u32,
+    },
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] crate::idempotency::record::DecodeError),
@@ -115,6 +127,13 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: &Token,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Tell a request waiting for `key` when it was completed or released, so that it looks
+    /// again at once; `None` when the store cannot (the waiter polls).
+    fn watch(&self, key: &ScopedKey) -> impl Future<Output = Option<Watch>> + Send {
+        let _ = key;
+        async { None }
+    }
 }
 
 /// What the admin API shows of a key.

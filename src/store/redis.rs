@@ -1,23 +1,32 @@
-//! The Redis store: shared by every gateway replica. Each operation is one round trip and atomic
+//! The Redis store: shared by every gateway replica, on one server, a Redis Cluster or a
+//! Sentinel-managed primary ([`super::topology`]). Each operation is one round trip and atomic
 //! on the server. A claim is Redis's own `SET key entry NX PX lease GET` (Redis >= 7.0), pipelined
 //! with a `PTTL` of the key; on an older server, which refuses that combination, the claim falls
 //! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
 //! the claim's token (`EVALSHA`; when Redis lost its script cache, the script is loaded again
 //! and the command resent).
 //!
-//! One Redis string per key, `prefix + ScopedKey::store_name()`, holding the entry encoded by
-//! [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the record's `ttl`.
+//! One Redis string per key, `prefix + ScopedKey::store_name()` (in a cluster the name is a hash
+//! tag, `prefix{name}`, so that a record's keys and channel share its slot), holding the entry
+//! encoded by [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the
+//! record's `ttl`. Completing and releasing publish on the key's `done` channel
+//! ([`super::events`]), which wakes requests waiting for it.
+//!
+//! With `wait_replicas = N`, a claim and a completion are followed by `WAIT N timeout` in the
+//! same pipeline (so on the same connection, to the key's primary): fewer acknowledgements are
+//! [`StoreError::NotAcknowledged`], and a claim that was not acknowledged is released first.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
+use super::events::{Events, Evicted, Watch};
+use super::topology::{Conn, Opening};
 use super::{Claim, Store, StoreError};
-use crate::config::Compression;
+use crate::config::{Compression, Topology};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{self, EntryState, Token};
@@ -25,8 +34,16 @@ use crate::idempotency::record::{self, EntryState, Token};
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
 pub struct RedisStore {
-    // Multiplexed and self-reconnecting: one TCP connection carries every request's commands.
-    conn: ConnectionManager,
+    // Multiplexed and self-reconnecting: one TCP connection (per node) carries every request's
+    // commands.
+    conn: Conn,
+    // Pub/sub of the process, shared by every handle (see `sibling`).
+    events: Arc<Events>,
+    // Record names are hash tags (a cluster).
+    tagged: bool,
+    // `WAIT` after claims and completions: replicas, and the timeout in ms.
+    wait: Option<(u32, u64)>,
+    options: Arc<RedisOptions>,
     // Key prefix, so several deployments can share one Redis.
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
@@ -46,10 +63,14 @@ struct Scripts {
 
 impl Scripts {
     /// The scripts in `lua/`, with the record layout they read filled in from
-    /// [`record`]'s definitions (Lua strings count from 1).
-    fn load() -> Self {
+    /// [`record`]'s definitions (Lua strings count from 1), and how they publish (`SPUBLISH` on
+    /// a cluster's shard channels).
+    fn load(sharded: bool) -> Self {
+        let publish = if sharded { "SPUBLISH" } else { "PUBLISH" };
         let fill = |source: &str| {
             source
+                .replace("@PUBLISH@", publish)
+                .replace("@DONE@", DONE_SUFFIX)
                 .replace("@STATE@", &(record::STATE_AT + 1).to_string())
                 .replace("@TOKEN_FROM@", &(record::TOKEN_AT + 1).to_string())
                 .replace("@TOKEN_TO@", &record::WRITTEN_AT.to_string())
@@ -79,10 +100,14 @@ pub const DEFAULT_PREFIX: &str = "idemgate:";
 /// How long connecting or one answer may take when no timeout is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The channel of a record key, after its name, on which completing and releasing it publish.
+const DONE_SUFFIX: &str = ":done";
+
 /// How to reach Redis and how to write there: the one way a [`RedisStore`] is made.
 #[derive(Clone)]
 pub struct RedisOptions {
-    url: String,
+    topology: Topology,
+    wait_replicas: u32,
     prefix: String,
     timeout: Duration,
     ca_pem: Option<Vec<u8>>,
@@ -92,7 +117,8 @@ pub struct RedisOptions {
 impl std::fmt::Debug for RedisOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisOptions")
-            .field("url", &crate::config::redact_url(&self.url))
+            .field("topology", &self.topology)
+            .field("wait_replicas", &self.wait_replicas)
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .field("compression", &self.compression)
@@ -104,13 +130,27 @@ impl RedisOptions {
     /// Redis at `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS,
     /// `unix://`), with the default prefix, timeout and compression.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::with_topology(Topology::Single { url: url.into() })
+    }
+
+    /// Redis found by `topology` (one server, a cluster's seed nodes, or sentinels), with the
+    /// default prefix, timeout and compression.
+    pub fn with_topology(topology: Topology) -> Self {
         RedisOptions {
-            url: url.into(),
+            topology,
+            wait_replicas: 0,
             prefix: DEFAULT_PREFIX.to_string(),
             timeout: DEFAULT_TIMEOUT,
             ca_pem: None,
             compression: Compression::default(),
         }
+    }
+
+    /// Have `replicas` replicas acknowledge every claim and completion (`WAIT`) within the
+    /// timeout; 0 (the default): no `WAIT`.
+    pub fn wait_replicas(mut self, replicas: u32) -> Self {
+        self.wait_replicas = replicas;
+        self
     }
 
     /// Prefix every key with `prefix`, so several deployments can share one Redis.
@@ -143,47 +183,66 @@ impl RedisStore {
     /// Connect, and check that Redis answers.
     pub async fn connect(options: &RedisOptions) -> Result<Self, StoreError> {
         let store = Self::lazy(options)?;
-        let _: String = redis::cmd("PING")
-            .query_async(&mut store.conn.clone())
-            .await?;
+        store.ping_now().await?;
         Ok(store)
     }
 
     /// A handle that connects on first use (and reconnects by itself after), for starting while
     /// Redis is unreachable: until it answers, every operation fails as a store error.
     pub fn lazy(options: &RedisOptions) -> Result<Self, StoreError> {
-        let url = options.url.as_str();
-        let client = if url.starts_with("rediss://") {
-            // One process-wide TLS provider; a second install is refused harmlessly.
-            let _ = rustls::crypto::ring::default_provider().install_default();
-            match &options.ca_pem {
-                Some(root_cert) => redis::Client::build_with_tls(
-                    url,
-                    redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(root_cert.clone()),
-                    },
-                )?,
-                None => redis::Client::open(url)?,
-            }
-        } else {
-            redis::Client::open(url)?
-        };
-        // Reconnects happen in the background after a failure; a request never waits for more
-        // than `timeout` on a dead server, and a restarted server is picked up on the next command.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.timeout))
-            .set_response_timeout(Some(options.timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        let events = Events::open(&Self::opening(options), &options.prefix)?;
+        Self::with_events(options, events)
+    }
+
+    /// Another handle with a connection of its own (for another worker thread), sharing this
+    /// one's subscriptions; connected and checked.
+    pub async fn sibling(&self) -> Result<Self, StoreError> {
+        let store = Self::with_events(&self.options, self.events.clone())?;
+        store.ping_now().await?;
+        Ok(store)
+    }
+
+    fn opening(options: &RedisOptions) -> Opening<'_> {
+        Opening {
+            topology: &options.topology,
+            // A WAIT may take the whole timeout before its answer is sent.
+            timeout: if options.wait_replicas > 0 {
+                options.timeout * 2
+            } else {
+                options.timeout
+            },
+            ca_pem: options.ca_pem.as_deref(),
+            push: None,
+        }
+    }
+
+    fn with_events(options: &RedisOptions, events: Arc<Events>) -> Result<Self, StoreError> {
+        let tagged = matches!(options.topology, Topology::Cluster { .. });
         Ok(RedisStore {
-            conn,
+            conn: Conn::open(&Self::opening(options))?,
+            events,
+            tagged,
+            wait: (options.wait_replicas > 0)
+                .then(|| (options.wait_replicas, millis(options.timeout))),
+            options: Arc::new(options.clone()),
             prefix: options.prefix.as_str().into(),
-            scripts: Arc::new(Scripts::load()),
+            scripts: Arc::new(Scripts::load(tagged)),
             native_claim: Arc::new(AtomicBool::new(true)),
             compression: options.compression,
         })
+    }
+
+    async fn ping_now(&self) -> Result<(), StoreError> {
+        let _: String = redis::cmd("PING")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// Call `f` whenever an eviction is published (by any gateway on this Redis), so that a
+    /// local cache forgets what was evicted.
+    pub async fn on_evicted(&self, f: impl Fn(Evicted) + Send + Sync + 'static) {
+        self.events.on_evicted(Box::new(f)).await;
     }
 
     /// Why the connected Redis could lose records, if it could: an eviction policy other than
@@ -192,14 +251,17 @@ impl RedisStore {
     /// when it is configured as the guarantee needs; CONFIG may be refused by managed Redis, in
     /// which case nothing can be said.
     pub async fn durability_warnings(&self) -> Result<Vec<String>, StoreError> {
+        // In a cluster, one primary speaks for all (they are configured alike).
+        let node = self.conn.clone().primaries().await?.into_iter().next();
+        let node = node.unwrap_or(None);
         let get = |param: &'static str| {
             let mut conn = self.conn.clone();
+            let node = node.clone();
             async move {
-                let pair: Vec<String> = redis::cmd("CONFIG")
-                    .arg("GET")
-                    .arg(param)
-                    .query_async(&mut conn)
+                let value = conn
+                    .on_node(&node, redis::cmd("CONFIG").arg("GET").arg(param))
                     .await?;
+                let pair: Vec<String> = parse(Some(value))?;
                 Ok::<_, StoreError>(pair.get(1).cloned().unwrap_or_default())
             }
         };
@@ -225,14 +287,14 @@ impl RedisStore {
         Ok(warnings)
     }
 
-    /// The Redis key of a scoped key.
+    /// The Redis key of a scoped key: a hash tag in a cluster, so that the record, its staging
+    /// key and its channel share one slot.
     pub fn redis_key(&self, key: &ScopedKey) -> String {
-        format!("{}{}", self.prefix, key.store_name())
-    }
-
-    /// A clone of the connection, for callers that need raw commands (tests, admin).
-    pub fn connection(&self) -> ConnectionManager {
-        self.conn.clone()
+        if self.tagged {
+            format!("{}{{{}}}", self.prefix, key.store_name())
+        } else {
+            format!("{}{}", self.prefix, key.store_name())
+        }
     }
 }
 
@@ -262,27 +324,88 @@ impl RedisStore {
         }
     }
 
+    /// [`RedisStore::query`] for a pipeline that runs `script` by its hash: when Redis lost its
+    /// script cache (a restart, SCRIPT FLUSH), the script is loaded and the pipeline sent again.
+    async fn query_scripted<T: redis::FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+        script: &Script,
+        key: &str,
+    ) -> Result<T, StoreError> {
+        match self.query(pipe).await {
+            Err(StoreError::Redis(e))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                // In a cluster the script is loaded on the key's node, where it runs.
+                let mut load = script.prepare_invoke();
+                load.key(key);
+                load.load_async(&mut self.conn.clone()).await?;
+                self.query(pipe).await
+            }
+            result => result,
+        }
+    }
+
+    /// End `pipe` with `WAIT replicas timeout` when acknowledgements are wanted; its answer is
+    /// the pipeline's last value.
+    fn then_wait(&self, pipe: &mut redis::Pipeline) {
+        if let Some((replicas, timeout_ms)) = self.wait {
+            pipe.cmd("WAIT").arg(replicas).arg(timeout_ms);
+        }
+    }
+
+    /// The answer of a pipeline ended by [`RedisStore::then_wait`]: its first value, and an
+    /// error when fewer replicas than wanted acknowledged.
+    fn acknowledged<T: redis::FromRedisValue>(
+        &self,
+        values: Vec<redis::Value>,
+    ) -> Result<(T, Result<(), StoreError>), StoreError> {
+        let mut values = values.into_iter();
+        let first = parse(values.next())?;
+        let acked = match self.wait {
+            Some((wanted, _)) => {
+                let acked: i64 = parse(values.last())?;
+                if acked < i64::from(wanted) {
+                    Err(StoreError::NotAcknowledged { acked, wanted })
+                } else {
+                    Ok(())
+                }
+            }
+            None => Ok(()),
+        };
+        Ok((first, acked))
+    }
+
     /// What `key` held when our claim was tried (with its remaining time to live in ms), or
-    /// `None` when the claim took it.
+    /// `None` when the claim took it; and whether the replicas acknowledged.
     async fn try_claim(
         &self,
-        key: String,
+        key: &str,
         entry: &[u8],
         lease: Duration,
-    ) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+    ) -> Result<(Option<(Vec<u8>, i64)>, Result<(), StoreError>), StoreError> {
         if self.native_claim.load(Ordering::Relaxed) {
             let mut pipe = redis::pipe();
             pipe.cmd("SET")
-                .arg(&key)
+                .arg(key)
                 .arg(entry)
                 .arg("NX")
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET")
                 .cmd("PTTL")
-                .arg(&key);
-            match self.query::<(Option<Vec<u8>>, i64)>(&pipe).await {
-                Ok((held, pttl)) => return Ok(held.map(|v| (v, pttl))),
+                .arg(key);
+            self.then_wait(&mut pipe);
+            match self.query::<Vec<redis::Value>>(&pipe).await {
+                Ok(values) => {
+                    let mut values = values.into_iter();
+                    let held: Option<Vec<u8>> = parse(values.next())?;
+                    let pttl: i64 = parse(values.next())?;
+                    let (_, acked) = self.acknowledged::<redis::Value>(
+                        std::iter::once(redis::Value::Nil).chain(values).collect(),
+                    )?;
+                    return Ok((held.map(|v| (v, pttl)), acked));
+                }
                 // Redis before 7.0 refuses NX together with GET ("ERR syntax error"): use the
                 // script from now on. Nothing was written.
                 Err(StoreError::Redis(e))
@@ -295,9 +418,17 @@ impl RedisStore {
                 Err(e) => return Err(e),
             }
         }
-        let mut call = self.scripts.claim.prepare_invoke();
-        call.key(key).arg(entry).arg(millis(lease));
-        self.invoke(&call).await
+        let script = &self.scripts.claim;
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA")
+            .arg(script.get_hash())
+            .arg(1)
+            .arg(key)
+            .arg(entry)
+            .arg(millis(lease));
+        self.then_wait(&mut pipe);
+        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, key).await?;
+        self.acknowledged(values)
     }
 
     /// Complete with a large entry: a plain `SET` of it to a staging key and the fenced script
@@ -330,7 +461,7 @@ impl RedisStore {
         // The staged entry lives only as long as a lease would: if the script never runs (the
         // gateway died between), it goes away by itself.
         set.arg("PX").arg(STAGED_TTL_MS);
-        let mut pipe = redis::Pipeline::with_capacity(2);
+        let mut pipe = redis::Pipeline::with_capacity(3);
         pipe.add_command(set)
             .ignore()
             .cmd("EVALSHA")
@@ -340,20 +471,13 @@ impl RedisStore {
             .arg(&staged)
             .arg(&token.0[..])
             .arg(millis(ttl));
-        let moved: (i64,) = match self.query(&pipe).await {
-            // Redis lost its script cache (a restart, SCRIPT FLUSH): load it and send again.
-            Err(StoreError::Redis(e))
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-            {
-                script
-                    .prepare_invoke()
-                    .load_async(&mut self.conn.clone())
-                    .await?;
-                self.query(&pipe).await?
-            }
-            result => result?,
-        };
-        Ok(moved.0 == 1)
+        self.then_wait(&mut pipe);
+        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, &record_key).await?;
+        let (moved, acked): (i64, _) = self.acknowledged(values)?;
+        if moved == 1 {
+            acked?;
+        }
+        Ok(moved == 1)
     }
 
     /// Make claims use the Lua script, as on a Redis older than 7.0 (for tests of that path).
@@ -373,6 +497,12 @@ const STAGE_FROM: usize = 16 * 1024;
 
 /// How long a staged entry lives if the script that moves it never runs.
 const STAGED_TTL_MS: u64 = 60_000;
+
+/// One value of an answer, as `T` (a missing one reads as nil).
+fn parse<T: redis::FromRedisValue>(value: Option<redis::Value>) -> Result<T, StoreError> {
+    redis::from_redis_value(value.unwrap_or(redis::Value::Nil))
+        .map_err(|e| StoreError::Redis(e.into()))
+}
 
 fn millis(d: Duration) -> u64 {
     d.as_millis().clamp(1, u64::MAX as u128) as u64
@@ -407,35 +537,55 @@ impl super::Inspect for RedisStore {
             .arg(self.redis_key(key))
             .query_async(&mut self.conn.clone())
             .await?;
+        self.publish_eviction(&key.0).await;
         Ok(n > 0)
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
-        // SCAN in batches (never KEYS, which blocks Redis), UNLINK each batch.
+        // SCAN each primary in batches (never KEYS, which blocks Redis), UNLINK each batch.
         let mut conn = self.conn.clone();
         let pattern = format!("{}*", self.prefix);
-        let mut cursor: u64 = 0;
         let mut evicted = 0;
-        loop {
-            let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .await?;
-            if !keys.is_empty() {
-                let n: u64 = redis::cmd("UNLINK")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await?;
-                evicted += n;
+        for node in conn.primaries().await? {
+            let mut cursor: u64 = 0;
+            loop {
+                let mut scan = redis::cmd("SCAN");
+                scan.arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000);
+                let (next, keys): (u64, Vec<Vec<u8>>) =
+                    parse(Some(conn.on_node(&node, &scan).await?))?;
+                if !keys.is_empty() {
+                    // A cluster client splits the keys by slot.
+                    let n: u64 = redis::cmd("UNLINK")
+                        .arg(&keys)
+                        .query_async(&mut conn)
+                        .await?;
+                    evicted += n;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
             }
-            if next == 0 {
-                return Ok(evicted);
-            }
-            cursor = next;
+        }
+        self.publish_eviction(b"").await;
+        Ok(evicted)
+    }
+}
+
+impl RedisStore {
+    /// Tell every gateway's local cache that `key` (empty: everything) was evicted.
+    async fn publish_eviction(&self, key: &[u8]) {
+        let published: Result<i64, _> = redis::cmd("PUBLISH")
+            .arg(self.events.evict_channel())
+            .arg(key)
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = published {
+            tracing::warn!(error = %e, "could not publish the eviction; other gateways' local caches forget it when their entries expire");
         }
     }
 }
@@ -449,9 +599,18 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let entry = record::encode(fingerprint, token, &EntryState::InFlight);
-        match self.try_claim(self.redis_key(key), &entry, lease).await? {
-            None => Ok(Claim::Claimed),
-            Some((raw, pttl)) => {
+        let redis_key = self.redis_key(key);
+        match self.try_claim(&redis_key, &entry, lease).await? {
+            (None, Ok(())) => Ok(Claim::Claimed),
+            (None, Err(not_acknowledged)) => {
+                // A failover could lose this claim: take it back before answering, so that it
+                // neither runs unprotected nor sits in flight for a lease.
+                if let Err(e) = self.release(key, token).await {
+                    tracing::warn!(error = %e, "could not release a claim the replicas did not acknowledge; it ends with its lease");
+                }
+                Err(not_acknowledged)
+            }
+            (Some((raw, pttl)), _) => {
                 let (mut held, holder) = record::decode(Bytes::from(raw))?;
                 held.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
                 Ok(Claim::decide(held, &holder, fingerprint, token))
@@ -477,12 +636,23 @@ impl Store for RedisStore {
             return self.complete_staged(key, token, &parts, ttl).await;
         }
         let entry = parts.into_bytes();
-        let mut call = self.scripts.complete.prepare_invoke();
-        call.key(self.redis_key(key))
+        let redis_key = self.redis_key(key);
+        let script = &self.scripts.complete;
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA")
+            .arg(script.get_hash())
+            .arg(1)
+            .arg(&redis_key)
             .arg(&token.0[..])
             .arg(entry.as_ref())
             .arg(millis(ttl));
-        Ok(self.invoke::<i64>(&call).await? == 1)
+        self.then_wait(&mut pipe);
+        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, &redis_key).await?;
+        let (written, acked): (i64, _) = self.acknowledged(values)?;
+        if written == 1 {
+            acked?;
+        }
+        Ok(written == 1)
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
@@ -502,5 +672,10 @@ impl Store for RedisStore {
             .arg(&token.0[..])
             .arg(millis(lease));
         Ok(self.invoke::<i64>(&call).await? == 1)
+    }
+
+    async fn watch(&self, key: &ScopedKey) -> Option<Watch> {
+        let channel = format!("{}{DONE_SUFFIX}", self.redis_key(key));
+        Some(self.events.watch(channel).await)
     }
 }

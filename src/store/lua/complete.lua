@@ -2,11 +2,13 @@
 -- KEYS[1] record key; ARGV[1] token (16 bytes); ARGV[2] encoded entry; ARGV[3] ttl in ms.
 -- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when written, or when our own completion is already there (a retried call whose
--- first answer was lost); 0 when the key is not ours.
+-- first answer was lost); 0 when the key is not ours. Publishes on the key's done channel
+-- (waiters wake up and look again).
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
   if string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' then
     redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+    redis.call('@PUBLISH@', KEYS[1] .. '@DONE@', '')
   end
   return 1
 end

@@ -4,11 +4,13 @@
 -- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when moved into place, or when our own completion is already there (a retried call
 -- whose first answer was lost); 0 when the key is not ours. The staged entry never outlives it.
+-- Publishes on the key's done channel (waiters wake up and look again).
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
   if string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' then
     redis.call('RENAME', KEYS[2], KEYS[1])
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    redis.call('@PUBLISH@', KEYS[1] .. '@DONE@', '')
   else
     redis.call('DEL', KEYS[2])
   end

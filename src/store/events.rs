@@ -1,0 +1,200 @@
+//! Redis pub/sub for one gateway process: wake-ups for requests waiting on an in-flight key, and
+//! admin evictions that every process's local cache must hear of.
+//!
+//! The scripts that complete or release a key publish on the key's `done` channel (sharded, on
+//! the key's own node, in a cluster: keyspace notifications fire only on the node that holds the
+//! key). A waiter subscribes to that channel while it waits and polls as before, so a lost
+//! message costs latency, never correctness. Evictions are published on one plain channel per
+//! prefix, which a cluster delivers to every node.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use redis::{PushInfo, PushKind, Value};
+use tokio::sync::watch;
+
+use super::topology::{Conn, Opening, PushFn};
+use crate::idempotency::key::ScopedKey;
+
+/// What an eviction message names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evicted {
+    /// One key.
+    Key(ScopedKey),
+    /// Every key.
+    All,
+}
+
+type OnEvict = Box<dyn Fn(Evicted) + Send + Sync>;
+
+/// A channel's wake-up signal, and how many waiters watch it.
+type Watched = (watch::Sender<()>, usize);
+
+/// One process's subscriptions, shared by its store handles.
+pub(crate) struct Events {
+    shared: Arc<Shared>,
+    conn: Conn,
+    // Shard channels in a cluster.
+    sharded: bool,
+    evict_channel: String,
+}
+
+#[derive(Default)]
+struct Shared {
+    // Channels waited on, with how many waiters watch each.
+    watched: Mutex<HashMap<Vec<u8>, Watched>>,
+    evict_channel: Vec<u8>,
+    on_evict: OnceLock<OnEvict>,
+}
+
+impl Shared {
+    fn deliver(&self, info: PushInfo) {
+        if !matches!(info.kind, PushKind::Message | PushKind::SMessage) {
+            return;
+        }
+        let mut data = info.data.into_iter();
+        let (Some(Value::BulkString(channel)), Some(Value::BulkString(message))) =
+            (data.next(), data.next())
+        else {
+            return;
+        };
+        if channel == self.evict_channel {
+            if let Some(on_evict) = self.on_evict.get() {
+                match <[u8; 32]>::try_from(message.as_slice()) {
+                    Ok(key) => on_evict(Evicted::Key(ScopedKey(key))),
+                    Err(_) => on_evict(Evicted::All),
+                }
+            }
+        } else if let Some((tx, _)) = self.watched.lock().unwrap().get(&channel) {
+            tx.send_replace(());
+        }
+    }
+}
+
+impl Events {
+    /// Subscriptions over a connection of their own (opened lazily, like the store's).
+    pub(crate) fn open(o: &Opening<'_>, prefix: &str) -> redis::RedisResult<Arc<Self>> {
+        let evict_channel = format!("{prefix}{EVICTED}");
+        let shared = Arc::new(Shared {
+            evict_channel: evict_channel.clone().into_bytes(),
+            ..Shared::default()
+        });
+        let receiver = Arc::downgrade(&shared);
+        let push: PushFn = Arc::new(move |info| {
+            if let Some(shared) = receiver.upgrade() {
+                shared.deliver(info);
+            }
+        });
+        let conn = Conn::open(&Opening {
+            topology: o.topology,
+            timeout: o.timeout,
+            ca_pem: o.ca_pem,
+            push: Some(push),
+        })?;
+        Ok(Arc::new(Events {
+            shared,
+            conn,
+            sharded: matches!(o.topology, crate::config::Topology::Cluster { .. }),
+            evict_channel,
+        }))
+    }
+
+    /// The channel evictions are published on.
+    pub(crate) fn evict_channel(&self) -> &str {
+        &self.evict_channel
+    }
+
+    /// Hear of evictions from now on (from this process and every other); the first call wins.
+    pub(crate) async fn on_evicted(&self, f: OnEvict) {
+        if self.shared.on_evict.set(f).is_ok() {
+            if let Err(e) = self
+                .conn
+                .clone()
+                .subscribe(&self.evict_channel, false)
+                .await
+            {
+                tracing::warn!(error = %e, "could not subscribe to evictions; other gateways' evictions reach this local cache only when its entries expire");
+            }
+        }
+    }
+
+    /// Watch `channel` until the returned [`Watch`] is dropped.
+    pub(crate) async fn watch(self: &Arc<Self>, channel: String) -> Watch {
+        let channel = channel.into_bytes();
+        let (rx, first) = {
+            let mut watched = self.shared.watched.lock().unwrap();
+            let entry = watched
+                .entry(channel.clone())
+                .or_insert_with(|| (watch::Sender::new(()), 0));
+            entry.1 += 1;
+            (entry.0.subscribe(), entry.1 == 1)
+        };
+        if first {
+            let name = String::from_utf8_lossy(&channel).into_owned();
+            if let Err(e) = self.conn.clone().subscribe(&name, self.sharded).await {
+                tracing::debug!(error = %e, "could not subscribe; the waiter polls");
+            }
+        }
+        Watch {
+            rx,
+            channel,
+            events: self.clone(),
+        }
+    }
+}
+
+/// The channel suffix, after the prefix, of admin evictions.
+const EVICTED: &str = "evicted";
+
+/// A waiter's subscription: [`Watch::changed`] resolves when its key was completed or released
+/// (or may have been: callers look again).
+pub struct Watch {
+    rx: watch::Receiver<()>,
+    channel: Vec<u8>,
+    events: Arc<Events>,
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("channel", &String::from_utf8_lossy(&self.channel))
+            .finish()
+    }
+}
+
+impl Watch {
+    /// Resolves at the next message on the channel since the last call.
+    pub async fn changed(&mut self) {
+        if self.rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let last = {
+            let mut watched = self.events.shared.watched.lock().unwrap();
+            match watched.get_mut(&self.channel) {
+                Some(entry) if entry.1 > 1 => {
+                    entry.1 -= 1;
+                    false
+                }
+                Some(_) => {
+                    watched.remove(&self.channel);
+                    true
+                }
+                None => false,
+            }
+        };
+        if last {
+            let events = self.events.clone();
+            let name = String::from_utf8_lossy(&self.channel).into_owned();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = events.conn.clone().unsubscribe(&name, events.sharded).await;
+                });
+            }
+        }
+    }
+}
