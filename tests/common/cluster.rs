@@ -139,7 +139,7 @@ impl RedisCluster {
     pub async fn wait_for_failover(&self, killed: usize) -> Duration {
         let port = self.nodes[killed].port;
         let what = format!("the cluster has failed over from node {killed} (port {port})");
-        wait_until(SETTLE, &what, async || {
+        settle(&what, self.describe(), async || {
             for node in self.running() {
                 let Some((ok, view)) = node.cluster_state().await else {
                     return false;
@@ -180,7 +180,7 @@ impl RedisCluster {
     /// Wait until all six nodes run and agree: cluster state ok, six nodes known, none flagged
     /// failing, three primaries owning every slot, each streaming to its replica.
     pub async fn wait_until_healthy(&self) -> Duration {
-        wait_until(SETTLE, "the cluster is healthy", async || {
+        settle("the cluster is healthy", self.describe(), async || {
             let mut roles = None;
             for node in &self.nodes {
                 let Some((ok, view)) = node.cluster_state().await else {
@@ -239,6 +239,29 @@ impl RedisCluster {
             .get_async_connection()
             .await
             .unwrap()
+    }
+
+    /// What every node says now: its cluster state and how it sees each node (for a failure
+    /// message).
+    async fn describe(&self) -> String {
+        let mut out = String::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            if !node.running() {
+                out += &format!("\n  node {i} (port {}): killed", node.port);
+                continue;
+            }
+            match node.cluster_state().await {
+                None => out += &format!("\n  node {i} (port {}): no answer", node.port),
+                Some((ok, view)) => {
+                    let state = if ok { "ok" } else { "not ok" };
+                    out += &format!("\n  node {i} (port {}): {state}; sees", node.port);
+                    for n in view {
+                        out += &format!(" {}:{}", n.port, n.flags.join(","));
+                    }
+                }
+            }
+        }
+        out
     }
 
     fn running(&self) -> impl Iterator<Item = &Node> {
@@ -338,7 +361,7 @@ impl RedisSentinelSet {
         let promoted = 1 - killed;
         let port = self.data[promoted].port;
         let what = format!("the sentinels promoted node {promoted} (port {port})");
-        wait_until(SETTLE, &what, async || {
+        settle(&what, self.describe(), async || {
             for sentinel in &self.sentinels {
                 if sentinel.primary_port().await != Some(port) {
                     return false;
@@ -372,7 +395,7 @@ impl RedisSentinelSet {
     /// sentinel names it, knows a replica and the two other sentinels.
     async fn wait_until_healthy(&self, primary: usize) -> Duration {
         let (p, r) = (&self.data[primary], &self.data[1 - primary]);
-        wait_until(SETTLE, "the Sentinel set is healthy", async || {
+        settle("the Sentinel set is healthy", self.describe(), async || {
             for sentinel in &self.sentinels {
                 let Ok(fields) = sentinel
                     .query::<HashMap<String, String>>(
@@ -396,6 +419,38 @@ impl RedisSentinelSet {
                 && r.replication_link_up().await
         })
         .await
+    }
+
+    /// What the sentinels and the data nodes say now (for a failure message).
+    async fn describe(&self) -> String {
+        let mut out = String::new();
+        for sentinel in &self.sentinels {
+            let fields = sentinel
+                .query::<HashMap<String, String>>(
+                    redis::cmd("SENTINEL").arg("MASTER").arg(MASTER_NAME),
+                )
+                .await
+                .unwrap_or_default();
+            let field = |name: &str| fields.get(name).map_or("?", String::as_str);
+            out += &format!(
+                "\n  sentinel {}: primary {} ({}), {} other sentinels, {} replicas",
+                sentinel.port,
+                field("port"),
+                field("flags"),
+                field("num-other-sentinels"),
+                field("num-slaves")
+            );
+        }
+        for (i, node) in self.data.iter().enumerate() {
+            out += &format!(
+                "\n  node {i} (port {}): {:?}, link {}, {} online replicas",
+                node.port,
+                node.role().await,
+                node.replication_link_up().await,
+                node.online_replicas().await
+            );
+        }
+        out
     }
 
     fn index_of(&self, port: u16) -> usize {
@@ -697,6 +752,19 @@ impl NodeLine {
 
     fn handshake(&self) -> bool {
         self.has("handshake") || self.has("noaddr")
+    }
+}
+
+/// Wait until `condition` holds, for at most [`SETTLE`]; when it does not, the panic says what
+/// `describe` finds then.
+async fn settle(
+    what: &str,
+    describe: impl std::future::Future<Output = String>,
+    condition: impl AsyncFnMut() -> bool,
+) -> Duration {
+    match tokio::time::timeout(SETTLE, wait_until(2 * SETTLE, what, condition)).await {
+        Ok(took) => took,
+        Err(_) => panic!("{what}: not within {SETTLE:?}; now:{}", describe.await),
     }
 }
 
