@@ -19,6 +19,7 @@ use redis::AsyncCommands;
 
 const TOKEN: &str = "cluster-admin-token-0123456789";
 const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
+const STORE_UNAVAILABLE: &str = "urn:idemgate:problem:store-unavailable";
 
 // === the fixtures themselves, with redis-rs only ===
 
@@ -709,13 +710,26 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
         let killed = store.kill9_a_primary().await;
         let killed_at = Instant::now();
         let failover = store.wait_for_failover(killed).await;
+        let mut probes_ran = 0;
         if wait_replicas > 0 {
-            // The promoted primary has no replica until the supervisor acts: claims on it are
-            // not acknowledged, so they are refused (and counted).
+            // The promoted primary has no replica until the supervisor acts: a claim on it is
+            // not acknowledged, so it is refused (and counted). New keys probe for it, as the
+            // clients' keys may all be waiting for their first execution's record.
+            let mut probe = 0;
             wait_until(
                 Duration::from_secs(5),
                 "a claim on the promoted primary is refused as unacknowledged",
-                async || gateways.unacknowledged("claim").await > 0,
+                async || {
+                    probe += 1;
+                    let key = format!("{name}-probe-{probe}");
+                    let seen = send(gateways.post(probe % 2, "/v1/p", &key).body("x")).await;
+                    match seen.status {
+                        201 => probes_ran += 1,
+                        503 => assert_eq!(seen.problem_type(), STORE_UNAVAILABLE),
+                        _ => panic!("{key}: {seen:?}"),
+                    }
+                    gateways.unacknowledged("claim").await > 0
+                },
             )
             .await;
         }
@@ -736,9 +750,10 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
         )
         .await;
         stop.store(true, Ordering::SeqCst);
-        (killed_at, failover, restarting, restart)
+        (killed_at, failover, restarting, restart, probes_ran)
     };
-    let (_, (killed_at, failover, restarting, restart)) = tokio::join!(clients, failover);
+    let (_, (killed_at, failover, restarting, restart, probes_ran)) =
+        tokio::join!(clients, failover);
 
     let log = log.into_inner().unwrap();
     let mut refused: BTreeMap<u16, usize> = BTreeMap::new();
@@ -773,7 +788,7 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
     );
     assert_eq!(
         upstream.calls(),
-        keys + duplicated.len(),
+        keys + duplicated.len() + probes_ran,
         "every execution was seen by a client"
     );
     if wait_replicas > 0 {
@@ -803,6 +818,55 @@ async fn sentinel_failover_with_wait_replicas_runs_nothing_twice() {
 async fn sentinel_failover_without_wait_replicas_shows_its_duplicates() {
     let set = RedisSentinelSet::start().await;
     failover_under_load("sentinel-wait0", Store::Sentinel(&set), 0).await;
+}
+
+/// `wait_replicas = 1` on a Redis that has no replica (the plain `redis` backend: the rule is the
+/// same on all three): ten keyed requests at once are each refused 503 within about the store
+/// timeout, nothing is forwarded, each claim is counted as unacknowledged and released, so the
+/// retries are refused by the store again rather than found in flight, and no key is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacknowledged_claims_are_refused_counted_and_released() {
+    let redis = common::RedisServer::start().await;
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis(&redis)
+        .set("store.wait_replicas", 1)
+        .set("store.timeout", "300ms");
+    let gateways = Gateways::start(1, &config).await;
+    let timed = async |i: usize| {
+        let started = Instant::now();
+        let seen = send(gateways.post(0, "/v1/p", &format!("unacked-{i}")).body("x")).await;
+        (seen, started.elapsed())
+    };
+    let answers = futures_util::future::join_all((0..10).map(timed)).await;
+    let slowest = answers.iter().map(|(_, took)| *took).max().unwrap();
+    eprintln!("ten claims without a replica refused within {slowest:?}");
+    for (i, (seen, _)) in answers.iter().enumerate() {
+        assert_eq!(seen.status, 503, "unacked-{i}: {seen:?}");
+        assert_eq!(seen.problem_type(), STORE_UNAVAILABLE);
+    }
+    assert_eq!(upstream.calls(), 0, "nothing forwarded");
+    assert_eq!(
+        gateways.unacknowledged("claim").await,
+        10,
+        "every refused claim counted as unacknowledged"
+    );
+    assert!(
+        slowest <= Duration::from_millis(1000),
+        "a claim waits for its replicas about the store timeout (300 ms), not {slowest:?}"
+    );
+    for i in 0..10 {
+        let retry = send(gateways.post(0, "/v1/p", &format!("unacked-{i}")).body("x")).await;
+        assert_eq!(
+            retry.problem_type(),
+            STORE_UNAVAILABLE,
+            "unacked-{i}: the unacknowledged claim was released"
+        );
+    }
+    let mut conn = redis.connection().await;
+    let left: Vec<String> = conn.keys("test:*").await.unwrap();
+    assert_eq!(left, Vec::<String>::new(), "no claim left");
 }
 
 // === configuration ===
