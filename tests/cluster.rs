@@ -241,20 +241,24 @@ async fn duplicates_at_once(
     keys: &[String],
     copies: usize,
 ) -> BTreeMap<String, Seen> {
-    let mut tasks = Vec::new();
-    for (i, key) in keys.iter().enumerate() {
-        for copy in 0..copies {
-            let req = gateways.post((i + copy) % gateways.all.len(), "/v1/p", key);
-            let key = key.clone();
-            tasks.push(tokio::spawn(
-                async move { (key, send(req.body("x")).await) },
-            ));
-        }
-    }
     let mut answers: BTreeMap<String, Vec<Seen>> = BTreeMap::new();
-    for t in tasks {
-        let (key, seen) = t.await.unwrap();
-        answers.entry(key).or_default().push(seen);
+    // Fifty keys at a time: a few hundred connections, well within a default limit of open files.
+    for (batch, chunk) in keys.chunks(50).enumerate() {
+        let mut tasks = Vec::new();
+        for (i, key) in chunk.iter().enumerate() {
+            for copy in 0..copies {
+                let g = (batch * 50 + i + copy) % gateways.all.len();
+                let req = gateways.post(g, "/v1/p", key);
+                let key = key.clone();
+                tasks.push(tokio::spawn(
+                    async move { (key, send(req.body("x")).await) },
+                ));
+            }
+        }
+        for t in tasks {
+            let (key, seen) = t.await.unwrap();
+            answers.entry(key).or_default().push(seen);
+        }
     }
     let mut fresh = BTreeMap::new();
     for (key, seen) in answers {
