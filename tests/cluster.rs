@@ -37,14 +37,23 @@ async fn the_cluster_fixture_shards_fails_over_and_takes_a_node_back() {
     for i in 0..100 {
         let _: () = conn.set(format!("fixture:{i}"), i).await.unwrap();
     }
-    // WAIT goes to every primary, over the connections the writes took.
-    let acked: i64 = redis::cmd("WAIT")
-        .arg(1)
-        .arg(2000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(acked, 1, "every primary has its replica");
+    // WAIT goes to every primary, over the connections the writes took; within 200 ms, as a
+    // replica's stream may start a moment after its sync (WAIT times out until then).
+    let acknowledged = async |conn: &mut redis::cluster_async::ClusterConnection| {
+        let acked: i64 = redis::cmd("WAIT")
+            .arg(1)
+            .arg(200)
+            .query_async(conn)
+            .await
+            .unwrap();
+        acked == 1
+    };
+    wait_until(
+        Duration::from_secs(2),
+        "every primary's replica acknowledges the writes",
+        async || acknowledged(&mut conn).await,
+    )
+    .await;
     let keys = cluster.keys("fixture:*").await;
     assert_eq!(keys.len(), 100);
     for primary in cluster.primaries().await {
@@ -71,13 +80,12 @@ async fn the_cluster_fixture_shards_fails_over_and_takes_a_node_back() {
         "it rejoined as a replica"
     );
     let _: () = conn.set("fixture:after", 1).await.unwrap();
-    let acked: i64 = redis::cmd("WAIT")
-        .arg(1)
-        .arg(2000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(acked, 1, "every primary has a replica again");
+    wait_until(
+        Duration::from_secs(2),
+        "every primary has a replica again",
+        async || acknowledged(&mut conn).await,
+    )
+    .await;
 }
 
 /// The Sentinel fixture: the sentinels promote the replica of a killed primary, and the killed
