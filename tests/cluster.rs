@@ -200,8 +200,19 @@ impl Gateways {
         resp.json().await.unwrap()
     }
 
+    /// `idemgate_local_cache_hits_total` of gateway `g`: replays it served from its local cache.
+    async fn local_cache_hits(&self, g: usize) -> u64 {
+        self.all[g]
+            .metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_local_cache_hits_total "))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    }
+
     /// `idemgate_store_unacknowledged_writes_total` for `op` (`claim`, `complete`), summed over
-    /// the gateways.
+    /// the gateways. The label is matched by its value only (the gateway names it `operation`,
+    /// as in its other store metrics).
     async fn unacknowledged(&self, op: &str) -> u64 {
         let mut total = 0;
         for g in &self.all {
@@ -241,9 +252,9 @@ fn incompressible(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Send keyed POSTs `path` with `body` for every key, each `copies` times at once through
-/// gateways in turn, and check that each key ran once: one fresh 201, every other copy a 409 in
-/// flight or a byte-exact replay of it. Returns each key's fresh answer.
+/// Send `POST /v1/p` with every key, each `copies` times at once through the gateways in turn,
+/// and check that each key ran once: one fresh 201, every other copy a 409 in flight or a
+/// byte-exact replay of it. Returns each key's fresh answer.
 async fn duplicates_at_once(
     gateways: &Gateways,
     keys: &[String],
@@ -422,6 +433,12 @@ async fn cluster_admin_evictions_reach_every_primary_and_every_local_cache() {
         recorded.insert(key.clone(), first.body);
     }
     assert_eq!(upstream.calls(), 30);
+    // Gateway 1 holds evict-0 in its local cache: it replays it without Redis.
+    let hits = gateways.local_cache_hits(1).await;
+    assert!(send(gateways.post(1, "/v1/p", "evict-0").body("x"))
+        .await
+        .replayed());
+    assert_eq!(gateways.local_cache_hits(1).await, hits + 1);
 
     // One key, evicted through gateway 0: gateway 1 runs it again, the others replay that.
     let gone = gateways
