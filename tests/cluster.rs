@@ -514,9 +514,11 @@ async fn waiters_are_woken_across_gateways(config: TestConfig, upstream: &Counti
         ("/v1/p?delay_ms=400", true),
         ("/v1/p?delay_ms=400&status=503", false),
     ];
+    // (the answer, when it was sent, when it was answered)
     let timed = |req: reqwest::RequestBuilder| async move {
+        let sent = Instant::now();
         let seen = send(req.body("x")).await;
-        (seen, Instant::now())
+        (seen, sent, Instant::now())
     };
     let mut firsts = Vec::new();
     for (i, (path, _)) in cases.iter().enumerate() {
@@ -530,9 +532,14 @@ async fn waiters_are_woken_across_gateways(config: TestConfig, upstream: &Counti
         waiters.push(tokio::spawn(timed(gateways.post(1 + i % 2, path, &key))));
     }
     for (i, (first, waiter)) in firsts.into_iter().zip(waiters).enumerate() {
-        let (first, first_at) = first.await.unwrap();
-        let (waited, waiter_at) = waiter.await.unwrap();
+        let (first, _, first_at) = first.await.unwrap();
+        let (waited, waiter_sent, waiter_at) = waiter.await.unwrap();
         let (path, recorded) = cases[i];
+        let waiting = first_at.saturating_duration_since(waiter_sent);
+        assert!(
+            waiting >= Duration::from_millis(100),
+            "{path}: the waiter was sent only {waiting:?} before the first answer"
+        );
         let after = waiter_at.saturating_duration_since(first_at);
         eprintln!("waiter on {path} answered {after:?} after the first request");
         if recorded {
