@@ -813,11 +813,11 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
     eprintln!(
         "{name}: wait_replicas = {wait_replicas}, {keys} keys each sent twice at once: \
          failed over {failover:?} after the kill -9, restarted by the supervisor {restarting:?} \
-         after it (a replica again {restart:?} later); {} requests refused {refused:?}, keyed \
-         requests succeeded again {} after the kill; unacknowledged claims {}, completions {}; \
+         after it (a replica again {restart:?} later); {} requests refused {refused:?}, the \
+         last {} after the kill; unacknowledged claims {}, completions {}; \
          {} duplicate execution(s) {duplicated:?}",
         refused.values().sum::<usize>(),
-        last_refusal.map_or("at once".to_string(), |d| format!("{d:?}")),
+        last_refusal.map_or("none".to_string(), |d| format!("{d:?}")),
         gateways.unacknowledged("claim").await,
         gateways.unacknowledged("complete").await,
         duplicated.len(),
