@@ -153,9 +153,7 @@ impl AnyStore {
             Ok(store) => store,
             // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
             // running. Keyed requests follow on_store_error until it answers; unkeyed ones flow.
-            Err(StoreError::Redis(e))
-                if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() =>
-            {
+            Err(StoreError::Redis(e)) if crate::store::redis::unreachable(&e) => {
                 error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
                 RedisStore::lazy(&options)?
             }

@@ -683,3 +683,89 @@ async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
         .await
         .replayed());
 }
+
+/// `wait_replicas = 1` on a Redis without a replica: every claim goes unacknowledged, so keyed
+/// requests are refused as a store outage (nothing forwarded, nothing left claimed) and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_no_replica_acknowledges_are_refused_and_counted() {
+    let env = TestEnv::start(
+        Backend::Redis,
+        TestConfig::new()
+            .set("store.wait_replicas", 1)
+            .set("store.timeout", "200ms")
+            .set("admin.listen", "127.0.0.1:0"),
+    )
+    .await;
+    let refused = send(env.post_keyed("/v1/p", "k").body("x")).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert_eq!(env.upstream.calls(), 0, "nothing is forwarded");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut env.redis().connection().await)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "the claim was taken back: {keys:?}");
+    let metrics = env.gateway.metrics().await;
+    assert!(
+        metrics.contains("idemgate_store_unacknowledged_writes_total{operation=\"claim\"} 1"),
+        "{metrics}"
+    );
+    // Unkeyed requests never touch the store.
+    assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
+}
+
+/// Redis goes down while the upstream runs, so the completion fails; the response reaches the
+/// client, and the completion is sent again in the background until Redis is back (AOF: the
+/// claim survived the restart). The retry then gets the replay: the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_completion_is_sent_again_until_redis_is_back() {
+    let redis = RedisServer::start_durable().await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(500));
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis(&redis)
+        .set("store.timeout", "300ms");
+    let gateway = InProcessGateway::start(&config).await;
+    let client = common::client();
+    let url = gateway.url("/v1/p");
+    let pending = tokio::spawn(send(
+        client
+            .post(&url)
+            .header("idempotency-key", "later")
+            .body("x"),
+    ));
+    upstream.wait_for_calls(1).await;
+    redis.kill();
+    let first = pending.await.unwrap();
+    assert_eq!(
+        first.status, 201,
+        "the upstream's answer reaches the client"
+    );
+    redis.restart().await;
+    wait_until(
+        Duration::from_secs(10),
+        "the retry gets the replay",
+        async || {
+            let r = send(
+                client
+                    .post(&url)
+                    .header("idempotency-key", "later")
+                    .body("x"),
+            )
+            .await;
+            assert!(
+                [201, 409, 503].contains(&r.status),
+                "a retry meanwhile is refused or waits: {r:?}"
+            );
+            r.replayed()
+        },
+    )
+    .await;
+    assert_eq!(upstream.calls(), 1, "the upstream ran once");
+}

@@ -15,7 +15,7 @@ use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
 use idemgate::store::redis::RedisOptions;
-use idemgate::store::{CachedStore, Claim, LocalCache, RedisStore, Replay, Store};
+use idemgate::store::{CachedStore, Claim, LocalCache, RedisStore, Replay, Store, StoreError};
 
 /// Generate, for each named `async fn(S: Store)`, one test per store the contract binds.
 macro_rules! contract {
@@ -340,4 +340,159 @@ async fn large_entries_complete_through_a_staging_key() {
         pttl > 500_000,
         "the record keeps its own TTL, not the staging one: {pttl}"
     );
+}
+
+/// `wait_replicas` on a Redis with no replica: a claim is refused as not acknowledged and taken
+/// back (the key is free again); a completion is written but reported as not acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
+    let server = RedisServer::start().await;
+    let options = RedisOptions::new(server.url())
+        .prefix("w:")
+        .timeout(Duration::from_millis(200));
+    let plain = RedisStore::connect(&options).await.unwrap();
+    let waiting = RedisStore::connect(&options.clone().wait_replicas(1))
+        .await
+        .unwrap();
+    let (k, fp) = (ScopedKey([7; 32]), Fingerprint([8; 32]));
+    match waiting.claim(&k, &fp, &Token::random(), LEASE).await {
+        Err(StoreError::NotAcknowledged {
+            acked: 0,
+            wanted: 1,
+        }) => {}
+        other => panic!("expected a claim no replica acknowledged, got {other:?}"),
+    }
+    let mine = Token::random();
+    assert!(
+        matches!(
+            plain.claim(&k, &fp, &mine, LEASE).await.unwrap(),
+            Claim::Claimed
+        ),
+        "the unacknowledged claim was released"
+    );
+    match waiting
+        .complete(&k, &fp, &mine, &response("done"), TTL)
+        .await
+    {
+        Err(StoreError::NotAcknowledged {
+            acked: 0,
+            wanted: 1,
+        }) => {}
+        other => panic!("expected a completion no replica acknowledged, got {other:?}"),
+    }
+    let seen = plain.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    assert_eq!(replayed_body(seen).as_deref(), Some(&b"done"[..]));
+}
+
+/// With a replica streaming from the primary, the same writes are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_a_replica_acknowledges_count() {
+    let (primary, replica) = (RedisServer::start().await, RedisServer::start().await);
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(primary.port)
+        .query_async(&mut replica.connection().await)
+        .await
+        .unwrap();
+    let mut admin = primary.connection().await;
+    common::wait_until(Duration::from_secs(10), "the replica streams", async || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        info.contains("state=online")
+    })
+    .await;
+    let store = RedisStore::connect(
+        &RedisOptions::new(primary.url())
+            .prefix("w:")
+            .wait_replicas(1),
+    )
+    .await
+    .unwrap();
+    let (k, fp, token) = (ScopedKey([9; 32]), Fingerprint([1; 32]), Token::random());
+    assert!(matches!(
+        store.claim(&k, &fp, &token, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    assert!(store
+        .complete(&k, &fp, &token, &large(b'r'), TTL)
+        .await
+        .unwrap());
+    let on_replica: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(store.redis_key(&k))
+        .query_async(&mut replica.connection().await)
+        .await
+        .unwrap();
+    let on_primary: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(store.redis_key(&k))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(on_primary.is_some());
+    assert_eq!(
+        on_replica, on_primary,
+        "the acknowledged record is on the replica"
+    );
+}
+
+/// A waiter's watch fires when the key is completed or released, from another connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_hears_completions_and_releases() {
+    let server = RedisServer::start().await;
+    let (waiter, holder) = (
+        redis_store(&server, "n:").await,
+        redis_store(&server, "n:").await,
+    );
+    let (k, fp) = (ScopedKey([3; 32]), Fingerprint([4; 32]));
+    for finish in ["complete", "release"] {
+        let token = Token::random();
+        assert!(matches!(
+            holder.claim(&k, &fp, &token, LEASE).await.unwrap(),
+            Claim::Claimed
+        ));
+        let mut watch = waiter.watch(&k).await.expect("Redis watches keys");
+        let heard = tokio::time::timeout(Duration::from_millis(300), watch.changed());
+        assert!(heard.await.is_err(), "nothing happened yet ({finish})");
+        if finish == "complete" {
+            assert!(holder
+                .complete(&k, &fp, &token, &response("x"), LEASE)
+                .await
+                .unwrap());
+        } else {
+            assert!(holder.release(&k, &token).await.unwrap());
+        }
+        let heard = tokio::time::timeout(Duration::from_secs(2), watch.changed());
+        assert!(heard.await.is_ok(), "the watch heard the {finish}");
+        let _: () = redis::cmd("DEL")
+            .arg(holder.redis_key(&k))
+            .query_async(&mut server.connection().await)
+            .await
+            .unwrap();
+    }
+}
+
+/// An eviction through one gateway's store reaches every other's subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evictions_are_published_to_every_process() {
+    use idemgate::store::{Evicted, Inspect};
+    let server = RedisServer::start().await;
+    let (here, there) = (
+        redis_store(&server, "e:").await,
+        redis_store(&server, "e:").await,
+    );
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    there
+        .on_evicted(move |what| {
+            let _ = tx.send(what);
+        })
+        .await;
+    let k = ScopedKey([5; 32]);
+    here.evict(&k).await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(2), rx.recv()).await;
+    assert_eq!(heard.unwrap(), Some(Evicted::Key(k)));
+    here.evict_all().await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(2), rx.recv()).await;
+    assert_eq!(heard.unwrap(), Some(Evicted::All));
 }

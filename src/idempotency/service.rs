@@ -718,6 +718,7 @@ impl<St: Store> Shared<St> {
         let route = &held.route.route;
         let until = Instant::now() + held.route.lock_ttl;
         let mut delay = Duration::from_millis(100);
+        let mut written = false;
         while Instant::now() + delay < until {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(1));
@@ -735,11 +736,16 @@ impl<St: Store> Shared<St> {
                     return;
                 }
                 Err(e) => {
-                    debug!(%route, key = %held.tag(), error = %e, "recording the response failed again")
+                    written |= matches!(e, StoreError::NotAcknowledged { .. });
+                    debug!(%route, key = %held.tag(), error = %e, "recording the response failed again");
                 }
             }
         }
-        error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
+        if written {
+            warn!(%route, key = %held.tag(), "response recorded, but no replica acknowledged it before the lease ended; a failover now could lose it");
+        } else {
+            error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
+        }
     }
 
     /// Take back a claim whose answer was lost. It may still be applied after the error: stuck

@@ -91,6 +91,9 @@ impl Events {
             ca_pem: o.ca_pem,
             push: Some(push),
         })?;
+        if matches!(o.topology, crate::config::Topology::Sentinel { .. }) {
+            keep_following(&conn, &shared);
+        }
         Ok(Arc::new(Events {
             shared,
             conn,
@@ -105,16 +108,24 @@ impl Events {
     }
 
     /// Hear of evictions from now on (from this process and every other); the first call wins.
+    /// While Redis is unreachable the subscription is tried again every second, in the
+    /// background.
     pub(crate) async fn on_evicted(&self, f: OnEvict) {
-        if self.shared.on_evict.set(f).is_ok() {
-            if let Err(e) = self
-                .conn
-                .clone()
-                .subscribe(&self.evict_channel, false)
-                .await
-            {
-                tracing::warn!(error = %e, "could not subscribe to evictions; other gateways' evictions reach this local cache only when its entries expire");
-            }
+        if self.shared.on_evict.set(f).is_err() {
+            return;
+        }
+        let (mut conn, channel) = (self.conn.clone(), self.evict_channel.clone());
+        if let Err(e) = conn.subscribe(&channel, false).await {
+            tracing::warn!(error = %e, "could not subscribe to evictions yet; trying again every second (until then, other gateways' evictions reach this local cache when its entries expire)");
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    if conn.subscribe(&channel, false).await.is_ok() {
+                        tracing::info!("subscribed to evictions");
+                        return;
+                    }
+                }
+            });
         }
     }
 
@@ -140,6 +151,21 @@ impl Events {
             channel,
             events: self.clone(),
         }
+    }
+}
+
+/// Behind Sentinel, a subscriber connection carries no commands that would notice a failover:
+/// ping the primary every second, so that a lost primary makes the connection ask the sentinels
+/// and subscribe again on the new one. Ends with the process's subscriptions.
+fn keep_following(conn: &Conn, shared: &Arc<Shared>) {
+    let (mut conn, alive) = (conn.clone(), Arc::downgrade(shared));
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            while alive.strong_count() > 0 {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                let _: Result<(), _> = redis::cmd("PING").query_async(&mut conn).await;
+            }
+        });
     }
 }
 

@@ -487,9 +487,31 @@ impl RedisStore {
     }
 }
 
-/// Whether `e` means the connection broke, so that one retry on a fresh connection is worth it.
+/// Whether `e` means the connection broke (or, behind Sentinel, the node is no longer the
+/// primary), so that one retry on a fresh connection is worth it.
 fn reconnects(e: &redis::RedisError) -> bool {
-    e.is_connection_dropped() || e.is_io_error() || e.is_connection_refusal()
+    e.is_connection_dropped()
+        || e.is_io_error()
+        || e.is_connection_refusal()
+        || e.code() == Some("READONLY")
+}
+
+/// Whether `e` says Redis could not be reached (rather than that it refused us: a wrong password,
+/// a TLS or configuration error): a cluster with no node up, no primary named by the sentinels,
+/// a cluster that is down.
+pub fn unreachable(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::MasterNameNotFoundBySentinel
+                | ErrorKind::NoValidReplicasFoundBySentinel
+                | ErrorKind::Server(ServerErrorKind::ClusterDown)
+                | ErrorKind::Server(ServerErrorKind::MasterDown)
+        )
 }
 
 /// Entries from this size on are completed through a staging key (see `complete_staged`).
