@@ -1049,9 +1049,13 @@ async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
         let seen = send(gateways.post((i + 1) % 2, "/v1/p", &key).body("x")).await;
         assert!(seen.replayed(), "{key}: {seen:?}");
     }
-    assert_eq!(
-        upstream.calls(),
-        30 + ran_during.load(Ordering::SeqCst) + ran_after
+    // The request of the "during" loop that was cut off when the failover was seen may have
+    // run without being counted there.
+    let counted = 30 + ran_during.load(Ordering::SeqCst) + ran_after;
+    assert!(
+        (counted..=counted + 1).contains(&upstream.calls()),
+        "{} upstream calls, {counted} counted",
+        upstream.calls()
     );
 }
 
