@@ -29,6 +29,7 @@ use std::time::Duration;
 use redis::FromRedisValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::redis::{pong, socket_in};
 use super::{free_port, wait_until};
 
 /// How many ports a start tries (a port taken between [`free_port`] and the bind is a race with
@@ -766,19 +767,4 @@ async fn settle(
         Ok(took) => took,
         Err(_) => panic!("{what}: not within {SETTLE:?}; now:{}", describe.await),
     }
-}
-
-fn socket_in(dir: &Path) -> PathBuf {
-    dir.join("redis.sock")
-}
-
-/// Whether a PING on the unix socket `path` is answered PONG (not, e.g., LOADING).
-async fn pong(path: &Path) -> bool {
-    let Ok(mut s) = tokio::net::UnixStream::connect(path).await else {
-        return false;
-    };
-    let mut answer = [0; 7];
-    s.write_all(b"PING\r\n").await.is_ok()
-        && s.read_exact(&mut answer).await.is_ok()
-        && &answer == b"+PONG\r\n"
 }
