@@ -21,13 +21,12 @@
 //! redis-server exits when it cannot bind its ports, including a cluster node's bus port).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::FromRedisValue;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::redis::{pong, socket_in};
 use super::{free_port, wait_until};
