@@ -1,5 +1,5 @@
 //! The Redis store: shared by every gateway replica, on one server, a Redis Cluster or a
-//! Sentinel-managed primary ([`super::topology`]). Each operation is one round trip and atomic
+//! Sentinel-managed primary (see `topology.rs`). Each operation is one round trip and atomic
 //! on the server. A claim is Redis's own `SET key entry NX PX lease GET` (Redis >= 7.0), pipelined
 //! with a `PTTL` of the key; on an older server, which refuses that combination, the claim falls
 //! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
