@@ -73,6 +73,7 @@ mod tls;
 
 pub use config::{
     ConfigError, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
+    Topology,
 };
 pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
 pub use metrics::Metrics;

@@ -1,5 +1,5 @@
 //! The Redis store: shared by every gateway replica, on one server, a Redis Cluster or a
-//! Sentinel-managed primary ([`super::topology`]). Each operation is one round trip and atomic
+//! Sentinel-managed primary (see `topology.rs`). Each operation is one round trip and atomic
 //! on the server. A claim is Redis's own `SET key entry NX PX lease GET` (Redis >= 7.0), pipelined
 //! with a `PTTL` of the key; on an older server, which refuses that combination, the claim falls
 //! back to a Lua script for good. Completing, releasing and renewing are Lua scripts fenced by
@@ -43,6 +43,8 @@ pub struct RedisStore {
     tagged: bool,
     // `WAIT` after claims and completions: replicas, and the timeout in ms.
     wait: Option<(u32, u64)>,
+    // The connections those writes go on (shared by every handle of the process).
+    waits: Option<Arc<WaitPool>>,
     options: Arc<RedisOptions>,
     // Key prefix, so several deployments can share one Redis.
     prefix: Arc<str>,
@@ -99,6 +101,47 @@ pub const DEFAULT_PREFIX: &str = "idemgate:";
 
 /// How long connecting or one answer may take when no timeout is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Connections for the writes followed by `WAIT`, each taken by one write at a time: a `WAIT`
+/// blocks its connection inside Redis until the replicas answer (or its timeout passes), and
+/// must not hold up the commands of other requests.
+struct WaitPool {
+    conns: Vec<tokio::sync::Mutex<Conn>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+/// How many writes per process can wait for replicas at once; more queue for a connection.
+const WAIT_CONNECTIONS: usize = 16;
+
+impl WaitPool {
+    /// The pool's connections, opened lazily; an answer may take the `WAIT`'s whole timeout
+    /// before it is sent, so they wait twice the store's.
+    fn open(options: &RedisOptions) -> Result<Self, StoreError> {
+        let opening = Opening {
+            timeout: options.timeout * 2,
+            ..RedisStore::opening(options)
+        };
+        let conns = (0..WAIT_CONNECTIONS)
+            .map(|_| Conn::open(&opening).map(tokio::sync::Mutex::new))
+            .collect::<Result<_, _>>()?;
+        Ok(WaitPool {
+            conns,
+            next: Default::default(),
+        })
+    }
+
+    /// A connection no other write is using; the next in turn when all are taken.
+    async fn get(&self) -> tokio::sync::MutexGuard<'_, Conn> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let n = self.conns.len();
+        for i in 0..n {
+            if let Ok(conn) = self.conns[(start + i) % n].try_lock() {
+                return conn;
+            }
+        }
+        self.conns[start % n].lock().await
+    }
+}
 
 /// The channel of a record key, after its name, on which completing and releasing it publish.
 const DONE_SUFFIX: &str = ":done";
@@ -191,13 +234,17 @@ impl RedisStore {
     /// Redis is unreachable: until it answers, every operation fails as a store error.
     pub fn lazy(options: &RedisOptions) -> Result<Self, StoreError> {
         let events = Events::open(&Self::opening(options), &options.prefix)?;
-        Self::with_events(options, events)
+        let waits = match options.wait_replicas {
+            0 => None,
+            _ => Some(Arc::new(WaitPool::open(options)?)),
+        };
+        Self::with_shared(options, events, waits)
     }
 
     /// Another handle with a connection of its own (for another worker thread), sharing this
-    /// one's subscriptions; connected and checked.
+    /// one's subscriptions and wait pool; connected and checked.
     pub async fn sibling(&self) -> Result<Self, StoreError> {
-        let store = Self::with_events(&self.options, self.events.clone())?;
+        let store = Self::with_shared(&self.options, self.events.clone(), self.waits.clone())?;
         store.ping_now().await?;
         Ok(store)
     }
@@ -205,22 +252,22 @@ impl RedisStore {
     fn opening(options: &RedisOptions) -> Opening<'_> {
         Opening {
             topology: &options.topology,
-            // A WAIT may take the whole timeout before its answer is sent.
-            timeout: if options.wait_replicas > 0 {
-                options.timeout * 2
-            } else {
-                options.timeout
-            },
+            timeout: options.timeout,
             ca_pem: options.ca_pem.as_deref(),
             push: None,
         }
     }
 
-    fn with_events(options: &RedisOptions, events: Arc<Events>) -> Result<Self, StoreError> {
+    fn with_shared(
+        options: &RedisOptions,
+        events: Arc<Events>,
+        waits: Option<Arc<WaitPool>>,
+    ) -> Result<Self, StoreError> {
         let tagged = matches!(options.topology, Topology::Cluster { .. });
         Ok(RedisStore {
             conn: Conn::open(&Self::opening(options))?,
             events,
+            waits,
             tagged,
             wait: (options.wait_replicas > 0)
                 .then(|| (options.wait_replicas, millis(options.timeout))),
@@ -313,13 +360,21 @@ impl RedisStore {
         }
     }
 
-    /// [`RedisStore::invoke`] for a pipeline of plain commands (sent in one write).
+    /// [`RedisStore::invoke`] for a pipeline of plain commands (sent in one write). A pipeline
+    /// ended by `WAIT` goes on a connection of the wait pool, which it has to itself.
     async fn query<T: redis::FromRedisValue>(
         &self,
         pipe: &redis::Pipeline,
     ) -> Result<T, StoreError> {
-        match pipe.query_async(&mut self.conn.clone()).await {
-            Err(e) if reconnects(&e) => Ok(pipe.query_async(&mut self.conn.clone()).await?),
+        let (mut conn, _exclusive) = match (&self.waits, self.wait) {
+            (Some(pool), Some(_)) => {
+                let guard = pool.get().await;
+                (guard.clone(), Some(guard))
+            }
+            _ => (self.conn.clone(), None),
+        };
+        match pipe.query_async(&mut conn).await {
+            Err(e) if reconnects(&e) => Ok(pipe.query_async(&mut conn).await?),
             result => Ok(result?),
         }
     }

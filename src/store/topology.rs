@@ -227,7 +227,39 @@ fn primary_lost(e: &RedisError) -> bool {
         || e.is_io_error()
         || e.is_connection_refusal()
         || e.is_timeout()
-        || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"))
+        || e.code().is_some_and(demoted)
+}
+
+/// Error codes of a node that is not (or not yet) a writable primary.
+fn demoted(code: &str) -> bool {
+    matches!(code, "READONLY" | "MASTERDOWN" | "LOADING")
+}
+
+/// Whether an answer carries such an error: Redis's own errors come back as values (one per
+/// command of a pipeline), not as a failed call.
+fn answers_demoted(value: &Value) -> bool {
+    match value {
+        Value::ServerError(e) => demoted(e.code()),
+        Value::Array(values) => values.iter().any(answers_demoted),
+        _ => false,
+    }
+}
+
+/// What a command's answer says of the primary.
+trait Answer {
+    fn demoted(&self) -> bool;
+}
+
+impl Answer for Value {
+    fn demoted(&self) -> bool {
+        answers_demoted(self)
+    }
+}
+
+impl Answer for Vec<Value> {
+    fn demoted(&self) -> bool {
+        self.iter().any(answers_demoted)
+    }
 }
 
 /// The primary that the sentinels name, asked again when it fails.
@@ -355,20 +387,22 @@ impl SentinelConn {
 
     /// Run `f` on the primary; when the primary is lost, ask the sentinels before answering
     /// (the caller's retry then goes to the new one).
-    async fn run<'a, T>(
+    async fn run<'a, T: Answer>(
         &'a self,
         f: impl FnOnce(ConnectionManager) -> RedisFuture<'a, T>,
     ) -> RedisResult<T> {
         let (generation, conn) = self.current().await?;
-        match f(conn).await {
-            Err(e) if primary_lost(&e) => {
-                if let Err(ask) = self.switch(Some(generation)).await {
-                    tracing::debug!(error = %ask, "sentinels did not name a primary");
-                }
-                Err(e)
+        let result = f(conn).await;
+        let lost = match &result {
+            Err(e) => primary_lost(e),
+            Ok(answer) => answer.demoted(),
+        };
+        if lost {
+            if let Err(ask) = self.switch(Some(generation)).await {
+                tracing::debug!(error = %ask, "sentinels did not name a primary");
             }
-            result => result,
         }
+        result
     }
 
     async fn subscribe(&self, channel: &str) -> RedisResult<()> {

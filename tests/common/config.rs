@@ -12,7 +12,7 @@
 //! A [`TestEnv`](super::TestEnv) fills in the upstream and the store itself: a test hands it
 //! only the settings it cares about.
 
-use super::RedisServer;
+use super::{RedisCluster, RedisSentinelSet, RedisServer};
 
 /// A gateway config as a TOML table. Paths in [`TestConfig::set`] are the config file's,
 /// dotted: `"workers"`, `"store.timeout"`, `"defaults.ttl"`, `"admin.listen"`.
@@ -54,6 +54,23 @@ impl TestConfig {
     /// Keep records in the Redis at `url` (which need not be up), under the default prefix.
     pub fn redis_url(self, url: &str) -> Self {
         self.set("store.backend", "redis").set("store.url", url)
+    }
+
+    /// Keep records in `cluster` (`backend = "redis-cluster"`, every node a seed), under the
+    /// prefix `test:`.
+    pub fn redis_cluster(self, cluster: &RedisCluster) -> Self {
+        self.set("store.backend", "redis-cluster")
+            .set("store.urls", cluster.urls())
+            .set("store.prefix", "test:")
+    }
+
+    /// Keep records in the primary that `set`'s sentinels name (`backend = "redis-sentinel"`,
+    /// `master_name` as they monitor it), under the prefix `test:`.
+    pub fn redis_sentinel(self, set: &RedisSentinelSet) -> Self {
+        self.set("store.backend", "redis-sentinel")
+            .set("store.urls", set.urls())
+            .set("store.master_name", super::cluster::MASTER_NAME)
+            .set("store.prefix", "test:")
     }
 
     /// Keep records in `server` when there is one, else in memory: for code that runs on

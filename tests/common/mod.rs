@@ -16,6 +16,8 @@
 //!   (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
 //!   `pause()`, `resume()` and `restart()`; [`TlsRedisServer`], one that speaks only TLS.
+//! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
+//!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over.
 //! - [`upstream`]: [`CountingUpstream`], an HTTP upstream that counts its calls and answers by
 //!   query string (`?status=503`, `?delay_ms=400`, `/echo`, `/big?bytes=N`).
 //! - [`gateway`]: [`InProcessGateway`], the gateway on a socket of this process;
@@ -34,6 +36,7 @@
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod gateway;
 pub mod ports;
@@ -44,6 +47,7 @@ pub mod upstream;
 pub mod wait;
 
 pub use self::client::{client, send, Seen};
+pub use self::cluster::{RedisCluster, RedisSentinelSet};
 pub use self::config::TestConfig;
 pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
 pub use self::ports::{free_port, ReservedPort};

@@ -230,7 +230,7 @@ impl Drop for TlsRedisServer {
     }
 }
 
-fn socket_in(dir: &Path) -> PathBuf {
+pub(crate) fn socket_in(dir: &Path) -> PathBuf {
     dir.join("redis.sock")
 }
 
@@ -249,7 +249,7 @@ async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
 }
 
 /// Whether a PING on the unix socket `path` is answered PONG (not, e.g., LOADING).
-async fn pong(path: &Path) -> bool {
+pub(crate) async fn pong(path: &Path) -> bool {
     let Ok(mut s) = tokio::net::UnixStream::connect(path).await else {
         return false;
     };
