@@ -689,6 +689,16 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
     }
     let last_refusal = refused.iter().map(|a| a.end).max();
     let recovery = last_refusal.map_or(Duration::ZERO, |e| e - t.kill);
+    // The store refusing (503, no answer) apart from keys left in flight (409): a record lost
+    // with its primary keeps its key claimed until the lease ends.
+    let last_of = |conflict: bool| {
+        refused
+            .iter()
+            .filter(|a| (a.status == 409) == conflict)
+            .map(|a| a.end)
+            .max()
+    };
+    let (last_store, last_conflict) = (last_of(false), last_of(true));
     let longest = after_kill
         .iter()
         .map(|a| a.end - a.start)
@@ -746,7 +756,7 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         refused.len()
     );
     b.notes.push(format!(
-        "{label} (1 KiB, 2 gateways, {CLIENTS} clients each retrying its key every {} ms on 503/409/502/504 until a 2xx, then once more on the other gateway; kill -9 of the primary {} at {:.1} s): failover seen {}, killed node restarted as a replica {}, in sync {}; keyed requests succeed again {:.2} s after the kill (the last refusal); {} attempts refused ({}; {confirms_refused} of them retries after a 2xx; {} until the failover was seen, {} until the restart, {} until in sync, {} after) of {} after the kill, {before} before it (409s: a retry after a 2xx can reach the other gateway before the record is written); longest attempt {} ms; {} keys completed, {} unfinished at the stop, {} given up; upstream: {keys_executed} keys executed {executions} times, {twice} keys executed twice; error replies over the nodes: {}; the commands answered with them: {}",
+        "{label} (1 KiB, 2 gateways, {CLIENTS} clients each retrying its key every {} ms on 503/409/502/504 until a 2xx, then once more on the other gateway; kill -9 of the primary {} at {:.1} s): failover seen {}, killed node restarted as a replica {}, in sync {}; keyed requests succeed again {:.2} s after the kill (the last refusal; the last 503 or unanswered {}, the last 409 {}); {} attempts refused ({}; {confirms_refused} of them retries after a 2xx; {} until the failover was seen, {} until the restart, {} until in sync, {} after) of {} after the kill, {before} before it (409s: a retry after a 2xx can reach the other gateway before the record is written); longest attempt {} ms; {} keys completed, {} unfinished at the stop, {} given up; upstream: {keys_executed} keys executed {executions} times, {twice} keys executed twice; error replies over the nodes: {}; the commands answered with them: {}",
         BACKOFF.as_millis(),
         t.killed.map_or("?".into(), |a| a.to_string()),
         t.kill.as_secs_f64(),
@@ -754,6 +764,8 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         secs(t.restarted),
         secs(t.synced),
         recovery.as_secs_f64(),
+        secs(last_store),
+        secs(last_conflict),
         refused.len(),
         if statuses.is_empty() { "none".into() } else { statuses.join(", ") },
         windows[0],
