@@ -750,6 +750,16 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         "    refusals per second from the kill (gateway 1 + gateway 2): {}",
         timeline.join(", ")
     );
+    // And the 2xx answers per quarter second around the failover.
+    let mut ok: BTreeMap<u64, u64> = BTreeMap::new();
+    for a in after_kill.iter().filter(|a| (200..300).contains(&a.status)) {
+        *ok.entry((a.end - t.kill).as_millis() as u64 / 250)
+            .or_default() += 1;
+    }
+    let ok: Vec<String> = (0..16)
+        .map(|q| ok.get(&q).copied().unwrap_or(0).to_string())
+        .collect();
+    eprintln!("    2xx per 250 ms for 4 s from the kill: {}", ok.join(" "));
     eprintln!(
         "  {label:<40} recovered {:.2} s after the kill, {} refused, {twice} keys executed twice",
         recovery.as_secs_f64(),
