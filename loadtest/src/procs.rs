@@ -754,14 +754,13 @@ mod tests {
 }
 
 /// The cluster and Sentinel harness on its own (no gateway): start, kill -9 a primary, see the
-/// failover, restart the node as a replica, see it in sync. Slow (seconds of failure detection):
-/// `cargo test -p idemgate-loadtest -- --ignored`.
+/// failover, restart the node as a replica, see it in sync (a few seconds of failure detection
+/// each).
 #[cfg(test)]
 mod failover_tests {
     use super::*;
 
     #[test]
-    #[ignore]
     fn a_cluster_fails_over_and_takes_its_killed_primary_back_as_a_replica() {
         let dir = tempfile::tempdir().unwrap();
         let mut cluster = Cluster::start(dir.path(), 3).unwrap();
@@ -794,7 +793,6 @@ mod failover_tests {
     }
 
     #[test]
-    #[ignore]
     fn a_sentinel_set_fails_over_and_takes_its_killed_primary_back_as_a_replica() {
         let dir = tempfile::tempdir().unwrap();
         let mut set = SentinelSet::start(dir.path()).unwrap();
