@@ -6,6 +6,10 @@
 
 mod common;
 
+/// Tests that kill a node run one at a time: failure detection is a 1 s timeout, and two
+/// failovers under load at once on two cores can starve a healthy node into a spurious one.
+static KILLS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -27,6 +31,7 @@ const STORE_UNAVAILABLE: &str = "urn:idemgate:problem:store-unavailable";
 /// primary's slots with its data, and the killed node back as a replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_fixture_shards_fails_over_and_takes_a_node_back() {
+    let _one_at_a_time = KILLS.lock().await;
     let started = Instant::now();
     let cluster = RedisCluster::start().await;
     eprintln!("cluster up in {:?}", started.elapsed());
@@ -92,6 +97,7 @@ async fn the_cluster_fixture_shards_fails_over_and_takes_a_node_back() {
 /// one comes back as its replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sentinel_fixture_fails_over_and_takes_the_old_primary_back() {
+    let _one_at_a_time = KILLS.lock().await;
     let started = Instant::now();
     let set = RedisSentinelSet::start().await;
     eprintln!("Sentinel set up in {:?}", started.elapsed());
@@ -705,6 +711,7 @@ async fn until_2xx(gateways: &Gateways, g: usize, key: &str, log: &Mutex<Storm>)
 /// store fails over, and a supervisor restarts the killed node as a replica. Every key must
 /// succeed; with `wait_replicas = 1` none may run twice. Prints what the clients saw.
 async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
+    let _one_at_a_time = KILLS.lock().await;
     // Each key's call takes 200 ms: calls are under way when the primary dies.
     let upstream = CountingUpstream::start()
         .await
@@ -979,6 +986,7 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
 /// 5 s of the failover: the gateways use the promoted primary, not the old one (dead, or back
 /// as a replica that refuses writes).
 async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
+    let _one_at_a_time = KILLS.lock().await;
     let upstream = CountingUpstream::start().await;
     let config = store.config(
         TestConfig::new()

@@ -319,7 +319,7 @@ impl RedisSentinelSet {
             data: vec![primary, replica],
             sentinels,
         };
-        set.wait_until_healthy(0).await;
+        set.wait_until_healthy(Some(0)).await;
         set
     }
 
@@ -387,15 +387,16 @@ impl RedisSentinelSet {
             "redis-server {node} did not come back on port {}",
             n.port
         );
-        self.wait_until_healthy(1 - node).await;
+        self.wait_until_healthy(None).await;
         started.elapsed()
     }
 
-    /// Wait until data node `primary` is the primary streaming to the other one, and every
-    /// sentinel names it, knows a replica and the two other sentinels.
-    async fn wait_until_healthy(&self, primary: usize) -> Duration {
-        let (p, r) = (&self.data[primary], &self.data[1 - primary]);
+    /// Wait until data node `primary` (or, with `None`, whichever the sentinels name: a loaded
+    /// machine can make them fail over once more) is the primary streaming to the other one, and
+    /// every sentinel names it, knows a replica and the two other sentinels.
+    async fn wait_until_healthy(&self, primary: Option<usize>) -> Duration {
         settle("the Sentinel set is healthy", self.describe(), async || {
+            let mut named = None;
             for sentinel in &self.sentinels {
                 let Ok(fields) = sentinel
                     .query::<HashMap<String, String>>(
@@ -406,14 +407,26 @@ impl RedisSentinelSet {
                     return false;
                 };
                 let field = |name: &str| fields.get(name).map(String::as_str);
-                let sound = field("port") == Some(&p.port.to_string())
-                    && field("flags") == Some("master")
+                let port = field("port").and_then(|p| p.parse::<u16>().ok());
+                if *named.get_or_insert(port) != port {
+                    return false;
+                }
+                let sound = field("flags") == Some("master")
                     && field("num-other-sentinels") == Some("2")
                     && field("num-slaves").is_some_and(|n| n != "0");
                 if !sound {
                     return false;
                 }
             }
+            let Some(primary) = self
+                .data
+                .iter()
+                .position(|d| Some(Some(d.port)) == named)
+                .filter(|p| primary.is_none_or(|wanted| wanted == *p))
+            else {
+                return false;
+            };
+            let (p, r) = (&self.data[primary], &self.data[1 - primary]);
             p.role().await.as_deref() == Some("master")
                 && p.online_replicas().await == 1
                 && r.replication_link_up().await
