@@ -41,18 +41,14 @@ pub struct RedisStore {
     events: Arc<Events>,
     // Record names are hash tags (a cluster).
     tagged: bool,
-    // `WAIT` after claims and completions: replicas, and the timeout in ms.
-    wait: Option<(u32, u64)>,
-    // The connections those writes go on (shared by every handle of the process).
-    waits: Option<Arc<WaitPool>>,
+    // `WAIT` after claims and completions, and the connections those writes go on (shared by
+    // every handle of the process); none when `wait_replicas` is 0.
+    wait: Option<Arc<WaitPool>>,
+    // The prefix, the compression and how to open more connections.
     options: Arc<RedisOptions>,
-    // Key prefix, so several deployments can share one Redis.
-    prefix: Arc<str>,
     scripts: Arc<Scripts>,
     // Whether claims use `SET NX GET`; cleared for good when the server refuses it (Redis < 7).
     native_claim: Arc<AtomicBool>,
-    // How completed bodies are written.
-    compression: Compression,
 }
 
 struct Scripts {
@@ -91,7 +87,7 @@ impl Scripts {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
-            .field("prefix", &self.prefix)
+            .field("prefix", &self.options.prefix)
             .finish_non_exhaustive()
     }
 }
@@ -106,6 +102,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// blocks its connection inside Redis until the replicas answer (or its timeout passes), and
 /// must not hold up the commands of other requests.
 struct WaitPool {
+    // `WAIT replicas timeout_ms`.
+    replicas: u32,
+    timeout_ms: u64,
     conns: Vec<tokio::sync::Mutex<Conn>>,
     next: std::sync::atomic::AtomicUsize,
 }
@@ -125,6 +124,8 @@ impl WaitPool {
             .map(|_| Conn::open(&opening).map(tokio::sync::Mutex::new))
             .collect::<Result<_, _>>()?;
         Ok(WaitPool {
+            replicas: options.wait_replicas,
+            timeout_ms: millis(options.timeout),
             conns,
             next: Default::default(),
         })
@@ -234,17 +235,18 @@ impl RedisStore {
     /// Redis is unreachable: until it answers, every operation fails as a store error.
     pub fn lazy(options: &RedisOptions) -> Result<Self, StoreError> {
         let events = Events::open(&Self::opening(options), &options.prefix)?;
-        let waits = match options.wait_replicas {
+        let wait = match options.wait_replicas {
             0 => None,
             _ => Some(Arc::new(WaitPool::open(options)?)),
         };
-        Self::with_shared(options, events, waits)
+        Self::with_shared(Arc::new(options.clone()), events, wait)
     }
 
     /// Another handle with a connection of its own (for another worker thread), sharing this
     /// one's subscriptions and wait pool; connected and checked.
     pub async fn sibling(&self) -> Result<Self, StoreError> {
-        let store = Self::with_shared(&self.options, self.events.clone(), self.waits.clone())?;
+        let store =
+            Self::with_shared(self.options.clone(), self.events.clone(), self.wait.clone())?;
         store.ping_now().await?;
         Ok(store)
     }
@@ -259,23 +261,19 @@ impl RedisStore {
     }
 
     fn with_shared(
-        options: &RedisOptions,
+        options: Arc<RedisOptions>,
         events: Arc<Events>,
-        waits: Option<Arc<WaitPool>>,
+        wait: Option<Arc<WaitPool>>,
     ) -> Result<Self, StoreError> {
         let tagged = matches!(options.topology, Topology::Cluster { .. });
         Ok(RedisStore {
-            conn: Conn::open(&Self::opening(options))?,
+            conn: Conn::open(&Self::opening(&options))?,
             events,
-            waits,
             tagged,
-            wait: (options.wait_replicas > 0)
-                .then(|| (options.wait_replicas, millis(options.timeout))),
-            options: Arc::new(options.clone()),
-            prefix: options.prefix.as_str().into(),
+            wait,
+            options,
             scripts: Arc::new(Scripts::load(tagged)),
             native_claim: Arc::new(AtomicBool::new(true)),
-            compression: options.compression,
         })
     }
 
@@ -338,9 +336,9 @@ impl RedisStore {
     /// key and its channel share one slot.
     pub fn redis_key(&self, key: &ScopedKey) -> String {
         if self.tagged {
-            format!("{}{{{}}}", self.prefix, key.store_name())
+            format!("{}{{{}}}", self.options.prefix, key.store_name())
         } else {
-            format!("{}{}", self.prefix, key.store_name())
+            format!("{}{}", self.options.prefix, key.store_name())
         }
     }
 }
@@ -366,12 +364,12 @@ impl RedisStore {
         &self,
         pipe: &redis::Pipeline,
     ) -> Result<T, StoreError> {
-        let (mut conn, _exclusive) = match (&self.waits, self.wait) {
-            (Some(pool), Some(_)) => {
+        let (mut conn, _exclusive) = match &self.wait {
+            Some(pool) => {
                 let guard = pool.get().await;
                 (guard.clone(), Some(guard))
             }
-            _ => (self.conn.clone(), None),
+            None => (self.conn.clone(), None),
         };
         match pipe.query_async(&mut conn).await {
             Err(e) if reconnects(&e) => Ok(pipe.query_async(&mut conn).await?),
@@ -402,33 +400,50 @@ impl RedisStore {
     }
 
     /// End `pipe` with `WAIT replicas timeout` when acknowledgements are wanted; its answer is
-    /// the pipeline's last value.
+    /// the pipeline's last value, for [`RedisStore::acknowledged`].
     fn then_wait(&self, pipe: &mut redis::Pipeline) {
-        if let Some((replicas, timeout_ms)) = self.wait {
-            pipe.cmd("WAIT").arg(replicas).arg(timeout_ms);
+        if let Some(pool) = &self.wait {
+            pipe.cmd("WAIT").arg(pool.replicas).arg(pool.timeout_ms);
         }
     }
 
-    /// The answer of a pipeline ended by [`RedisStore::then_wait`]: its first value, and an
-    /// error when fewer replicas than wanted acknowledged.
-    fn acknowledged<T: redis::FromRedisValue>(
+    /// Read the answer of the `WAIT` that [`RedisStore::then_wait`] added (none when no
+    /// acknowledgement is wanted): an error when fewer replicas than wanted acknowledged.
+    fn acknowledged(
         &self,
-        values: Vec<redis::Value>,
-    ) -> Result<(T, Result<(), StoreError>), StoreError> {
-        let mut values = values.into_iter();
-        let first = parse(values.next())?;
-        let acked = match self.wait {
-            Some((wanted, _)) => {
-                let acked: i64 = parse(values.last())?;
-                if acked < i64::from(wanted) {
-                    Err(StoreError::NotAcknowledged { acked, wanted })
-                } else {
-                    Ok(())
-                }
-            }
-            None => Ok(()),
+        answer: Option<redis::Value>,
+    ) -> Result<Result<(), StoreError>, StoreError> {
+        let Some(pool) = &self.wait else {
+            return Ok(Ok(()));
         };
-        Ok((first, acked))
+        let acked: i64 = parse(answer)?;
+        Ok(if acked < i64::from(pool.replicas) {
+            Err(StoreError::NotAcknowledged {
+                acked,
+                wanted: pool.replicas,
+            })
+        } else {
+            Ok(())
+        })
+    }
+
+    /// Send a completion pipeline (a fenced script, then the `WAIT` when wanted): whether it was
+    /// written, and an error when it was written but not acknowledged.
+    async fn write_completion(
+        &self,
+        mut pipe: redis::Pipeline,
+        script: &Script,
+        key: &str,
+    ) -> Result<bool, StoreError> {
+        self.then_wait(&mut pipe);
+        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, key).await?;
+        let mut values = values.into_iter();
+        let written = parse::<i64>(values.next())? == 1;
+        let acked = self.acknowledged(values.next())?;
+        if written {
+            acked?;
+        }
+        Ok(written)
     }
 
     /// What `key` held when our claim was tried (with its remaining time to live in ms), or
@@ -456,9 +471,7 @@ impl RedisStore {
                     let mut values = values.into_iter();
                     let held: Option<Vec<u8>> = parse(values.next())?;
                     let pttl: i64 = parse(values.next())?;
-                    let (_, acked) = self.acknowledged::<redis::Value>(
-                        std::iter::once(redis::Value::Nil).chain(values).collect(),
-                    )?;
+                    let acked = self.acknowledged(values.next())?;
                     return Ok((held.map(|v| (v, pttl)), acked));
                 }
                 // Redis before 7.0 refuses NX together with GET ("ERR syntax error"): use the
@@ -483,7 +496,9 @@ impl RedisStore {
             .arg(millis(lease));
         self.then_wait(&mut pipe);
         let values: Vec<redis::Value> = self.query_scripted(&pipe, script, key).await?;
-        self.acknowledged(values)
+        let mut values = values.into_iter();
+        let held = parse(values.next())?;
+        Ok((held, self.acknowledged(values.next())?))
     }
 
     /// Complete with a large entry: a plain `SET` of it to a staging key and the fenced script
@@ -526,13 +541,7 @@ impl RedisStore {
             .arg(&staged)
             .arg(&token.0[..])
             .arg(millis(ttl));
-        self.then_wait(&mut pipe);
-        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, &record_key).await?;
-        let (moved, acked): (i64, _) = self.acknowledged(values)?;
-        if moved == 1 {
-            acked?;
-        }
-        Ok(moved == 1)
+        self.write_completion(pipe, script, &record_key).await
     }
 
     /// Make claims use the Lua script, as on a Redis older than 7.0 (for tests of that path).
@@ -621,7 +630,7 @@ impl super::Inspect for RedisStore {
     async fn evict_all(&self) -> Result<u64, StoreError> {
         // SCAN each primary in batches (never KEYS, which blocks Redis), UNLINK each batch.
         let mut conn = self.conn.clone();
-        let pattern = format!("{}*", self.prefix);
+        let pattern = format!("{}*", self.options.prefix);
         let mut evicted = 0;
         for node in conn.primaries().await? {
             let mut cursor: u64 = 0;
@@ -707,7 +716,7 @@ impl Store for RedisStore {
             fingerprint,
             token,
             state,
-            self.compression == Compression::Lz4,
+            self.options.compression == Compression::Lz4,
         );
         if parts.len() >= STAGE_FROM {
             return self.complete_staged(key, token, &parts, ttl).await;
@@ -723,13 +732,7 @@ impl Store for RedisStore {
             .arg(&token.0[..])
             .arg(entry.as_ref())
             .arg(millis(ttl));
-        self.then_wait(&mut pipe);
-        let values: Vec<redis::Value> = self.query_scripted(&pipe, script, &redis_key).await?;
-        let (written, acked): (i64, _) = self.acknowledged(values)?;
-        if written == 1 {
-            acked?;
-        }
-        Ok(written == 1)
+        self.write_completion(pipe, script, &redis_key).await
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
