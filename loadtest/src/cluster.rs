@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::load::{self, Keys, Live, Pace, Report};
+use crate::load::{self, Keys, Live, Report};
 use crate::procs::{self, Cluster, Proc, RedisNode, SentinelSet};
 use crate::{human, round_trips, Bench, Row};
 
@@ -170,20 +170,7 @@ fn two_gateways(dir: &Path, store: &str, upstream: SocketAddr, prefix: &str) -> 
 /// Warm up, then one measured closed-loop phase through `setup`'s gateways with the Redis
 /// round trips and commands per request noted; a row of the table.
 async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usize {
-    load::run_spread(
-        &setup.addrs,
-        "/v1/payments",
-        b.request.clone(),
-        keys.clone(),
-        b.connections,
-        b.warm,
-        Pace::Closed,
-    )
-    .await;
-    let keys = match keys {
-        Keys::Unique(_) => Keys::Unique(b.prefix("cluster-miss")),
-        k => k,
-    };
+    let keys = b.warm_up(&setup.addrs, keys, "cluster-miss").await;
     let before = (
         setup.round_trips(),
         commandstats(&setup.primaries),

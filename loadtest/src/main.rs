@@ -210,6 +210,26 @@ impl Bench {
         format!("{what}-{}-{}", std::process::id(), self.run_id)
     }
 
+    /// Warm up `addrs` with `keys` (pools, caches and, for the replay path, the hot keys' first
+    /// executions); the keys of the measured phase: the same, or for unique keys fresh ones
+    /// named `what`, so that the phase measures misses only.
+    async fn warm_up(&mut self, addrs: &[SocketAddr], keys: Keys, what: &str) -> Keys {
+        load::run_spread(
+            addrs,
+            "/v1/payments",
+            self.request.clone(),
+            keys.clone(),
+            self.connections,
+            self.warm,
+            Pace::Closed,
+        )
+        .await;
+        match keys {
+            Keys::Unique(_) => Keys::Unique(self.prefix(what)),
+            k => k,
+        }
+    }
+
     /// A closed-loop run against `addr`, with the CPU time per request of `proxy` (the processes
     /// under test), the upstream, Redis and the load generator (this process).
     async fn closed(&self, addr: SocketAddr, keys: Keys, proxy: &[u32]) -> Report {
@@ -808,21 +828,7 @@ async fn phase(
         Keys::Hot(_, n) => Keys::Hot(format!("hot-{size}"), n),
         k => k,
     };
-    // Warm-up: pools, caches and (for the replay path) the hot keys' first executions.
-    load::run_with_body(
-        addr,
-        "/v1/payments",
-        b.request.clone(),
-        keys.clone(),
-        b.connections,
-        b.warm,
-        Pace::Closed,
-    )
-    .await;
-    let keys = match keys {
-        Keys::Unique(_) => Keys::Unique(b.prefix("miss")),
-        k => k,
-    };
+    let keys = b.warm_up(&[addr], keys, "miss").await;
     let r = match redis {
         Some((conn, admin)) => {
             let (before, trips_before) = (commandstats(conn).await, round_trips(admin));
