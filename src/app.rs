@@ -1,41 +1,29 @@
 //! Wiring: from a validated [`Config`] to a running server (the idempotency layer over the
 //! proxy, on worker threads), and its graceful shutdown.
 
-use std::convert::Infallible;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use http::{HeaderName, HeaderValue, Request, Response};
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt};
+use tower::Layer;
 use tower_http::trace::{
     DefaultMakeSpan, DefaultOnFailure, DefaultOnRequest, DefaultOnResponse, HttpMakeClassifier,
     TraceLayer,
 };
-use tracing::{debug, error, info, warn, Level};
+use tracing::{error, info, warn, Level};
 
 use crate::admin;
 use crate::config::{Config, StoreConfig};
-use crate::error::GatewayError;
-use crate::headers::admit;
 use crate::idempotency::{IdempotencyLayer, Routes};
+use crate::listener::{ConnectionCap, Timeouts, Worker};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, ProxyError};
+use crate::proxy::Proxy;
 use crate::store::redis::RedisOptions;
 use crate::store::{
     CachedStore, Claim, Evicted, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
 };
-
-/// How long a client's TLS handshake may take.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -294,73 +282,6 @@ pub(crate) fn trace_layer() -> TraceLayer<HttpMakeClassifier> {
         .on_failure(DefaultOnFailure::new().level(Level::DEBUG))
 }
 
-/// The gateway's service stack as hyper calls it, for one client connection: requests the
-/// gateway does not admit are answered at once; the rest get the forwarding headers and go
-/// through the idempotency layer to the proxy, and a proxy error becomes its problem+json answer.
-#[derive(Clone)]
-struct Gateway<S> {
-    stack: S,
-    // The client's address, as `X-Forwarded-For` appends it.
-    peer: HeaderValue,
-    // The listener's scheme, as `X-Forwarded-Proto` says it.
-    proto: HeaderValue,
-}
-
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-
-impl<S> Gateway<S> {
-    /// Append the client's address to `X-Forwarded-For` (whatever an outer proxy put there
-    /// stays, before it: the rightmost entry is the one this gateway saw), and say the
-    /// listener's scheme in `X-Forwarded-Proto`.
-    fn forwarding_headers(&self, headers: &mut http::HeaderMap) {
-        let earlier: Vec<&[u8]> = headers
-            .get_all(&X_FORWARDED_FOR)
-            .iter()
-            .map(|v| v.as_bytes())
-            .collect();
-        let value = if earlier.is_empty() {
-            self.peer.clone()
-        } else {
-            let mut joined = earlier.join(&b", "[..]);
-            joined.extend_from_slice(b", ");
-            joined.extend_from_slice(self.peer.as_bytes());
-            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| self.peer.clone())
-        };
-        headers.insert(X_FORWARDED_FOR, value);
-        headers.insert(X_FORWARDED_PROTO, self.proto.clone());
-    }
-}
-
-impl<S, RB> hyper::service::Service<Request<Incoming>> for Gateway<S>
-where
-    S: Service<Request<Incoming>, Response = Response<RB>, Error = ProxyError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    type Response = Response<Body>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
-    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
-        if let Err(refused) = admit(&req) {
-            return Box::pin(std::future::ready(Ok(refused.into_response())));
-        }
-        self.forwarding_headers(req.headers_mut());
-        let stack = self.stack.clone();
-        Box::pin(async move {
-            Ok(match stack.oneshot(req).await {
-                Ok(resp) => resp.map(Body::new),
-                Err(e) => GatewayError::from(&e).into_response(),
-            })
-        })
-    }
-}
-
 /// Run `config.workers` threads, each a single-threaded event loop accepting from the one
 /// listening socket with its own stack (store handle, upstream pool, task tracker), as nginx
 /// runs worker processes: a request, its upstream connection and its background work never hop
@@ -381,14 +302,16 @@ async fn serve(
         "idemgate listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let cap = ConnectionCap::new(config.max_client_connections, layer.metrics().clone());
     let (ready_tx, mut ready_rx) =
         tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
-        let (config, layer, stop, ready, done) = (
+        let (config, layer, cap, stop, ready, done) = (
             config.clone(),
             layer.clone(),
+            cap.clone(),
             stop_rx.clone(),
             ready_tx.clone(),
             done_tx.clone(),
@@ -408,7 +331,7 @@ async fn serve(
                 };
                 runtime.block_on(async move {
                     let layer = layer.with_store(layer.store().for_worker().await);
-                    worker(listener, config, layer, stop, ready).await;
+                    worker(listener, config, layer, cap, stop, ready).await;
                 });
                 drop(done);
             })?;
@@ -437,7 +360,8 @@ async fn worker(
     listener: std::net::TcpListener,
     config: Arc<Config>,
     layer: IdempotencyLayer<AnyStore>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    cap: Arc<ConnectionCap>,
+    stop: tokio::sync::watch::Receiver<bool>,
     ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
 ) {
     let listener = match TcpListener::from_std(listener) {
@@ -453,79 +377,30 @@ async fn worker(
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in docs/operating.md); keyed requests have a debug span of their own.
     let stack = layer.layer(Proxy::new(&config, layer.metrics()));
-    // HTTP/1.1 and HTTP/2 on one port: h2c with prior knowledge on plain TCP, ALPN with TLS.
-    let mut http = auto::Builder::new(TokioExecutor::new());
-    http.http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
-        .keep_alive(true);
-    http.http2().timer(TokioTimer::new());
-    let http = Arc::new(http);
-    let tls = config
-        .tls
-        .as_ref()
-        .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone()));
-    let proto = HeaderValue::from_static(if tls.is_some() { "https" } else { "http" });
-    let graceful = GracefulShutdown::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning or dying.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stop.wait_for(|stop| *stop) => break,
-        };
-        let _ = stream.set_nodelay(true);
-        let gateway = Gateway {
-            stack: stack.clone(),
-            peer: HeaderValue::from_str(&peer.ip().to_string()).expect("an IP is a header value"),
-            proto: proto.clone(),
-        };
-        match &tls {
-            None => {
-                let conn = http.serve_connection(TokioIo::new(stream), gateway);
-                tokio::spawn(graceful.watch(conn.into_owned()));
-            }
-            Some(acceptor) => {
-                let (acceptor, http, watcher) =
-                    (acceptor.clone(), http.clone(), graceful.watcher());
-                tokio::spawn(async move {
-                    let stream =
-                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
-                            .await
-                        {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(e)) => {
-                                debug!(%peer, error = %e, "TLS handshake with a client failed");
-                                return;
-                            }
-                            Err(_) => {
-                                debug!(%peer, "TLS handshake with a client timed out");
-                                return;
-                            }
-                        };
-                    let conn = http.serve_connection(TokioIo::new(stream), gateway);
-                    let _ = watcher.watch(conn.into_owned()).await;
-                });
-            }
-        }
-    }
-    drop(listener);
-    let deadline = Instant::now() + config.shutdown_grace;
-    if tokio::time::timeout_at(deadline, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        warn!(grace = ?config.shutdown_grace, "shutdown grace ran out with connections still open");
+    let worker = Worker {
+        listener,
+        stack,
+        tls: config
+            .tls
+            .as_ref()
+            .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
+        timeouts: Timeouts {
+            header: config.client_header_timeout,
+            idle: config.client_idle_timeout,
+        },
+        cap,
+        metrics: layer.metrics().clone(),
+    };
+    // The grace starts when the stop does.
+    let grace = config.shutdown_grace;
+    let deadline = std::sync::OnceLock::new();
+    let deadline_at = || *deadline.get_or_init(|| Instant::now() + grace);
+    if !worker.run(stop, deadline_at).await {
+        warn!(?grace, "shutdown grace ran out with connections still open");
     }
     // Claimed calls whose clients went away are still being recorded: give them the rest.
     tasks.close();
-    if tokio::time::timeout_at(deadline, tasks.wait())
+    if tokio::time::timeout_at(deadline_at(), tasks.wait())
         .await
         .is_err()
     {

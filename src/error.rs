@@ -25,6 +25,11 @@ pub enum GatewayError {
     /// 400: the request's framing is invalid (`Transfer-Encoding: chunked` applied twice).
     #[error("{0}")]
     InvalidFraming(&'static str),
+    /// 400: the request's authority is ambiguous or carries credentials: userinfo in
+    /// `:authority`, `Host` or the target, two `Host` headers, or a `Host` that names another
+    /// authority than `:authority`. Nothing was forwarded.
+    #[error("{0}")]
+    InvalidAuthority(&'static str),
     /// 501: the request uses a transfer coding other than `chunked`, which the gateway does not
     /// decode (it never forwards a body relabelled).
     #[error("the only transfer coding accepted is chunked, applied once")]
@@ -56,6 +61,11 @@ pub enum GatewayError {
     /// 502: the upstream could not be reached (nothing was sent), or it failed mid-response.
     #[error("the upstream could not be reached or failed")]
     Upstream,
+    /// 502: the upstream's answer is no final response (an informational status such as a `101`
+    /// nobody asked for, or a status past 599). The request may have been processed, so its key
+    /// stays claimed until the lease ends.
+    #[error("the upstream answered with status {0}, which is not a final response; the request may have been processed")]
+    UpstreamInvalidResponse(u16),
     /// 502: the TLS handshake with the upstream failed or was refused (its certificate, ours, or
     /// the protocols); nothing was processed.
     #[error("the TLS handshake with the upstream failed (a certificate or the protocol was refused); the request was not processed")]
@@ -86,7 +96,8 @@ impl GatewayError {
             | Self::MissingKey
             | Self::InvalidBody
             | Self::InvalidJson(_)
-            | Self::InvalidFraming(_) => StatusCode::BAD_REQUEST,
+            | Self::InvalidFraming(_)
+            | Self::InvalidAuthority(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
             }
@@ -94,7 +105,9 @@ impl GatewayError {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
-            Self::Upstream | Self::UpstreamTls => StatusCode::BAD_GATEWAY,
+            Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => {
+                StatusCode::BAD_GATEWAY
+            }
             Self::UpstreamTimeout | Self::UpstreamBusy => StatusCode::GATEWAY_TIMEOUT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -108,6 +121,7 @@ impl GatewayError {
             Self::InvalidBody => "invalid-body",
             Self::InvalidJson(_) => "invalid-json",
             Self::InvalidFraming(_) => "invalid-framing",
+            Self::InvalidAuthority(_) => "invalid-authority",
             Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
             Self::UnsupportedMethod(_) => "unsupported-method",
             Self::CorruptRecord => "corrupt-record",
@@ -116,6 +130,7 @@ impl GatewayError {
             Self::InFlight { .. } => "in-flight",
             Self::NotReplayable => "not-replayable",
             Self::Upstream | Self::UpstreamTls => "upstream-unavailable",
+            Self::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             Self::UpstreamTimeout | Self::UpstreamBusy => "upstream-timeout",
             Self::StoreUnavailable => "store-unavailable",
         }
@@ -128,6 +143,7 @@ impl GatewayError {
             Self::InvalidBody => "Unreadable request body",
             Self::InvalidJson(_) => "Invalid JSON body",
             Self::InvalidFraming(_) => "Invalid message framing",
+            Self::InvalidAuthority(_) => "Invalid Host or :authority",
             Self::UnsupportedTransferCoding => "Transfer coding not supported",
             Self::UnsupportedMethod(_) => "Method not supported",
             Self::CorruptRecord => "Stored response damaged",
@@ -135,7 +151,7 @@ impl GatewayError {
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",
             Self::NotReplayable => "Response not replayable",
-            Self::Upstream | Self::UpstreamTls => "Bad gateway",
+            Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => "Bad gateway",
             Self::UpstreamTimeout | Self::UpstreamBusy => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
         }

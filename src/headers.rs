@@ -80,7 +80,47 @@ pub(crate) fn admit<B>(req: &Request<B>) -> Result<(), GatewayError> {
             "Transfer-Encoding: chunked may be applied only once",
         ));
     }
-    Ok(())
+    admit_authority(req)
+}
+
+/// The request's authority, said once: no userinfo in `:authority` or an absolute-form target
+/// (RFC 9113 section 8.3.1, RFC 9110 section 4.2.4), one `Host`, and a `Host` beside an
+/// authority names the same one (compared without regard to case), so that what the upstream
+/// is told in `X-Forwarded-Host` is what the request was routed by.
+fn admit_authority<B>(req: &Request<B>) -> Result<(), GatewayError> {
+    let authority = req.uri().authority().map(|a| a.as_str());
+    if authority.is_some_and(|a| a.contains('@')) {
+        return Err(GatewayError::InvalidAuthority(
+            "userinfo (user:password@) is not allowed in the request's authority",
+        ));
+    }
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(GatewayError::InvalidAuthority(
+            "a request carries one Host header at most",
+        ));
+    }
+    match (host, authority) {
+        (Some(host), _) if host.as_bytes().contains(&b'@') => Err(GatewayError::InvalidAuthority(
+            "userinfo (user:password@) is not allowed in Host",
+        )),
+        (Some(host), Some(authority))
+            if !host.as_bytes().eq_ignore_ascii_case(authority.as_bytes()) =>
+        {
+            Err(GatewayError::InvalidAuthority(
+                "Host names another authority than the request's :authority (or target)",
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether `status` can end an exchange: 200 to 599. An informational status (1xx: a `101`
+/// nobody asked for, since the gateway forwards no `Upgrade`) or one outside the range RFC 9110
+/// defines is a broken answer, however the recording rules would treat it.
+pub(crate) fn is_final_status(status: StatusCode) -> bool {
+    (200..=599).contains(&status.as_u16())
 }
 
 /// The `Content-Length` of a message, when it has a valid one.
@@ -186,6 +226,39 @@ mod tests {
             Err("unsupported-transfer-coding")
         );
         assert_eq!(admitted("CONNECT", &[]), Err("unsupported-method"));
+    }
+
+    #[test]
+    fn the_authority_is_said_once_without_userinfo() {
+        let admitted = |uri: &str, hosts: &[&'static str]| {
+            let mut req = Request::builder().method("POST").uri(uri);
+            for h in hosts {
+                req = req.header(header::HOST, *h);
+            }
+            admit(&req.body(()).unwrap()).map_err(|e| e.kind())
+        };
+        assert_eq!(admitted("/p", &["api.example"]), Ok(()));
+        assert_eq!(admitted("http://api.example/p", &[]), Ok(()));
+        assert_eq!(admitted("http://api.example/p", &["API.example"]), Ok(()));
+        let refused = Err("invalid-authority");
+        assert_eq!(
+            admitted("http://api.example/p", &["other.example"]),
+            refused
+        );
+        assert_eq!(
+            admitted("http://api.example:8443/p", &["api.example"]),
+            refused
+        );
+        assert_eq!(admitted("http://user:secret@api.example/p", &[]), refused);
+        assert_eq!(admitted("/p", &["user:secret@api.example"]), refused);
+        assert_eq!(admitted("/p", &["a.example", "a.example"]), refused);
+    }
+
+    #[test]
+    fn only_200_to_599_end_an_exchange() {
+        let fin = |s: u16| is_final_status(StatusCode::from_u16(s).unwrap());
+        assert!(fin(200) && fin(204) && fin(304) && fin(599));
+        assert!(!fin(100) && !fin(101) && !fin(103) && !fin(600) && !fin(999));
     }
 
     #[test]

@@ -54,6 +54,9 @@
 //! - [`error`]: the answers the gateway gives itself, as RFC 9457 problem+json.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`admin`]: the admin listener: health, readiness, metrics, key inspection and eviction.
+//! - `listener`: client connections: the accept loop under `max_client_connections`, each
+//!   connection's watchdog (`client_header_timeout`, `client_idle_timeout`), and the service
+//!   that admits a request and adds the forwarding headers.
 //! - [`app`]: the binary's wiring: `app::run(listener, config, shutdown)`.
 //! - [`demo`]: a small example payments upstream for the quick start.
 
@@ -66,6 +69,7 @@ pub mod demo;
 pub mod error;
 mod headers;
 pub mod idempotency;
+mod listener;
 pub mod metrics;
 pub mod proxy;
 pub mod store;

@@ -116,6 +116,12 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
     println!("upstream       = {}", config.upstream);
     println!("workers        = {}", config.workers);
     println!("shutdown_grace = {:?}", config.shutdown_grace);
+    println!(
+        "client_header_timeout  = {:?}",
+        config.client_header_timeout
+    );
+    println!("client_idle_timeout    = {:?}", config.client_idle_timeout);
+    println!("max_client_connections = {}", config.max_client_connections);
     match &config.tls {
         Some(tls) => println!("[tls] {tls:#?}"),
         None => println!("tls            = none (plain TCP; HTTP/1.1 and h2c)"),

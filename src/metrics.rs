@@ -100,6 +100,24 @@ struct UpstreamLabels {
     result: UpstreamResult,
 }
 
+/// Why the gateway closed a client connection, as counted by
+/// `idemgate_client_connections_closed_total{reason}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum ClosedBy {
+    /// No complete request head within `client_header_timeout`.
+    header_timeout,
+    /// No request in progress for `client_idle_timeout`.
+    idle_timeout,
+    /// The client took none of its answer, or sent none of its body, for `client_idle_timeout`.
+    stalled,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClosedLabels {
+    reason: ClosedBy,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct UpstreamName {
     upstream: String,
@@ -128,6 +146,9 @@ struct Inner {
     local_cache_bytes: Gauge,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
+    client_connections: Gauge,
+    client_closed: Family<ClosedLabels, Counter>,
+    client_cap: Counter<f64, std::sync::atomic::AtomicU64>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -229,8 +250,29 @@ impl Metrics {
             "Connections opened to each upstream (TCP, and the TLS handshake for https)",
             upstream_connections.clone(),
         );
+        let client_connections = Gauge::default();
+        registry.register(
+            "idemgate_client_connections",
+            "Client connections open in this process",
+            client_connections.clone(),
+        );
+        let client_closed = Family::<ClosedLabels, Counter>::default();
+        registry.register(
+            "idemgate_client_connections_closed",
+            "Client connections the gateway closed, by the timeout that ended them",
+            client_closed.clone(),
+        );
+        let client_cap = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "idemgate_client_connections_at_cap_seconds",
+            "Time spent with max_client_connections open, new connections waiting in the kernel's backlog",
+            client_cap.clone(),
+        );
         Metrics {
             inner: Arc::new(Inner {
+                client_connections,
+                client_closed,
+                client_cap,
                 upstream_requests,
                 upstream_connections,
                 registry,
@@ -358,6 +400,24 @@ impl Metrics {
         let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         self.inner.local_cache_entries.set(clamp(entries));
         self.inner.local_cache_bytes.set(clamp(bytes));
+    }
+
+    /// The open client connections gauge.
+    pub fn client_connections(&self) -> &Gauge {
+        &self.inner.client_connections
+    }
+
+    /// Count a client connection closed by `reason`.
+    pub fn client_closed(&self, reason: ClosedBy) {
+        self.inner
+            .client_closed
+            .get_or_create(&ClosedLabels { reason })
+            .inc();
+    }
+
+    /// Add time spent at `max_client_connections`.
+    pub fn at_connection_cap(&self, d: Duration) {
+        self.inner.client_cap.inc_by(d.as_secs_f64());
     }
 
     /// The OpenMetrics text exposition of every family.

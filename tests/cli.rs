@@ -41,6 +41,18 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "listen",
         ),
         ("[defaults]\nttl = \"1h\"", "upstream"),
+        (
+            "upstream = \"http://127.0.0.1:9\"\nclient_header_timeout = \"0s\"",
+            "client_header_timeout",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\nclient_idle_timeout = \"0ms\"",
+            "client_idle_timeout",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\nmax_client_connections = 0",
+            "max_client_connections",
+        ),
     ];
     for (text, field) in cases {
         let file = write(text);
@@ -63,7 +75,15 @@ fn check_config_accepts_the_shipped_example() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("valid"));
+    for line in [
+        "client_header_timeout  = 30s",
+        "client_idle_timeout    = 60s",
+        "max_client_connections = 10000",
+    ] {
+        assert!(shown.contains(line), "{line:?} not in {shown}");
+    }
 }
 
 fn idemgate_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {

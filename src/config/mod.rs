@@ -93,6 +93,16 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// How long open requests may take to finish after a shutdown signal, when not given.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a client has to send a request head (a new connection's first one counted from the
+/// accept), when not given.
+pub const DEFAULT_CLIENT_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a client connection may stay open with no request in progress, when not given.
+pub const DEFAULT_CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Open client connections per process, when not given.
+pub const DEFAULT_MAX_CLIENT_CONNECTIONS: usize = 10_000;
+
 /// The file as written. Unknown fields are errors, so a typo never silently does nothing.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -101,6 +111,9 @@ struct RawConfig {
     upstream: Option<String>,
     shutdown_grace: Option<HumanDuration>,
     workers: Option<usize>,
+    client_header_timeout: Option<HumanDuration>,
+    client_idle_timeout: Option<HumanDuration>,
+    max_client_connections: Option<usize>,
     #[serde(default)]
     upstreams: std::collections::BTreeMap<String, RawUpstream>,
     tls: Option<RawTls>,
@@ -178,6 +191,17 @@ pub struct Config {
     /// Worker threads serving connections, each with its own event loop and upstream pool.
     /// Default: one per core.
     pub workers: usize,
+    /// How long a client has to send a whole request head after its first byte, and a new
+    /// connection its first request (TLS handshake and HTTP/2 preface included) after the
+    /// accept. Default [`DEFAULT_CLIENT_HEADER_TIMEOUT`].
+    pub client_header_timeout: Duration,
+    /// A client connection with no request in progress is closed after this (HTTP/2: GOAWAY
+    /// first); so is one on which the client takes none of its answer, or sends none of its
+    /// body, for this long. Default [`DEFAULT_CLIENT_IDLE_TIMEOUT`].
+    pub client_idle_timeout: Duration,
+    /// Open client connections per process; past it new ones wait in the kernel's backlog.
+    /// Default [`DEFAULT_MAX_CLIENT_CONNECTIONS`].
+    pub max_client_connections: usize,
     /// The admin listener.
     pub admin: AdminConfig,
 }
@@ -273,6 +297,34 @@ impl Config {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
+        let positive = |d: Option<HumanDuration>, default: Duration, field: &str| match d {
+            Some(d) if d.0.is_zero() => Err(invalid(field, "must be more than 0s")),
+            Some(d) => Ok(d.0),
+            None => Ok(default),
+        };
+        let client_header_timeout = positive(
+            raw.client_header_timeout,
+            DEFAULT_CLIENT_HEADER_TIMEOUT,
+            "client_header_timeout",
+        )?;
+        let client_idle_timeout = positive(
+            raw.client_idle_timeout,
+            DEFAULT_CLIENT_IDLE_TIMEOUT,
+            "client_idle_timeout",
+        )?;
+        let max_client_connections = match raw.max_client_connections {
+            Some(n) if n == 0 || n > tokio::sync::Semaphore::MAX_PERMITS => {
+                return Err(invalid(
+                    "max_client_connections",
+                    format!(
+                        "must be between 1 and {}",
+                        tokio::sync::Semaphore::MAX_PERMITS
+                    ),
+                ))
+            }
+            Some(n) => n,
+            None => DEFAULT_MAX_CLIENT_CONNECTIONS,
+        };
         if raw.defaults.path.is_some() {
             return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
         }
@@ -328,6 +380,9 @@ impl Config {
             routes,
             shutdown_grace,
             workers,
+            client_header_timeout,
+            client_idle_timeout,
+            max_client_connections,
             admin,
         })
     }
@@ -351,6 +406,29 @@ mod tests {
         assert_eq!(c.store, StoreConfig::Memory(MemorySettings::default()));
         assert_eq!(*c.defaults, Policy::default());
         assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+        assert_eq!(c.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
+        assert_eq!(c.client_idle_timeout, DEFAULT_CLIENT_IDLE_TIMEOUT);
+        assert_eq!(c.max_client_connections, DEFAULT_MAX_CLIENT_CONNECTIONS);
+    }
+
+    #[test]
+    fn client_connection_limits_are_positive() {
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        for (line, field) in [
+            ("client_header_timeout = \"0s\"", "client_header_timeout"),
+            ("client_idle_timeout = \"0ms\"", "client_idle_timeout"),
+            ("max_client_connections = 0", "max_client_connections"),
+        ] {
+            let e = err(&format!("{base}{line}"));
+            assert!(e.contains(field), "{e}");
+        }
+        let c = Config::from_toml(&format!(
+            "{base}client_header_timeout = \"5s\"\nclient_idle_timeout = \"2m\"\nmax_client_connections = 300"
+        ))
+        .unwrap();
+        assert_eq!(c.client_header_timeout, Duration::from_secs(5));
+        assert_eq!(c.client_idle_timeout, Duration::from_secs(120));
+        assert_eq!(c.max_client_connections, 300);
     }
 
     #[test]

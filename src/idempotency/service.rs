@@ -11,7 +11,7 @@
 //!                                                              └─ claimed ─► run_claimed (spawned: survives client aborts)
 //!  run_claimed: call the inner service while renewing the lease
 //!                   ─┬─ error carrying NotSent ─► release, the error
-//!                    ├─ timeout / other error / body failed ─► keep the claim until the lease ends
+//!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
 //!                    ├─ 5xx, 408, 429 ─► release, pass the response on
 //!                    ├─ body ≤ max_body ─► complete (replayable), respond
 //!                    └─ body > max_body ─► complete (not replayable), stream once
@@ -45,7 +45,7 @@ use super::record::{EntryState, StoredResponse, Token};
 use super::routes::{RouteState, RouteTable};
 use crate::config::{FingerprintMode, OnInFlight, OnStoreError, Policy};
 use crate::error::GatewayError;
-use crate::headers::declares_its_length;
+use crate::headers::{declares_its_length, is_final_status};
 use crate::metrics::{Metrics, Outcome, StoreOp, StoreOpMetrics};
 use crate::store::Watch;
 use crate::store::{Claim, Replay, Store, StoreError};
@@ -301,6 +301,9 @@ enum Called<E> {
     Failed(E),
     /// The response head came, but its body failed midway.
     BodyFailed,
+    /// The response's status ends no exchange (1xx, or past 599): a broken answer, after the
+    /// request may have been processed.
+    NotFinal(StatusCode),
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
     Transient(Response<Body>),
     /// A storable response whose whole body fits in `max_body`, to keep for the duration.
@@ -592,6 +595,10 @@ impl<St: Store> Shared<St> {
                 Err(e)
             }
             Ok(Called::BodyFailed) => Ok(GatewayError::Upstream.into_response()),
+            Ok(Called::NotFinal(status)) => {
+                warn!(route = %policy.route, key = %held.tag(), %status, "inner service answered with no final response; key stays claimed until its lease ends");
+                Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).into_response())
+            }
             Ok(Called::Transient(resp)) => {
                 self.release(held).await;
                 Ok(resp)
@@ -635,6 +642,9 @@ impl<St: Store> Shared<St> {
             Err(e) if is_not_sent(&e) => return Called::NotSent(e),
             Err(e) => return Called::Failed(e),
         };
+        if !is_final_status(resp.status()) {
+            return Called::NotFinal(resp.status());
+        }
         let (mut head, body) = resp.into_parts();
         let body = Body::new(body);
         let control = Control::take(&mut head.headers);

@@ -57,6 +57,15 @@ pub enum ProxyError {
         #[source]
         cause: BoxError,
     },
+    /// The answer is no final response (a `101` nobody asked for, a status past 599): the
+    /// request was sent and may have been processed.
+    #[error("upstream {upstream}: answered with status {status}, which is not a final response")]
+    InvalidResponse {
+        /// The upstream's name.
+        upstream: Arc<str>,
+        /// The status it answered with.
+        status: u16,
+    },
     /// No response head within the route's `upstream_timeout`.
     #[error("upstream {upstream}: no answer within upstream_timeout")]
     Timeout {
@@ -87,7 +96,9 @@ impl ProxyError {
         match self {
             ProxyError::NotSent { tls: true, .. } => UpstreamResult::tls_failed,
             ProxyError::NotSent { .. } => UpstreamResult::not_sent,
-            ProxyError::Failed { .. } => UpstreamResult::failed,
+            ProxyError::Failed { .. } | ProxyError::InvalidResponse { .. } => {
+                UpstreamResult::failed
+            }
             ProxyError::Timeout { .. } | ProxyError::Busy { .. } => UpstreamResult::timeout,
         }
     }
@@ -100,6 +111,9 @@ impl From<&ProxyError> for GatewayError {
             ProxyError::NotSent { .. } | ProxyError::Failed { .. } => GatewayError::Upstream,
             ProxyError::Timeout { .. } => GatewayError::UpstreamTimeout,
             ProxyError::Busy { .. } => GatewayError::UpstreamBusy,
+            ProxyError::InvalidResponse { status, .. } => {
+                GatewayError::UpstreamInvalidResponse(*status)
+            }
         }
     }
 }

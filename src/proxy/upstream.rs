@@ -27,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::connect::{is_handshake_alert, ConnectError, Connector};
 use super::ProxyError;
 use crate::config::UpstreamConfig;
-use crate::headers::relayable;
+use crate::headers::{is_final_status, relayable};
 use crate::idempotency::NotSent;
 use crate::metrics::{Metrics, UpstreamCounters, UpstreamResult};
 
@@ -333,13 +333,11 @@ impl Upstream {
                 .parse()
                 .expect("prefix + valid path")
         };
-        // The client's authority: its Host header, or an HTTP/2 request's :authority.
-        let client_host = match req.headers().get(header::HOST) {
-            Some(host) => Some(host.clone()),
-            None => req
-                .uri()
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
+        // The client's authority: an HTTP/2 request's :authority (or an absolute-form target),
+        // else its Host header; when both are there they agree (the listener admits no other).
+        let client_host = match req.uri().authority() {
+            Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
+            None => req.headers().get(header::HOST).cloned(),
         };
         relayable(req.headers_mut());
         if let Some(host) = client_host {
@@ -412,6 +410,9 @@ impl Upstream {
                 None => return Err(self.failed(e.into_error(), !pooled)),
             },
         };
+        // A connection that answered with no final response is not given back: it may have
+        // switched protocols.
+        self.final_answer(resp.status())?;
         let (mut head, body) = resp.into_parts();
         relayable(&mut head.headers);
         let mut body = UpstreamBody {
@@ -438,6 +439,7 @@ impl Upstream {
             .send_request(req)
             .await
             .map_err(|e| self.failed(e, !pooled))?;
+        self.final_answer(resp.status())?;
         let (mut head, body) = resp.into_parts();
         relayable(&mut head.headers);
         Ok(Response::from_parts(
@@ -447,6 +449,18 @@ impl Upstream {
                 back: None,
             },
         ))
+    }
+
+    /// An answer with a status that ends no exchange is a broken one (the gateway forwards no
+    /// `Upgrade`, so a `101` is never asked for).
+    fn final_answer(&self, status: http::StatusCode) -> Result<(), ProxyError> {
+        if is_final_status(status) {
+            return Ok(());
+        }
+        Err(ProxyError::InvalidResponse {
+            upstream: self.name.clone(),
+            status: status.as_u16(),
+        })
     }
 
     /// A request that failed after it may have been written: still "not sent" when a fresh

@@ -1,0 +1,341 @@
+//! The client side: accepting connections up to `max_client_connections`, serving each with
+//! HTTP/1.1 or HTTP/2 (h2c with prior knowledge, or ALPN over TLS) under its watchdog, and the
+//! per-connection service that admits a request and adds the forwarding headers.
+//!
+//! - `watch.rs`: the watchdog of one connection (`client_header_timeout`,
+//!   `client_idle_timeout`) and the socket and body wrappers that report to it.
+
+mod watch;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use http::{HeaderName, HeaderValue, Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tower::{Service, ServiceExt};
+use tracing::{debug, warn};
+
+use crate::error::GatewayError;
+use crate::headers::admit;
+use crate::metrics::{ClosedBy, Metrics};
+use crate::proxy::ProxyError;
+pub(crate) use watch::Timeouts;
+use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
+
+/// How long a client's TLS handshake may take at most (and never more than
+/// `client_header_timeout`, which it counts towards).
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The process's cap on open client connections, shared by its workers: a worker takes a
+/// permit before it accepts, so that past the cap new connections wait in the kernel's backlog.
+#[derive(Debug)]
+pub(crate) struct ConnectionCap {
+    permits: Arc<Semaphore>,
+    // Workers waiting for a permit, and since when one has been (the time at the cap).
+    waiting: Mutex<(usize, Option<Instant>)>,
+    metrics: Metrics,
+}
+
+impl ConnectionCap {
+    pub(crate) fn new(max: usize, metrics: Metrics) -> Arc<Self> {
+        Arc::new(ConnectionCap {
+            permits: Arc::new(Semaphore::new(max)),
+            waiting: Mutex::new((0, None)),
+            metrics,
+        })
+    }
+
+    /// A permit for one more connection, once the open ones are below the cap.
+    async fn permit(&self) -> OwnedSemaphorePermit {
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            return permit;
+        }
+        self.at_cap(1);
+        let permit = self.permits.clone().acquire_owned().await;
+        self.at_cap(-1);
+        permit.expect("the semaphore is never closed")
+    }
+
+    /// One more (`1`) or one fewer (`-1`) worker waiting at the cap: time is counted from the
+    /// first one waiting to the last one done.
+    fn at_cap(&self, change: isize) {
+        let mut waiting = self.waiting.lock().expect("never poisoned");
+        waiting.0 = waiting.0.saturating_add_signed(change);
+        match (waiting.0, waiting.1) {
+            (0, Some(since)) => {
+                self.metrics.at_connection_cap(since.elapsed());
+                waiting.1 = None;
+            }
+            (_, None) if change > 0 => waiting.1 = Some(Instant::now()),
+            _ => {}
+        }
+    }
+}
+
+/// What every connection of one worker is served with.
+pub(crate) struct Worker<S> {
+    pub(crate) listener: TcpListener,
+    pub(crate) stack: S,
+    pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    pub(crate) timeouts: Timeouts,
+    pub(crate) cap: Arc<ConnectionCap>,
+    pub(crate) metrics: Metrics,
+}
+
+impl<S, RB> Worker<S>
+where
+    S: Service<Request<Body>, Response = Response<RB>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    /// Accept until `stop` turns true; then stop accepting, tell every open connection to
+    /// finish (HTTP/2: GOAWAY), and wait for them until `deadline`. Returns whether they all
+    /// closed in time.
+    pub(crate) async fn run(
+        self,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+        deadline: impl Fn() -> Instant,
+    ) -> bool {
+        let mut http = auto::Builder::new(TokioExecutor::new());
+        // The watchdog bounds a request head's arrival, on both protocols.
+        http.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(None)
+            .keep_alive(true);
+        http.http2().timer(TokioTimer::new());
+        let http = Arc::new(http);
+        let proto = HeaderValue::from_static(if self.tls.is_some() { "https" } else { "http" });
+        let connections = TaskTracker::new();
+        loop {
+            let accepted = tokio::select! {
+                accepted = self.accept() => accepted,
+                _ = stop.wait_for(|stop| *stop) => break,
+            };
+            let (stream, peer, permit) = accepted;
+            let gateway = Gateway {
+                stack: self.stack.clone(),
+                peer: HeaderValue::from_str(&peer.ip().to_string())
+                    .expect("an IP is a header value"),
+                proto: proto.clone(),
+                conn: ConnState::new(),
+            };
+            let connection = Connection {
+                http: http.clone(),
+                timeouts: self.timeouts,
+                metrics: self.metrics.clone(),
+                stop: stop.clone(),
+                peer,
+            };
+            let tls = self.tls.clone();
+            connections.spawn(async move {
+                let _permit = permit;
+                match tls {
+                    None => connection.serve(stream, gateway).await,
+                    Some(acceptor) => connection.serve_tls(acceptor, stream, gateway).await,
+                }
+            });
+        }
+        drop(self.listener);
+        connections.close();
+        tokio::time::timeout_at(deadline(), connections.wait())
+            .await
+            .is_ok()
+    }
+
+    /// The next connection, under the cap. Failures to accept (out of file descriptors and the
+    /// like) back off instead of spinning.
+    async fn accept(&self) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+        loop {
+            let permit = self.cap.permit().await;
+            match self.listener.accept().await {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    return (stream, peer, permit);
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    drop(permit);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+/// One client connection being served.
+struct Connection {
+    http: Arc<auto::Builder<TokioExecutor>>,
+    timeouts: Timeouts,
+    metrics: Metrics,
+    stop: tokio::sync::watch::Receiver<bool>,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    async fn serve_tls<S>(
+        self,
+        acceptor: tokio_rustls::TlsAcceptor,
+        stream: TcpStream,
+        gateway: Gateway<S>,
+    ) where
+        Gateway<S>: hyper::service::Service<
+                Request<Incoming>,
+                Response = Response<Watched<Body>>,
+                Error = Infallible,
+            > + Send
+            + 'static,
+        <Gateway<S> as hyper::service::Service<Request<Incoming>>>::Future: Send + 'static,
+    {
+        let limit = TLS_HANDSHAKE_TIMEOUT.min(self.timeouts.header);
+        let peer = self.peer;
+        match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+            Ok(Ok(stream)) => self.serve(stream, gateway).await,
+            Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake with a client failed"),
+            Err(_) => {
+                debug!(%peer, "TLS handshake with a client timed out");
+                self.metrics.client_closed(ClosedBy::header_timeout);
+            }
+        }
+    }
+
+    /// Serve requests until the client closes, a timeout ends the connection, or the worker
+    /// stops (then open requests finish first).
+    async fn serve<T, S>(mut self, stream: T, gateway: Gateway<S>)
+    where
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        Gateway<S>: hyper::service::Service<
+                Request<Incoming>,
+                Response = Response<Watched<Body>>,
+                Error = Infallible,
+            > + Send
+            + 'static,
+        <Gateway<S> as hyper::service::Service<Request<Incoming>>>::Future: Send + 'static,
+    {
+        let open = self.metrics.client_connections().clone();
+        open.inc();
+        let mut watchdog = Watchdog::new(gateway.conn.clone(), self.timeouts);
+        let io = TokioIo::new(WatchedIo::new(stream, gateway.conn.clone()));
+        let conn = self.http.serve_connection(io, gateway);
+        tokio::pin!(conn);
+        // Once a graceful close has begun (shutdown, or idle), the connection finishes what is
+        // in progress; an idle one gets `client_header_timeout` for its GOAWAY exchange.
+        let mut closing = false;
+        let goaway = tokio::time::sleep(Duration::MAX);
+        tokio::pin!(goaway);
+        let mut idle_closing = false;
+        loop {
+            tokio::select! {
+                // The connection first: the watchdog then sees what its poll changed.
+                biased;
+                _ = conn.as_mut() => break,
+                expired = &mut watchdog, if !idle_closing => {
+                    let reason = match expired {
+                        Expired::Header => ClosedBy::header_timeout,
+                        Expired::Idle => ClosedBy::idle_timeout,
+                        Expired::Stalled => ClosedBy::stalled,
+                    };
+                    debug!(peer = %self.peer, ?reason, "closing a client connection");
+                    self.metrics.client_closed(reason);
+                    if expired != Expired::Idle || closing {
+                        break;
+                    }
+                    // Idle: HTTP/2 says GOAWAY first; HTTP/1.1 just closes.
+                    conn.as_mut().graceful_shutdown();
+                    (closing, idle_closing) = (true, true);
+                    goaway.as_mut().reset(Instant::now() + self.timeouts.header);
+                }
+                () = &mut goaway, if idle_closing => break,
+                _ = self.stop.wait_for(|stop| *stop), if !closing => {
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+            }
+        }
+        open.dec();
+    }
+}
+
+/// The gateway's service stack as hyper calls it, for one client connection: requests the
+/// gateway does not admit are answered at once; the rest get the forwarding headers and go
+/// through the idempotency layer to the proxy, and a proxy error becomes its problem+json answer.
+#[derive(Clone)]
+struct Gateway<S> {
+    stack: S,
+    // The client's address, as `X-Forwarded-For` appends it.
+    peer: HeaderValue,
+    // The listener's scheme, as `X-Forwarded-Proto` says it.
+    proto: HeaderValue,
+    // What the connection's watchdog reads.
+    conn: Arc<ConnState>,
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+impl<S> Gateway<S> {
+    /// Append the client's address to `X-Forwarded-For` (whatever an outer proxy put there
+    /// stays, before it: the rightmost entry is the one this gateway saw), and say the
+    /// listener's scheme in `X-Forwarded-Proto`.
+    fn forwarding_headers(&self, headers: &mut http::HeaderMap) {
+        let earlier: Vec<&[u8]> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .map(|v| v.as_bytes())
+            .collect();
+        let value = if earlier.is_empty() {
+            self.peer.clone()
+        } else {
+            let mut joined = earlier.join(&b", "[..]);
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(self.peer.as_bytes());
+            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| self.peer.clone())
+        };
+        headers.insert(X_FORWARDED_FOR, value);
+        headers.insert(X_FORWARDED_PROTO, self.proto.clone());
+    }
+}
+
+impl<S, RB> hyper::service::Service<Request<Incoming>> for Gateway<S>
+where
+    S: Service<Request<Body>, Response = Response<RB>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = Response<Watched<Body>>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        let in_progress = self.conn.request_started();
+        if let Err(refused) = admit(&req) {
+            let resp = refused.into_response();
+            return Box::pin(std::future::ready(Ok(
+                resp.map(|b| in_progress.response_body(b))
+            )));
+        }
+        let mut req = req.map(|body| Body::new(self.conn.request_body(body)));
+        self.forwarding_headers(req.headers_mut());
+        let stack = self.stack.clone();
+        Box::pin(async move {
+            let resp = match stack.oneshot(req).await {
+                Ok(resp) => resp.map(Body::new),
+                Err(e) => GatewayError::from(&e).into_response(),
+            };
+            Ok(resp.map(|b| in_progress.response_body(b)))
+        })
+    }
+}

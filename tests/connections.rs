@@ -1,0 +1,439 @@
+//! Client connections as an attacker would hold them: silent, half-sent, idle, never reading,
+//! by the hundred; an upstream that answers `101`; a request whose `Host` and `:authority`
+//! disagree. Raw bytes and raw HTTP/2 frames (the `h2` crate) where a polite client would not do.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::raw::RawUpstream;
+use common::{
+    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, TestConfig,
+    TestEnv,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+on_both_backends!(
+    an_unsolicited_101_keeps_the_key_claimed,
+    a_client_that_reads_nothing_is_closed,
+);
+
+const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
+const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Short client timeouts, and an admin listener to read the metrics from.
+fn timeouts() -> TestConfig {
+    TestConfig::new()
+        .set("client_header_timeout", "1s")
+        .set("client_idle_timeout", "3s")
+        .set("admin.listen", "127.0.0.1:0")
+}
+
+/// How many connections the gateway says it closed for `reason`.
+async fn closed(gateway: &InProcessGateway, reason: &str) -> u64 {
+    let metrics = gateway.metrics().await;
+    let line = format!("idemgate_client_connections_closed_total{{reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// A metric without labels.
+async fn metric(gateway: &InProcessGateway, name: &str) -> f64 {
+    let metrics = gateway.metrics().await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("{name} not in {metrics}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Read (and drop) whatever the gateway sends until it closes the connection; how long that took.
+async fn time_until_closed(mut stream: TcpStream, limit: Duration) -> Duration {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at((started + limit).into(), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return started.elapsed(),
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("the connection was still open after {limit:?}"),
+        }
+    }
+}
+
+/// Raw HTTP/2 frames, written as the slowest or most hostile client would.
+mod frames {
+    pub(crate) const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    pub(crate) const DATA: u8 = 0x0;
+    pub(crate) const HEADERS: u8 = 0x1;
+    pub(crate) const SETTINGS: u8 = 0x4;
+    pub(crate) const PING: u8 = 0x6;
+    pub(crate) const GOAWAY: u8 = 0x7;
+    pub(crate) const END_STREAM: u8 = 0x1;
+    pub(crate) const END_HEADERS: u8 = 0x4;
+
+    pub(crate) fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len();
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// A header block (HPACK, literals without Huffman coding) for `GET path` at `authority`.
+    pub(crate) fn get(path: &str, authority: &str) -> Vec<u8> {
+        // :method GET and :scheme http from the static table, :path and :authority as literals
+        // with indexed names.
+        let mut block = vec![0x82, 0x86];
+        for (index, value) in [(0x04, path), (0x01, authority)] {
+            block.push(index);
+            block.push(value.len() as u8);
+            block.extend_from_slice(value.as_bytes());
+        }
+        block
+    }
+
+    /// The preface and an empty SETTINGS frame: a connection that has said hello.
+    pub(crate) fn hello() -> Vec<u8> {
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(frame(SETTINGS, 0, 0, &[]));
+        bytes
+    }
+}
+
+#[tokio::test]
+async fn silent_connections_are_closed_within_the_header_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let gateway = InProcessGateway::start(&timeouts().upstream(&upstream.url())).await;
+    let partial_headers = {
+        let mut bytes = frames::hello();
+        // A HEADERS frame without END_HEADERS: the block awaits a CONTINUATION that never comes.
+        bytes.extend(frames::frame(
+            frames::HEADERS,
+            frames::END_STREAM,
+            1,
+            &frames::get("/v1/p", "gw")[..3],
+        ));
+        bytes
+    };
+    let shapes: [(&str, Vec<u8>); 5] = [
+        ("no byte at all", vec![]),
+        (
+            "16 bytes of the HTTP/2 preface",
+            frames::PREFACE[..16].to_vec(),
+        ),
+        ("HTTP/2 without a stream", frames::hello()),
+        ("HEADERS without END_HEADERS", partial_headers),
+        (
+            "half an HTTP/1.1 head",
+            b"POST /v1/p HTTP/1.1\r\nhost: gw\r\nidem".to_vec(),
+        ),
+    ];
+    let mut waits = Vec::new();
+    for (what, bytes) in shapes {
+        let mut stream = TcpStream::connect(gateway.addr).await.unwrap();
+        stream.write_all(&bytes).await.unwrap();
+        waits.push(async move {
+            let took = time_until_closed(stream, HEADER_TIMEOUT * 4).await;
+            (what, took)
+        });
+    }
+    for (what, took) in futures_util::future::join_all(waits).await {
+        assert!(
+            took >= HEADER_TIMEOUT - Duration::from_millis(100) && took < HEADER_TIMEOUT * 2,
+            "{what}: closed after {took:?}"
+        );
+    }
+    assert_eq!(closed(&gateway, "header_timeout").await, 5);
+    assert_eq!(upstream.calls(), 0);
+}
+
+#[tokio::test]
+async fn a_later_request_head_gets_the_header_timeout_and_a_quiet_connection_the_idle_one() {
+    let upstream = CountingUpstream::start().await;
+    let gateway = InProcessGateway::start(&timeouts().upstream(&upstream.url())).await;
+    let get = b"GET /v1/p HTTP/1.1\r\nhost: gw\r\n\r\n";
+    // A keep-alive connection that starts its second request head and stops: the header timeout
+    // (1 s), not the idle one (3 s), counted from the first byte of the head.
+    let mut started_late = TcpStream::connect(gateway.addr).await.unwrap();
+    started_late.write_all(get).await.unwrap();
+    let mut buf = [0u8; 4096];
+    assert!(started_late.read(&mut buf).await.unwrap() > 0);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    started_late
+        .write_all(b"GET /v1/p HTTP/1.1\r\nho")
+        .await
+        .unwrap();
+    let took = time_until_closed(started_late, IDLE_TIMEOUT * 2).await;
+    assert!(
+        took < HEADER_TIMEOUT * 2,
+        "a late head closed after {took:?}"
+    );
+    // A keep-alive connection that sends nothing more: the idle timeout.
+    let mut quiet = TcpStream::connect(gateway.addr).await.unwrap();
+    quiet.write_all(get).await.unwrap();
+    assert!(quiet.read(&mut buf).await.unwrap() > 0);
+    let took = time_until_closed(quiet, IDLE_TIMEOUT * 2).await;
+    assert!(
+        took >= IDLE_TIMEOUT - Duration::from_millis(200) && took < IDLE_TIMEOUT * 2,
+        "an idle keep-alive connection closed after {took:?}"
+    );
+    assert_eq!(closed(&gateway, "header_timeout").await, 1);
+    assert_eq!(closed(&gateway, "idle_timeout").await, 1);
+}
+
+#[tokio::test]
+async fn an_idle_http2_connection_gets_goaway_after_the_idle_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let gateway = InProcessGateway::start(&timeouts().upstream(&upstream.url())).await;
+    let mut stream = TcpStream::connect(gateway.addr).await.unwrap();
+    let mut hello = frames::hello();
+    hello.extend(frames::frame(
+        frames::HEADERS,
+        frames::END_HEADERS | frames::END_STREAM,
+        1,
+        &frames::get("/v1/p", "gw"),
+    ));
+    stream.write_all(&hello).await.unwrap();
+    // Frames until the answer ends; then, after the idle timeout, GOAWAY and the close.
+    let mut answered = None;
+    let mut goaway = None;
+    loop {
+        let mut head = [0u8; 9];
+        if stream.read_exact(&mut head).await.is_err() {
+            break;
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        stream.read_exact(&mut payload).await.unwrap();
+        let (kind, flags) = (head[3], head[4]);
+        if kind == frames::SETTINGS && flags & 0x1 == 0 {
+            stream
+                .write_all(&frames::frame(frames::SETTINGS, 0x1, 0, &[]))
+                .await
+                .unwrap();
+        }
+        if kind == frames::PING && flags & 0x1 == 0 {
+            stream
+                .write_all(&frames::frame(frames::PING, 0x1, 0, &payload))
+                .await
+                .unwrap();
+        }
+        if (kind == frames::DATA || kind == frames::HEADERS) && flags & frames::END_STREAM != 0 {
+            answered = Some(Instant::now());
+        }
+        if kind == frames::GOAWAY {
+            let code = u32::from_be_bytes(payload[4..8].try_into().unwrap());
+            assert_eq!(code, 0, "GOAWAY with NO_ERROR");
+            goaway.get_or_insert_with(Instant::now);
+        }
+    }
+    let answered = answered.expect("the request was answered");
+    let after = goaway.expect("a GOAWAY before the close") - answered;
+    assert!(
+        after >= IDLE_TIMEOUT - Duration::from_millis(200) && after < IDLE_TIMEOUT * 2,
+        "GOAWAY {after:?} after the answer"
+    );
+    assert_eq!(closed(&gateway, "idle_timeout").await, 1);
+    assert_eq!(upstream.calls(), 1);
+}
+
+#[tokio::test]
+async fn the_connection_cap_holds_silent_connections_back_while_a_client_is_served() {
+    let upstream = CountingUpstream::start().await;
+    let config = timeouts()
+        .upstream(&upstream.url())
+        .set("max_client_connections", 50)
+        .set("workers", 2);
+    let gateway = InProcessGateway::start(&config).await;
+    let mut silent = Vec::new();
+    for _ in 0..300 {
+        silent.push(TcpStream::connect(gateway.addr).await.unwrap());
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "the gateway accepted up to its cap",
+        async || metric(&gateway, "idemgate_client_connections").await >= 50.0,
+    )
+    .await;
+    // Behind 250 silent connections in the backlog, each batch of 50 closed after 1 s.
+    let started = Instant::now();
+    let served = send(
+        client()
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "behind-the-crowd")
+            .body("x"),
+    );
+    let mut most = 0.0f64;
+    tokio::pin!(served);
+    let seen = loop {
+        tokio::select! {
+            seen = &mut served => break seen,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                most = most.max(metric(&gateway, "idemgate_client_connections").await);
+            }
+        }
+    };
+    assert_eq!(seen.status, 201);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "served after {:?}",
+        started.elapsed()
+    );
+    assert!(most <= 50.0, "{most} connections open at once");
+    assert!(metric(&gateway, "idemgate_client_connections_at_cap_seconds_total").await > 1.0);
+    assert!(closed(&gateway, "header_timeout").await >= 250);
+    drop(silent);
+}
+
+async fn a_client_that_reads_nothing_is_closed(b: Backend) {
+    // A keyed answer of 32 MiB, recorded whole, that the client never reads: more than the
+    // socket buffers hold, so the gateway's writes stop.
+    let env = TestEnv::start(b, timeouts().set("defaults.max_body", "64MiB")).await;
+    let request = "POST /big?bytes=33554432 HTTP/1.1\r\nhost: gw\r\nidempotency-key: never-read\r\ncontent-length: 1\r\n\r\nx";
+    let mut stream = TcpStream::connect(env.gateway.addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    wait_until(
+        IDLE_TIMEOUT * 3,
+        "the gateway closes a connection whose client reads nothing",
+        async || closed(&env.gateway, "stalled").await == 1,
+    )
+    .await;
+    drop(stream);
+    // Over HTTP/2, a client whose stream window stays 0: the answer's head comes, no DATA can.
+    let tcp = TcpStream::connect(env.gateway.addr).await.unwrap();
+    let (mut h2, conn) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = http::Request::post(format!("http://{}/big?bytes=1000", env.gateway.addr))
+        .header("idempotency-key", "window-zero")
+        .body(())
+        .unwrap();
+    let (resp, mut body) = h2.send_request(req, false).unwrap();
+    body.send_data(Bytes::from_static(b"x"), true).unwrap();
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let started = Instant::now();
+    let _ = tokio::time::timeout(IDLE_TIMEOUT * 3, conn)
+        .await
+        .expect("the gateway closed the connection");
+    assert!(started.elapsed() >= IDLE_TIMEOUT - Duration::from_millis(200));
+    assert_eq!(closed(&env.gateway, "stalled").await, 2);
+    // Both answers were recorded all the same: their retries are replays.
+    for (path, key, len) in [
+        ("/big?bytes=33554432", "never-read", 33554432),
+        ("/big?bytes=1000", "window-zero", 1000),
+    ] {
+        let again = send(env.post_keyed(path, key).body("x")).await;
+        assert!(again.replayed(), "{key}: {}", again.status);
+        assert_eq!(again.body.len(), len);
+    }
+    assert_eq!(env.upstream.calls(), 2);
+}
+
+async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {
+    for answer in [
+        &b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"[..],
+        b"HTTP/1.1 600 Beyond\r\ncontent-length: 0\r\n\r\n",
+    ] {
+        let upstream = RawUpstream::answering(answer).await;
+        let redis = RedisServer::for_backend(b).await;
+        let config = TestConfig::new()
+            .upstream(&upstream.url())
+            .store(redis.as_ref())
+            .set("defaults.lock_ttl", "1s");
+        let gateway = InProcessGateway::start(&config).await;
+        let h2c = reqwest::Client::builder()
+            .no_proxy()
+            .http2_prior_knowledge()
+            .build()
+            .unwrap();
+        for (version, client) in [("HTTP/1.1", client()), ("HTTP/2", h2c)] {
+            let key = format!("switch-{version}");
+            let post = || {
+                client
+                    .post(gateway.url("/v1/p"))
+                    .header("idempotency-key", &key)
+                    .body("x")
+            };
+            let before = upstream.requests().len();
+            let first = send(post()).await;
+            assert_eq!(first.status, 502, "{version}: {first:?}");
+            assert_eq!(
+                first.problem_type(),
+                "urn:idemgate:problem:upstream-invalid-response"
+            );
+            // The request was sent and may have run: the key stays claimed for its lease.
+            let retry = send(post()).await;
+            assert_eq!(retry.problem_type(), "urn:idemgate:problem:in-flight");
+            assert_eq!(upstream.requests().len(), before + 1, "{version}");
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            let after_lease = send(post()).await;
+            assert_eq!(after_lease.status, 502);
+            assert_eq!(upstream.requests().len(), before + 2, "{version}");
+        }
+        // Unkeyed, the client gets the same problem, not a bare 101.
+        let plain = send(client().post(gateway.url("/v1/p")).body("x")).await;
+        assert_eq!(plain.status, 502);
+    }
+}
+
+#[tokio::test]
+async fn host_must_name_the_authority_and_userinfo_is_refused() {
+    let upstream =
+        RawUpstream::answering(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok").await;
+    let gateway = InProcessGateway::start(&TestConfig::new().upstream(&upstream.url())).await;
+    let tcp = TcpStream::connect(gateway.addr).await.unwrap();
+    let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let status = |authority: &str, host: Option<&str>| {
+        let mut h2 = h2.clone();
+        let mut req = http::Request::post(format!("http://{authority}/v1/p"));
+        if let Some(host) = host {
+            req = req.header("host", host);
+        }
+        let req = req.body(()).unwrap();
+        async move {
+            let (resp, _) = h2.send_request(req, true).unwrap();
+            resp.await.unwrap().status().as_u16()
+        }
+    };
+    assert_eq!(status("api.example", Some("other.example")).await, 400);
+    assert_eq!(status("user:secret@api.example", None).await, 400);
+    assert_eq!(
+        status("api.example", Some("user:secret@api.example")).await,
+        400
+    );
+    assert!(upstream.requests().is_empty(), "nothing forwarded");
+    assert_eq!(status("api.example", Some("API.example")).await, 201);
+    assert_eq!(status("api.example", None).await, 201);
+    let forwarded = upstream.requests();
+    assert_eq!(forwarded.len(), 2);
+    for req in &forwarded {
+        assert_eq!(req.header("x-forwarded-host"), Some("api.example"));
+    }
+    // HTTP/1.1: an absolute-form target with userinfo, and one whose Host disagrees.
+    for head in [
+        "POST http://user:secret@api.example/v1/p HTTP/1.1\r\nhost: api.example\r\n",
+        "POST http://api.example/v1/p HTTP/1.1\r\nhost: other.example\r\n",
+    ] {
+        let mut c = common::raw::RawClient::connect(gateway.addr).await;
+        let resp = c
+            .send(format!("{head}content-length: 0\r\n\r\n").as_bytes())
+            .await
+            .response()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{head}");
+        assert!(String::from_utf8_lossy(&resp.body).contains("invalid-authority"));
+    }
+    assert_eq!(upstream.requests().len(), 2);
+}
