@@ -8,11 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tower::Layer;
-use tower_http::trace::{
-    DefaultMakeSpan, DefaultOnFailure, DefaultOnRequest, DefaultOnResponse, HttpMakeClassifier,
-    TraceLayer,
-};
-use tracing::{error, info, warn, Level};
+use tracing::{error, info, warn};
 
 use crate::admin;
 use crate::config::{Config, StoreConfig};
@@ -264,22 +260,6 @@ impl Inspect for AnyStore {
     fn local_cache_size(&self) -> Option<(u64, u64)> {
         on_store!(self, s => s.local_cache_size())
     }
-}
-
-/// Request tracing: a span per request at debug level (method, URI, version, and the headers,
-/// those marked sensitive shown as such), and the response's status and latency. At the default
-/// `info` level it costs a level check per request.
-pub(crate) fn trace_layer() -> TraceLayer<HttpMakeClassifier> {
-    TraceLayer::new_for_http()
-        .make_span_with(
-            DefaultMakeSpan::new()
-                .level(Level::DEBUG)
-                .include_headers(true),
-        )
-        .on_request(DefaultOnRequest::new().level(Level::DEBUG))
-        .on_response(DefaultOnResponse::new().level(Level::DEBUG))
-        // An upstream's 5xx is its own business; the gateway logs its own failures itself.
-        .on_failure(DefaultOnFailure::new().level(Level::DEBUG))
 }
 
 /// Run `config.workers` threads, each a single-threaded event loop accepting from the one
