@@ -88,8 +88,11 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
         let config = Arc::new(self.config);
-        let layer = IdempotencyLayer::with_routes(self.store, Routes::from_config(&config))
-            .with_metrics(self.metrics);
+        let layer = IdempotencyLayer::with_routes(
+            self.store,
+            Routes::from_config(&config.defaults, config.route_policies()),
+        )
+        .with_metrics(self.metrics);
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
         let admin = self.admin.map(|listener| {
             info!(listen = ?listener.local_addr().ok(), "admin listening");

@@ -71,10 +71,11 @@ pub mod proxy;
 pub mod store;
 mod tls;
 
-pub use config::{
-    ConfigError, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
-    Topology,
+pub use config::Topology;
+pub use error::ConfigError;
+pub use idempotency::{
+    FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight, OnStoreError,
+    Policy, PolicyBuilder, Routes, IDEMPOTENT_REPLAYED,
 };
-pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
 pub use metrics::Metrics;
 pub use store::{MemoryStore, RedisStore, Store, StoreError};

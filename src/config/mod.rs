@@ -5,10 +5,13 @@
 //! parses and validates in one step, so a [`Config`] that exists is a config the gateway can run;
 //! every error names the field at fault.
 //!
-//! - [`policy`]: the per-route idempotency policy, its defaults and validation.
+//! - `policy`: `[defaults]` and `[[routes]]`, read into the engine's [`Policy`].
 //! - [`store`]: the `[store]` table, one variant per backend.
+//! - [`upstream`]: the `[upstreams.NAME]` tables and the listener's `[tls]`.
 //! - [`human`]: durations and sizes written as human strings.
+//! - `checked`: values checked by their rule as they are read, and errors naming the field.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,53 +20,23 @@ use std::time::Duration;
 use http::Uri;
 use serde::Deserialize;
 
+mod checked;
 pub mod human;
-pub mod policy;
+mod policy;
 pub mod store;
 pub mod upstream;
 
+pub use crate::error::ConfigError;
+pub use crate::idempotency::policy::{
+    FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
+};
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
-pub use policy::{FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder};
 pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
-use policy::RawPolicy;
+use policy::PolicyTable;
 use store::RawStore;
 use upstream::{RawTls, RawUpstream};
-
-/// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Io {
-        /// The path given on the command line.
-        path: String,
-        /// What the OS said.
-        source: std::io::Error,
-    },
-    /// The TOML did not parse, or a field has the wrong type or an unknown name.
-    #[error("invalid config: {0}")]
-    Parse(String),
-    /// A field parsed but its value is not allowed.
-    #[error("invalid config: {field}: {reason}")]
-    Invalid {
-        /// The dotted path of the field, e.g. `routes[0].ttl`.
-        field: String,
-        /// Why the value is refused.
-        reason: String,
-    },
-}
-
-impl ConfigError {
-    /// A value refused: `field` names it (`routes[1].ttl`), `reason` says why.
-    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ConfigError::Invalid {
-            field: field.into(),
-            reason: reason.into(),
-        }
-    }
-}
 
 pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::invalid(field, reason)
@@ -102,16 +75,16 @@ struct RawConfig {
     shutdown_grace: Option<HumanDuration>,
     workers: Option<usize>,
     #[serde(default)]
-    upstreams: std::collections::BTreeMap<String, RawUpstream>,
+    upstreams: BTreeMap<String, RawUpstream>,
     tls: Option<RawTls>,
     #[serde(default)]
     store: RawStore,
     #[serde(default)]
     admin: RawAdmin,
     #[serde(default)]
-    defaults: RawPolicy,
+    defaults: PolicyTable,
     #[serde(default)]
-    routes: Vec<RawPolicy>,
+    routes: Vec<PolicyTable>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -161,7 +134,7 @@ pub struct Config {
     /// `[defaults] upstream` names another).
     pub upstream: Uri,
     /// Every upstream by name; `default` is the top-level `upstream`.
-    pub upstreams: std::collections::BTreeMap<String, Arc<UpstreamConfig>>,
+    pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     /// TLS on the listener, when `[tls]` is given.
     pub tls: Option<ListenerTls>,
     /// The secret derived keys are made with (`IDEMGATE_KEY_SECRET`), when set.
@@ -210,9 +183,15 @@ impl Config {
         let raw: RawConfig = figment::Figment::from(Toml::string(&text))
             .merge(env)
             .extract()
-            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+            .map_err(checked::from_figment)?;
         let secret = std::env::var_os(KEY_SECRET_VAR);
         Self::from_raw(raw, secret.as_ref().map(|s| s.as_encoded_bytes()))
+    }
+
+    /// The routes' policies, in file order (each named after its path pattern), for
+    /// [`Routes::from_config`](crate::idempotency::Routes::from_config).
+    pub fn route_policies(&self) -> impl Iterator<Item = &Policy> {
+        self.routes.iter().map(|r| &*r.policy)
     }
 
     /// Parse and validate TOML text (without a key secret: a route with `derived_key` is
@@ -226,7 +205,9 @@ impl Config {
         text: &str,
         secret: Option<&[u8]>,
     ) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let toml =
+            toml::Deserializer::parse(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let raw: RawConfig = serde_path_to_error::deserialize(toml).map_err(checked::from_toml)?;
         Self::from_raw(raw, secret)
     }
 
@@ -273,50 +254,8 @@ impl Config {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        if raw.defaults.path.is_some() {
-            return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
-        }
-        let defaults = Arc::new(
-            Policy::default()
-                .overlay(&raw.defaults, "defaults")?
-                .with_key_secret(key_secret.as_ref(), "defaults")?,
-        );
-        // Validated as the route table will be built, so that building it cannot fail.
-        let mut table = crate::idempotency::Routes::new((*defaults).clone());
-        let mut routes = Vec::with_capacity(raw.routes.len());
-        for (i, r) in raw.routes.iter().enumerate() {
-            let at = format!("routes[{i}]");
-            let path = r
-                .path
-                .clone()
-                .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
-            let mut policy = (*defaults)
-                .clone()
-                .overlay(r, &at)?
-                .with_key_secret(key_secret.as_ref(), &at)?;
-            policy.route = path.clone();
-            table = table.route(&path, policy.clone())?;
-            routes.push(Route {
-                path,
-                policy: Arc::new(policy),
-            });
-        }
-        // Every policy forwards to an upstream that exists.
-        let named = |policy: &Policy, at: &str| match upstreams.get(&policy.upstream) {
-            Some(u) => Ok(u.url.clone()),
-            None if policy.upstream == DEFAULT_UPSTREAM => Err(invalid("upstream", "is required")),
-            None => Err(invalid(
-                format!("{at}.upstream"),
-                format!(
-                    "{:?} names no upstream; define [upstreams.{}]",
-                    policy.upstream, policy.upstream
-                ),
-            )),
-        };
-        let upstream = named(&defaults, "defaults")?;
-        for (i, r) in routes.iter().enumerate() {
-            named(&r.policy, &format!("routes[{i}]"))?;
-        }
+        let (defaults, routes) = policies(&raw.defaults, &raw.routes, key_secret.as_ref())?;
+        let upstream = forwarded_to(&upstreams, &defaults, &routes)?;
         Ok(Config {
             listen,
             upstream,
@@ -331,6 +270,65 @@ impl Config {
             admin,
         })
     }
+}
+
+/// `[defaults]` merged over the built-in defaults, and each route merged over that; checked as
+/// the route table will be built, so that building it cannot fail.
+fn policies(
+    defaults: &PolicyTable,
+    routes: &[PolicyTable],
+    key_secret: Option<&KeySecret>,
+) -> Result<(Arc<Policy>, Vec<Route>), ConfigError> {
+    if defaults.path.is_some() {
+        return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
+    }
+    let resolve = |table: &PolicyTable, over: &Policy, at: &str| {
+        let policy = table.merged_over(over.clone());
+        policy.check_ttls(at)?;
+        policy.with_key_secret(key_secret, at)
+    };
+    let defaults = resolve(defaults, &Policy::default(), "defaults")?;
+    let mut table = crate::idempotency::Routes::new(defaults.clone());
+    let mut resolved = Vec::with_capacity(routes.len());
+    for (i, r) in routes.iter().enumerate() {
+        let at = format!("routes[{i}]");
+        let path = r
+            .path
+            .clone()
+            .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
+        let mut policy = resolve(r, &defaults, &at)?;
+        policy.route = path.clone();
+        table = table.route(&path, policy.clone())?;
+        resolved.push(Route {
+            path,
+            policy: Arc::new(policy),
+        });
+    }
+    Ok((Arc::new(defaults), resolved))
+}
+
+/// The URL `[defaults]` forwards to; an error naming the policy whose upstream does not exist.
+fn forwarded_to(
+    upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
+    defaults: &Policy,
+    routes: &[Route],
+) -> Result<Uri, ConfigError> {
+    let named = |policy: &Policy, at: &str| match upstreams.get(&policy.upstream) {
+        Some(u) => Ok(u.url.clone()),
+        None if policy.upstream == DEFAULT_UPSTREAM => Err(invalid("upstream", "is required")),
+        None => Err(invalid(
+            format!("{at}.upstream"),
+            format!(
+                "{:?} names no upstream; define [upstreams.{}]",
+                policy.upstream, policy.upstream
+            ),
+        )),
+    };
+    let upstream = named(defaults, "defaults")?;
+    for (i, r) in routes.iter().enumerate() {
+        named(&r.policy, &format!("routes[{i}]"))?;
+    }
+    Ok(upstream)
 }
 
 #[cfg(test)]
@@ -631,6 +629,36 @@ mod tests {
                 Ok(())
             });
         }
+    }
+
+    /// Errors name a key as the user wrote it: figment's profile (`default.`) is not part of it.
+    #[test]
+    fn file_errors_name_the_key_as_written() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[telemetry]\nx = 1",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert!(e.contains("for key \"telemetry\" in TOML"), "{e}");
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[[routes]]\npath = \"/a\"\nmax_body = \"lots\"",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert!(e.contains("\"lots\" is not a size"), "{e}");
+            assert!(e.contains("for key \"routes[0].max_body\""), "{e}");
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[[routes]]\npath = \"/a\"\nttl = \"0s\"",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                "invalid config: routes[0].ttl: must be greater than zero"
+            );
+            Ok(())
+        });
     }
 
     /// config/example.toml shows every default the code has, and config/redis.toml every Redis

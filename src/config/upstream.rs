@@ -12,8 +12,7 @@ use serde::Deserialize;
 use super::human::HumanDuration;
 use super::{invalid, ConfigError};
 
-/// The name of the upstream requests go to unless their route names another.
-pub const DEFAULT_UPSTREAM: &str = "default";
+pub use crate::idempotency::DEFAULT_UPSTREAM;
 
 /// How long opening a connection to an upstream may take, when not given.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

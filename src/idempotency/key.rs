@@ -6,7 +6,7 @@ use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
 use super::json::{hash_canonical, Json, Pointer};
-use crate::config::KeySecret;
+use super::policy::KeySecret;
 use crate::error::GatewayError;
 
 /// The request header that carries the key.
