@@ -29,7 +29,7 @@ use crate::headers::admit;
 use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, ProxyError};
-use crate::store::redis::RedisOptions;
+use crate::store::RedisSettings as RedisOptions;
 use crate::store::{
     CachedStore, Claim, Evicted, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
 };
@@ -151,7 +151,7 @@ impl AnyStore {
             }
             StoreConfig::Redis(settings) => settings,
         };
-        let options = Arc::new(settings.options()?);
+        let options = Arc::new(settings.clone());
         let redis = match RedisStore::connect(&options).await {
             Ok(store) => store,
             // Unreachable (not misconfigured): start anyway, as if Redis had gone down while

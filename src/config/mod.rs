@@ -31,30 +31,14 @@ pub use crate::idempotency::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
 };
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
-pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
+pub use store::{redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use policy::PolicyTable;
-use store::RawStore;
 use upstream::{RawTls, RawUpstream};
 
 pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::invalid(field, reason)
-}
-
-/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The last '@' ends the userinfo: a password may itself contain '@'.
-    let Some((userinfo, host)) = rest.rsplit_once('@') else {
-        return url.to_string();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
-        None => url.to_string(),
-    }
 }
 
 /// The environment variable the key secret comes from (never a file: it is a secret).
@@ -78,7 +62,7 @@ struct RawConfig {
     upstreams: BTreeMap<String, RawUpstream>,
     tls: Option<RawTls>,
     #[serde(default)]
-    store: RawStore,
+    store: StoreConfig,
     #[serde(default)]
     admin: RawAdmin,
     #[serde(default)]
@@ -225,7 +209,7 @@ impl Config {
         })?;
         let upstreams = upstream::upstreams(raw.upstream, raw.upstreams)?;
         let tls = upstream::listener_tls(raw.tls)?;
-        let store = StoreConfig::from_raw(raw.store)?;
+        let store = raw.store;
         let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
         let admin = AdminConfig {
             listen: match raw.admin.listen.as_deref() {

@@ -2,13 +2,10 @@
 //! engine's rule for it as it is read, so that a route's policy is its table merged over
 //! `[defaults]`, merged over the built-in [`Policy::default`].
 
-use std::time::Duration;
-
 use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 
-use super::checked::{rules, Any, Checked};
-use super::human::{HumanDuration, HumanSize};
+use super::checked::{rules, Any, Checked, NonZero, NonZeroSize};
 use crate::idempotency::json::Pointer;
 use crate::idempotency::policy::{check, FingerprintMode, OnInFlight, OnStoreError, Policy};
 
@@ -70,10 +67,6 @@ policy_table! {
 }
 
 rules! {
-    /// A duration greater than zero.
-    NonZero: HumanDuration => Duration = |d: HumanDuration| check::non_zero(d.0);
-    /// A size greater than zero.
-    NonZeroSize: HumanSize => u64 = |s: HumanSize| check::non_zero_size(s.0);
     /// HTTP methods, at least one.
     Methods: Vec<String> => Vec<Method> = check::methods;
     /// Between 1 and 8192.
