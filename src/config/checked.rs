@@ -38,6 +38,12 @@ impl<R: Rule> Checked<R> {
     }
 }
 
+impl<R: Rule> Clone for Checked<R> {
+    fn clone(&self) -> Self {
+        Checked(self.0.clone())
+    }
+}
+
 impl<R: Rule> std::fmt::Debug for Checked<R>
 where
     R::Value: std::fmt::Debug,
