@@ -8,6 +8,8 @@ use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 
 use super::json::Pointer;
+pub use super::key::KeySecret;
+use super::key::IDEMPOTENCY_KEY;
 use crate::error::ConfigError;
 
 /// The name of the upstream requests go to unless their route names another.
@@ -50,38 +52,6 @@ pub enum FingerprintMode {
     /// For a JSON-typed body (`application/json`, `*/*+json`), its canonical form (see
     /// [`crate::idempotency::json`]); other bodies by their exact bytes.
     Json,
-}
-
-/// The secret that derived keys are an HMAC with (`IDEMGATE_KEY_SECRET`): never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct KeySecret(std::sync::Arc<[u8]>);
-
-impl KeySecret {
-    /// The shortest secret accepted, in bytes.
-    pub const MIN_LEN: usize = 16;
-
-    /// A secret of at least [`KeySecret::MIN_LEN`] bytes.
-    pub fn new(secret: impl AsRef<[u8]>) -> Result<Self, String> {
-        let secret = secret.as_ref();
-        if secret.len() < Self::MIN_LEN {
-            return Err(format!(
-                "must be at least {} characters long",
-                Self::MIN_LEN
-            ));
-        }
-        Ok(KeySecret(secret.into()))
-    }
-
-    /// The secret's bytes.
-    pub fn expose(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for KeySecret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -171,7 +141,7 @@ impl Policy {
             max_waiters: 1024,
             on_store_error: OnStoreError::Reject,
             upstream: DEFAULT_UPSTREAM.to_string(),
-            key_headers: vec![super::key::IDEMPOTENCY_KEY],
+            key_headers: vec![IDEMPOTENCY_KEY],
             key_from_body: None,
             derived_key: Vec::new(),
             key_secret: None,

@@ -25,6 +25,7 @@ use redis::Script;
 
 use super::events::{Events, Evicted, Watch};
 use super::settings::{Compression, RedisSettings, Topology};
+pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 use super::topology::{Conn, Opening};
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
@@ -91,12 +92,6 @@ impl std::fmt::Debug for RedisStore {
             .finish_non_exhaustive()
     }
 }
-
-/// Key prefix used when none is given.
-pub const DEFAULT_PREFIX: &str = "idemgate:";
-
-/// How long connecting or one answer may take when no timeout is given.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Connections for the writes followed by `WAIT`, each taken by one write at a time: a `WAIT`
 /// blocks its connection inside Redis until the replicas answer (or its timeout passes), and

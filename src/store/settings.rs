@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{cached, memory, redis, StoreError};
+use super::{cached, memory, StoreError};
 
 /// `backend = "memory"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +120,12 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Key prefix used when none is given.
+pub const DEFAULT_PREFIX: &str = "idemgate:";
+
+/// How long connecting or one answer may take when no timeout is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How to reach Redis and how to write there (`backend = "redis"`, `"redis-cluster"` or
 /// `"redis-sentinel"`): the one way a [`RedisStore`](super::RedisStore) is made.
 #[derive(Clone, PartialEq, Eq)]
@@ -159,8 +165,8 @@ impl RedisSettings {
         RedisSettings {
             topology,
             wait_replicas: 0,
-            prefix: redis::DEFAULT_PREFIX.to_string(),
-            timeout: redis::DEFAULT_TIMEOUT,
+            prefix: DEFAULT_PREFIX.to_string(),
+            timeout: DEFAULT_TIMEOUT,
             local_cache: cached::DEFAULT_BYTES,
             local_cache_ttl: cached::DEFAULT_MAX_AGE,
             tls_ca_file: None,
@@ -206,8 +212,8 @@ impl RedisSettings {
         let mut settings = self.clone();
         if let (None, Some(path)) = (&settings.ca_pem, &settings.tls_ca_file) {
             let pem = std::fs::read(path).map_err(|e| {
-                StoreError::Redis(::redis::RedisError::from((
-                    ::redis::ErrorKind::InvalidClientConfig,
+                StoreError::Redis(redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
                     "cannot read store.tls_ca_file",
                     format!("{path}: {e}"),
                 )))
