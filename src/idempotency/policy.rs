@@ -1,5 +1,5 @@
 //! The idempotency policy of a route: its fields, their built-in defaults (written once, in
-//! [`Policy::default`]), and the rules each field's value follows ([`check`]), shared by
+//! [`Policy::default`]), and the rules each field's value follows (`check`), shared by
 //! [`Policy::builder`] and the TOML configuration.
 
 use std::time::Duration;
