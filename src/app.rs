@@ -16,7 +16,7 @@ use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::listener::{ConnectionCap, Timeouts, Worker};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::redis::RedisOptions;
+use crate::store::RedisSettings as RedisOptions;
 use crate::store::{
     CachedStore, Claim, Evicted, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
 };
@@ -72,8 +72,11 @@ impl App {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
         let config = Arc::new(self.config);
-        let layer = IdempotencyLayer::with_routes(self.store, Routes::from_config(&config))
-            .with_metrics(self.metrics);
+        let layer = IdempotencyLayer::with_routes(
+            self.store,
+            Routes::from_config(&config.defaults, config.route_policies()),
+        )
+        .with_metrics(self.metrics);
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
         let admin = self.admin.map(|listener| {
             info!(listen = ?listener.local_addr().ok(), "admin listening");
@@ -132,7 +135,7 @@ impl AnyStore {
             }
             StoreConfig::Redis(settings) => settings,
         };
-        let options = Arc::new(settings.options()?);
+        let options = Arc::new(settings.clone());
         let redis = match RedisStore::connect(&options).await {
             Ok(store) => store,
             // Unreachable (not misconfigured): start anyway, as if Redis had gone down while

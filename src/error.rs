@@ -237,3 +237,37 @@ impl axum::response::IntoResponse for Problem {
 
 /// The prefix of every problem `type`: `urn:idemgate:problem:mismatch`, `...:in-flight`, etc.
 pub const PROBLEM_TYPE_BASE: &str = "urn:idemgate:problem:";
+
+/// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Io {
+        /// The path given on the command line.
+        path: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse, or a field has the wrong type or an unknown name.
+    #[error("invalid config: {0}")]
+    Parse(String),
+    /// A field parsed but its value is not allowed.
+    #[error("invalid config: {field}: {reason}")]
+    Invalid {
+        /// The dotted path of the field, e.g. `routes[0].ttl`.
+        field: String,
+        /// Why the value is refused.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// A value refused: `field` names it (`routes[1].ttl`), `reason` says why.
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -44,12 +44,14 @@
 //! team does not want to change, configured in TOML ([`config::Config`]); see the README.
 //!
 //! # Layout
-//! - [`idempotency`]: the layer and its service, the key, the fingerprint, the stored record,
-//!   the routes.
+//! - [`idempotency`]: the layer and its service, the policy, the key, the fingerprint, the
+//!   stored record, the routes.
 //! - [`store`]: the [`Store`] trait and its backends: [`MemoryStore`] (embedded),
 //!   [`RedisStore`] (Lua scripts in `src/store/lua/`), and [`store::CachedStore`] (a local
-//!   cache of completed records in front of another store).
-//! - [`config`]: the TOML schema users write, validated into [`Policy`]s.
+//!   cache of completed records in front of another store), with their settings
+//!   ([`store::RedisSettings`], [`Topology`]).
+//! - [`config`]: the TOML and `IDEMGATE_` environment users write, read into the engine's
+//!   [`Policy`]s and the store's settings, each value checked as it is read.
 //! - [`proxy`]: the upstream as a tower service, with its connection pool.
 //! - [`error`]: the answers the gateway gives itself, as RFC 9457 problem+json.
 //! - [`metrics`]: Prometheus metrics.
@@ -75,10 +77,10 @@ pub mod proxy;
 pub mod store;
 mod tls;
 
-pub use config::{
-    ConfigError, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
-    Topology,
+pub use error::ConfigError;
+pub use idempotency::{
+    FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight, OnStoreError,
+    Policy, PolicyBuilder, Routes, IDEMPOTENT_REPLAYED,
 };
-pub use idempotency::{Idempotency, IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
 pub use metrics::Metrics;
-pub use store::{MemoryStore, RedisStore, Store, StoreError};
+pub use store::{MemoryStore, RedisStore, Store, StoreError, Topology};

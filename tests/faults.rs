@@ -424,7 +424,7 @@ async fn stored_responses_survive_a_redis_restart_with_aof() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evicting_or_volatile_redis_is_warned_about() {
     let redis = RedisServer::start().await;
-    let options = idemgate::store::redis::RedisOptions::new(redis.url()).prefix("w:");
+    let options = idemgate::store::RedisSettings::new(redis.url()).prefix("w:");
     let store = idemgate::store::RedisStore::connect(&options)
         .await
         .unwrap();

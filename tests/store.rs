@@ -14,7 +14,7 @@ use http::StatusCode;
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
-use idemgate::store::redis::RedisOptions;
+use idemgate::store::RedisSettings;
 use idemgate::store::{CachedStore, Claim, LocalCache, RedisStore, Replay, Store, StoreError};
 
 /// Generate, for each named `async fn(S: Store)`, one test per store the contract binds.
@@ -70,7 +70,7 @@ contract!(
 );
 
 async fn redis_store(server: &RedisServer, prefix: &str) -> RedisStore {
-    RedisStore::connect(&RedisOptions::new(server.url()).prefix(prefix))
+    RedisStore::connect(&RedisSettings::new(server.url()).prefix(prefix))
         .await
         .unwrap()
 }
@@ -223,7 +223,7 @@ async fn rediss_with_a_private_ca() {
     let server = common::TlsRedisServer::start().await;
     let url = format!("rediss://127.0.0.1:{}/0", server.port);
     let ca = std::fs::read(&server.ca_file).unwrap();
-    let s = RedisStore::connect(&RedisOptions::new(&url).prefix("tls:").tls_ca(ca))
+    let s = RedisStore::connect(&RedisSettings::new(&url).prefix("tls:").tls_ca(ca))
         .await
         .expect("TLS connection with the CA");
     let (k, fp, t) = (ScopedKey([8; 32]), Fingerprint([9; 32]), Token::random());
@@ -238,7 +238,9 @@ async fn rediss_with_a_private_ca() {
     let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
     assert_eq!(replayed_body(again).as_deref(), Some(&b"over tls"[..]));
     // Without the CA the self-signed certificate is not trusted: no silent downgrade.
-    assert!(RedisStore::connect(&RedisOptions::new(&url)).await.is_err());
+    assert!(RedisStore::connect(&RedisSettings::new(&url))
+        .await
+        .is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -260,7 +262,7 @@ async fn redis_acl_user() {
         .await
         .unwrap();
     let url = format!("redis://gateway:s3cret-pass@127.0.0.1:{}/0", server.port);
-    let s = RedisStore::connect(&RedisOptions::new(&url).prefix("acl:"))
+    let s = RedisStore::connect(&RedisSettings::new(&url).prefix("acl:"))
         .await
         .expect("ACL login");
     let (k, fp, t) = (ScopedKey([10; 32]), Fingerprint([11; 32]), Token::random());
@@ -270,7 +272,7 @@ async fn redis_acl_user() {
     ));
     let wrong = format!("redis://gateway:wrong@127.0.0.1:{}/0", server.port);
     assert!(
-        RedisStore::connect(&RedisOptions::new(wrong).prefix("acl:"))
+        RedisStore::connect(&RedisSettings::new(wrong).prefix("acl:"))
             .await
             .is_err()
     );
@@ -347,7 +349,7 @@ async fn large_entries_complete_through_a_staging_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
     let server = RedisServer::start().await;
-    let options = RedisOptions::new(server.url())
+    let options = RedisSettings::new(server.url())
         .prefix("w:")
         .timeout(Duration::from_millis(200));
     let plain = RedisStore::connect(&options).await.unwrap();
@@ -405,7 +407,7 @@ async fn writes_a_replica_acknowledges_count() {
     })
     .await;
     let store = RedisStore::connect(
-        &RedisOptions::new(primary.url())
+        &RedisSettings::new(primary.url())
             .prefix("w:")
             .wait_replicas(1),
     )

@@ -7,8 +7,7 @@ use std::time::Duration;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-/// The longest duration any setting takes effect with (100 years); longer values are clamped.
-pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+pub use crate::idempotency::policy::MAX_DURATION;
 
 /// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -5,10 +5,13 @@
 //! parses and validates in one step, so a [`Config`] that exists is a config the gateway can run;
 //! every error names the field at fault.
 //!
-//! - [`policy`]: the per-route idempotency policy, its defaults and validation.
+//! - `policy`: `[defaults]` and `[[routes]]`, read into the engine's [`Policy`].
 //! - [`store`]: the `[store]` table, one variant per backend.
+//! - [`upstream`]: the `[upstreams.NAME]` tables and the listener's `[tls]`.
 //! - [`human`]: durations and sizes written as human strings.
+//! - `checked`: values checked by their rule as they are read, and errors naming the field.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,71 +20,26 @@ use std::time::Duration;
 use http::Uri;
 use serde::Deserialize;
 
+mod checked;
 pub mod human;
-pub mod policy;
+mod policy;
 pub mod store;
 pub mod upstream;
 
+pub use crate::error::ConfigError;
+pub use crate::idempotency::policy::{
+    FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
+};
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
-pub use policy::{FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder};
-pub use store::{Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
+pub use store::{redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
-use policy::RawPolicy;
-use store::RawStore;
+use checked::Checked;
+use policy::PolicyTable;
 use upstream::{RawTls, RawUpstream};
-
-/// A configuration error. Its message always names the field (`routes[1].ttl: ...`).
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Io {
-        /// The path given on the command line.
-        path: String,
-        /// What the OS said.
-        source: std::io::Error,
-    },
-    /// The TOML did not parse, or a field has the wrong type or an unknown name.
-    #[error("invalid config: {0}")]
-    Parse(String),
-    /// A field parsed but its value is not allowed.
-    #[error("invalid config: {field}: {reason}")]
-    Invalid {
-        /// The dotted path of the field, e.g. `routes[0].ttl`.
-        field: String,
-        /// Why the value is refused.
-        reason: String,
-    },
-}
-
-impl ConfigError {
-    /// A value refused: `field` names it (`routes[1].ttl`), `reason` says why.
-    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ConfigError::Invalid {
-            field: field.into(),
-            reason: reason.into(),
-        }
-    }
-}
 
 pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::invalid(field, reason)
-}
-
-/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The last '@' ends the userinfo: a password may itself contain '@'.
-    let Some((userinfo, host)) = rest.rsplit_once('@') else {
-        return url.to_string();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
-        None => url.to_string(),
-    }
 }
 
 /// The environment variable the key secret comes from (never a file: it is a secret).
@@ -111,20 +69,20 @@ struct RawConfig {
     upstream: Option<String>,
     shutdown_grace: Option<HumanDuration>,
     workers: Option<usize>,
-    client_header_timeout: Option<HumanDuration>,
-    client_idle_timeout: Option<HumanDuration>,
-    max_client_connections: Option<usize>,
+    client_header_timeout: Option<Checked<checked::NonZero>>,
+    client_idle_timeout: Option<Checked<checked::NonZero>>,
+    max_client_connections: Option<Checked<checked::AtLeastOne>>,
     #[serde(default)]
-    upstreams: std::collections::BTreeMap<String, RawUpstream>,
+    upstreams: BTreeMap<String, RawUpstream>,
     tls: Option<RawTls>,
     #[serde(default)]
-    store: RawStore,
+    store: StoreConfig,
     #[serde(default)]
     admin: RawAdmin,
     #[serde(default)]
-    defaults: RawPolicy,
+    defaults: PolicyTable,
     #[serde(default)]
-    routes: Vec<RawPolicy>,
+    routes: Vec<PolicyTable>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -174,7 +132,7 @@ pub struct Config {
     /// `[defaults] upstream` names another).
     pub upstream: Uri,
     /// Every upstream by name; `default` is the top-level `upstream`.
-    pub upstreams: std::collections::BTreeMap<String, Arc<UpstreamConfig>>,
+    pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     /// TLS on the listener, when `[tls]` is given.
     pub tls: Option<ListenerTls>,
     /// The secret derived keys are made with (`IDEMGATE_KEY_SECRET`), when set.
@@ -234,9 +192,15 @@ impl Config {
         let raw: RawConfig = figment::Figment::from(Toml::string(&text))
             .merge(env)
             .extract()
-            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+            .map_err(checked::from_figment)?;
         let secret = std::env::var_os(KEY_SECRET_VAR);
         Self::from_raw(raw, secret.as_ref().map(|s| s.as_encoded_bytes()))
+    }
+
+    /// The routes' policies, in file order (each named after its path pattern), for
+    /// [`Routes::from_config`](crate::idempotency::Routes::from_config).
+    pub fn route_policies(&self) -> impl Iterator<Item = &Policy> {
+        self.routes.iter().map(|r| &*r.policy)
     }
 
     /// Parse and validate TOML text (without a key secret: a route with `derived_key` is
@@ -250,7 +214,9 @@ impl Config {
         text: &str,
         secret: Option<&[u8]>,
     ) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let toml =
+            toml::Deserializer::parse(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let raw: RawConfig = serde_path_to_error::deserialize(toml).map_err(checked::from_toml)?;
         Self::from_raw(raw, secret)
     }
 
@@ -268,7 +234,7 @@ impl Config {
         })?;
         let upstreams = upstream::upstreams(raw.upstream, raw.upstreams)?;
         let tls = upstream::listener_tls(raw.tls)?;
-        let store = StoreConfig::from_raw(raw.store)?;
+        let store = raw.store;
         let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
         let admin = AdminConfig {
             listen: match raw.admin.listen.as_deref() {
@@ -297,78 +263,15 @@ impl Config {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let positive = |d: Option<HumanDuration>, default: Duration, field: &str| match d {
-            Some(d) if d.0.is_zero() => Err(invalid(field, "must be more than 0s")),
-            Some(d) => Ok(d.0),
-            None => Ok(default),
-        };
-        let client_header_timeout = positive(
-            raw.client_header_timeout,
-            DEFAULT_CLIENT_HEADER_TIMEOUT,
-            "client_header_timeout",
-        )?;
-        let client_idle_timeout = positive(
-            raw.client_idle_timeout,
-            DEFAULT_CLIENT_IDLE_TIMEOUT,
-            "client_idle_timeout",
-        )?;
-        let max_client_connections = match raw.max_client_connections {
-            Some(n) if n == 0 || n > tokio::sync::Semaphore::MAX_PERMITS => {
-                return Err(invalid(
-                    "max_client_connections",
-                    format!(
-                        "must be between 1 and {}",
-                        tokio::sync::Semaphore::MAX_PERMITS
-                    ),
-                ))
-            }
-            Some(n) => n,
-            None => DEFAULT_MAX_CLIENT_CONNECTIONS,
-        };
-        if raw.defaults.path.is_some() {
-            return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
-        }
-        let defaults = Arc::new(
-            Policy::default()
-                .overlay(&raw.defaults, "defaults")?
-                .with_key_secret(key_secret.as_ref(), "defaults")?,
-        );
-        // Validated as the route table will be built, so that building it cannot fail.
-        let mut table = crate::idempotency::Routes::new((*defaults).clone());
-        let mut routes = Vec::with_capacity(raw.routes.len());
-        for (i, r) in raw.routes.iter().enumerate() {
-            let at = format!("routes[{i}]");
-            let path = r
-                .path
-                .clone()
-                .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
-            let mut policy = (*defaults)
-                .clone()
-                .overlay(r, &at)?
-                .with_key_secret(key_secret.as_ref(), &at)?;
-            policy.route = path.clone();
-            table = table.route(&path, policy.clone())?;
-            routes.push(Route {
-                path,
-                policy: Arc::new(policy),
-            });
-        }
-        // Every policy forwards to an upstream that exists.
-        let named = |policy: &Policy, at: &str| match upstreams.get(&policy.upstream) {
-            Some(u) => Ok(u.url.clone()),
-            None if policy.upstream == DEFAULT_UPSTREAM => Err(invalid("upstream", "is required")),
-            None => Err(invalid(
-                format!("{at}.upstream"),
-                format!(
-                    "{:?} names no upstream; define [upstreams.{}]",
-                    policy.upstream, policy.upstream
-                ),
-            )),
-        };
-        let upstream = named(&defaults, "defaults")?;
-        for (i, r) in routes.iter().enumerate() {
-            named(&r.policy, &format!("routes[{i}]"))?;
-        }
+        let or = |field: Option<Checked<_>>, default| field.map_or(default, Checked::into_inner);
+        let client_header_timeout = or(raw.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
+        let client_idle_timeout = or(raw.client_idle_timeout, DEFAULT_CLIENT_IDLE_TIMEOUT);
+        let max_client_connections = raw
+            .max_client_connections
+            .map_or(DEFAULT_MAX_CLIENT_CONNECTIONS, Checked::into_inner)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        let (defaults, routes) = policies(&raw.defaults, &raw.routes, key_secret.as_ref())?;
+        let upstream = forwarded_to(&upstreams, &defaults, &routes)?;
         Ok(Config {
             listen,
             upstream,
@@ -386,6 +289,65 @@ impl Config {
             admin,
         })
     }
+}
+
+/// `[defaults]` merged over the built-in defaults, and each route merged over that; checked as
+/// the route table will be built, so that building it cannot fail.
+fn policies(
+    defaults: &PolicyTable,
+    routes: &[PolicyTable],
+    key_secret: Option<&KeySecret>,
+) -> Result<(Arc<Policy>, Vec<Route>), ConfigError> {
+    if defaults.path.is_some() {
+        return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
+    }
+    let resolve = |table: &PolicyTable, over: &Policy, at: &str| {
+        let policy = table.merged_over(over.clone());
+        policy.check_ttls(at)?;
+        policy.with_key_secret(key_secret, at)
+    };
+    let defaults = resolve(defaults, &Policy::default(), "defaults")?;
+    let mut table = crate::idempotency::Routes::new(defaults.clone());
+    let mut resolved = Vec::with_capacity(routes.len());
+    for (i, r) in routes.iter().enumerate() {
+        let at = format!("routes[{i}]");
+        let path = r
+            .path
+            .clone()
+            .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
+        let mut policy = resolve(r, &defaults, &at)?;
+        policy.route = path.clone();
+        table = table.route(&path, policy.clone())?;
+        resolved.push(Route {
+            path,
+            policy: Arc::new(policy),
+        });
+    }
+    Ok((Arc::new(defaults), resolved))
+}
+
+/// The URL `[defaults]` forwards to; an error naming the policy whose upstream does not exist.
+fn forwarded_to(
+    upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
+    defaults: &Policy,
+    routes: &[Route],
+) -> Result<Uri, ConfigError> {
+    let named = |policy: &Policy, at: &str| match upstreams.get(&policy.upstream) {
+        Some(u) => Ok(u.url.clone()),
+        None if policy.upstream == DEFAULT_UPSTREAM => Err(invalid("upstream", "is required")),
+        None => Err(invalid(
+            format!("{at}.upstream"),
+            format!(
+                "{:?} names no upstream; define [upstreams.{}]",
+                policy.upstream, policy.upstream
+            ),
+        )),
+    };
+    let upstream = named(defaults, "defaults")?;
+    for (i, r) in routes.iter().enumerate() {
+        named(&r.policy, &format!("routes[{i}]"))?;
+    }
+    Ok(upstream)
 }
 
 #[cfg(test)]
@@ -709,6 +671,36 @@ mod tests {
                 Ok(())
             });
         }
+    }
+
+    /// Errors name a key as the user wrote it: figment's profile (`default.`) is not part of it.
+    #[test]
+    fn file_errors_name_the_key_as_written() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[telemetry]\nx = 1",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert!(e.contains("for key \"telemetry\" in TOML"), "{e}");
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[[routes]]\npath = \"/a\"\nmax_body = \"lots\"",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert!(e.contains("\"lots\" is not a size"), "{e}");
+            assert!(e.contains("for key \"routes[0].max_body\""), "{e}");
+            jail.create_file(
+                "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[[routes]]\npath = \"/a\"\nttl = \"0s\"",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                "invalid config: routes[0].ttl: must be greater than zero"
+            );
+            Ok(())
+        });
     }
 
     /// config/example.toml shows every default the code has, and config/redis.toml every Redis

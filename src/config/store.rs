@@ -1,48 +1,13 @@
-//! The `[store]` table: which backend keeps the records, and that backend's settings. A field of
-//! one backend set under another is an error, so a setting never silently does nothing.
+//! The `[store]` table: `backend` chooses the table the other fields are read as, one struct per
+//! backend, each value checked as it is read. A field of one backend set under another is an
+//! error naming the backends it belongs to, so a setting never silently does nothing.
 
-use std::fmt;
-use std::time::Duration;
-
+use serde::de::Deserializer;
 use serde::Deserialize;
 
+use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
-use super::{redact_url, ConfigError};
-use crate::store::redis::RedisOptions;
-use crate::store::{cached, memory, redis as redis_store, StoreError};
-
-/// How the Redis store keeps response bodies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Compression {
-    /// LZ4 for bodies of 1 KiB and more without a `Content-Encoding`, kept only when it saves
-    /// at least an eighth.
-    #[default]
-    Lz4,
-    /// Bodies as they came.
-    None,
-}
-
-/// The `[store]` table as written: every backend's fields, checked against the backend chosen.
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawStore {
-    backend: Option<String>,
-    // memory
-    max_entries: Option<usize>,
-    max_bytes: Option<HumanSize>,
-    // redis, redis-cluster, redis-sentinel
-    url: Option<String>,
-    urls: Option<Vec<String>>,
-    master_name: Option<String>,
-    wait_replicas: Option<u32>,
-    prefix: Option<String>,
-    timeout: Option<HumanDuration>,
-    local_cache: Option<HumanSize>,
-    local_cache_ttl: Option<HumanDuration>,
-    tls_ca_file: Option<String>,
-    compression: Option<Compression>,
-}
+pub use crate::store::{redact_url, Compression, MemorySettings, RedisSettings, Topology};
 
 /// Which store keeps the records, with its settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,170 +22,6 @@ pub enum StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig::Memory(MemorySettings::default())
-    }
-}
-
-/// `backend = "memory"`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemorySettings {
-    /// Most records kept; past it completed records are evicted (never in-flight ones).
-    pub max_entries: usize,
-    /// Most bytes of stored responses kept, evicting likewise.
-    pub max_bytes: u64,
-}
-
-impl Default for MemorySettings {
-    fn default() -> Self {
-        MemorySettings {
-            max_entries: memory::DEFAULT_MAX_ENTRIES,
-            max_bytes: memory::DEFAULT_MAX_BYTES,
-        }
-    }
-}
-
-/// Which Redis deployment holds the records, and how to find it. URLs may carry a password, so
-/// they are never logged whole.
-#[derive(Clone, PartialEq, Eq)]
-pub enum Topology {
-    /// `backend = "redis"`: one server at `url` (`redis://`, `rediss://` or `unix://`).
-    Single {
-        /// The server.
-        url: String,
-    },
-    /// `backend = "redis-cluster"`: seed nodes of a Redis Cluster; the rest are discovered.
-    Cluster {
-        /// Seed nodes.
-        urls: Vec<String>,
-    },
-    /// `backend = "redis-sentinel"`: the primary that these sentinels name `master_name`. The
-    /// data nodes are reached with the sentinels' user, password and TLS setting.
-    Sentinel {
-        /// The sentinels.
-        urls: Vec<String>,
-        /// The name the sentinels monitor the primary under.
-        master_name: String,
-    },
-}
-
-impl Topology {
-    /// The `backend` value that selects this topology.
-    pub fn backend(&self) -> &'static str {
-        match self {
-            Topology::Single { .. } => "redis",
-            Topology::Cluster { .. } => "redis-cluster",
-            Topology::Sentinel { .. } => "redis-sentinel",
-        }
-    }
-
-    /// Every URL, for TLS checks and logs.
-    pub fn urls(&self) -> Vec<&str> {
-        match self {
-            Topology::Single { url } => vec![url.as_str()],
-            Topology::Cluster { urls } | Topology::Sentinel { urls, .. } => {
-                urls.iter().map(String::as_str).collect()
-            }
-        }
-    }
-}
-
-impl fmt::Debug for Topology {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Passwords in URLs are never printed.
-        let redacted = |urls: &[String]| urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>();
-        match self {
-            Topology::Single { url } => f
-                .debug_struct("Single")
-                .field("url", &redact_url(url))
-                .finish(),
-            Topology::Cluster { urls } => f
-                .debug_struct("Cluster")
-                .field("urls", &redacted(urls))
-                .finish(),
-            Topology::Sentinel { urls, master_name } => f
-                .debug_struct("Sentinel")
-                .field("urls", &redacted(urls))
-                .field("master_name", master_name)
-                .finish(),
-        }
-    }
-}
-
-/// `backend = "redis"`, `"redis-cluster"` or `"redis-sentinel"`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct RedisSettings {
-    /// Where the records are.
-    pub topology: Topology,
-    /// Replicas that must acknowledge each claim and completion (`WAIT`); 0: none.
-    pub wait_replicas: u32,
-    /// Prefix of every key the gateway writes, so one Redis can serve several deployments.
-    pub prefix: String,
-    /// How long to wait to connect or for one answer before the store counts as down.
-    pub timeout: Duration,
-    /// Bytes of completed responses each gateway process keeps to replay without a round trip
-    /// (0 turns the local cache off).
-    pub local_cache: u64,
-    /// The longest a response stays in the local cache.
-    pub local_cache_ttl: Duration,
-    /// For `rediss://`: a PEM file of the CA(s) to trust instead of the system's.
-    pub tls_ca_file: Option<String>,
-    /// How stored bodies are compressed.
-    pub compression: Compression,
-}
-
-impl RedisSettings {
-    /// The settings for the one Redis at `url`, every other field at its default.
-    pub fn new(url: impl Into<String>) -> Self {
-        Self::with_topology(Topology::Single { url: url.into() })
-    }
-
-    /// The settings for Redis found by `topology`, every other field at its default.
-    pub fn with_topology(topology: Topology) -> Self {
-        RedisSettings {
-            topology,
-            wait_replicas: 0,
-            prefix: redis_store::DEFAULT_PREFIX.to_string(),
-            timeout: redis_store::DEFAULT_TIMEOUT,
-            local_cache: cached::DEFAULT_BYTES,
-            local_cache_ttl: cached::DEFAULT_MAX_AGE,
-            tls_ca_file: None,
-            compression: Compression::default(),
-        }
-    }
-
-    /// How to reach this Redis (with the PEM of `tls_ca_file`, read now).
-    pub fn options(&self) -> Result<RedisOptions, StoreError> {
-        let mut options = RedisOptions::with_topology(self.topology.clone())
-            .wait_replicas(self.wait_replicas)
-            .prefix(&self.prefix)
-            .timeout(self.timeout)
-            .compression(self.compression);
-        if let Some(path) = &self.tls_ca_file {
-            let pem = std::fs::read(path).map_err(|e| {
-                StoreError::Redis(redis::RedisError::from((
-                    redis::ErrorKind::InvalidClientConfig,
-                    "cannot read store.tls_ca_file",
-                    format!("{path}: {e}"),
-                )))
-            })?;
-            options = options.tls_ca(pem);
-        }
-        Ok(options)
-    }
-}
-
-impl fmt::Debug for RedisSettings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The URL's password is never printed.
-        f.debug_struct("RedisSettings")
-            .field("topology", &self.topology)
-            .field("wait_replicas", &self.wait_replicas)
-            .field("prefix", &self.prefix)
-            .field("timeout", &HumanDuration(self.timeout))
-            .field("local_cache", &HumanSize(self.local_cache))
-            .field("local_cache_ttl", &HumanDuration(self.local_cache_ttl))
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("compression", &self.compression)
-            .finish()
     }
 }
 
@@ -249,202 +50,273 @@ impl StoreConfig {
             StoreConfig::Redis(r) => r.topology.backend(),
         }
     }
+}
 
-    /// Validate the table as written.
-    pub(super) fn from_raw(raw: RawStore) -> Result<Self, ConfigError> {
-        let backend = raw.backend.as_deref().unwrap_or("memory");
-        const BACKENDS: [&str; 4] = ["memory", "redis", "redis-cluster", "redis-sentinel"];
-        if !BACKENDS.contains(&backend) {
-            return Err(ConfigError::invalid(
-                "store.backend",
-                format!(
-                    "{backend:?} is not a backend; use \"memory\", \"redis\", \"redis-cluster\" or \"redis-sentinel\""
-                ),
-            ));
-        }
-        // Each field with the backends it belongs to.
-        const REDIS_ALL: &[&str] = &["redis", "redis-cluster", "redis-sentinel"];
-        let set: [(&str, bool, &[&str]); 12] = [
-            ("max_entries", raw.max_entries.is_some(), &["memory"]),
-            ("max_bytes", raw.max_bytes.is_some(), &["memory"]),
-            ("url", raw.url.is_some(), &["redis"]),
-            (
-                "urls",
-                raw.urls.is_some(),
-                &["redis-cluster", "redis-sentinel"],
-            ),
-            (
-                "master_name",
-                raw.master_name.is_some(),
-                &["redis-sentinel"],
-            ),
-            ("wait_replicas", raw.wait_replicas.is_some(), REDIS_ALL),
-            ("prefix", raw.prefix.is_some(), REDIS_ALL),
-            ("timeout", raw.timeout.is_some(), REDIS_ALL),
-            ("local_cache", raw.local_cache.is_some(), REDIS_ALL),
-            ("local_cache_ttl", raw.local_cache_ttl.is_some(), REDIS_ALL),
-            ("tls_ca_file", raw.tls_ca_file.is_some(), REDIS_ALL),
-            ("compression", raw.compression.is_some(), REDIS_ALL),
-        ];
-        if let Some((field, _, owners)) = set
-            .iter()
-            .find(|(_, set, owners)| *set && !owners.contains(&backend))
-        {
-            let owners = owners
-                .iter()
-                .map(|o| format!("\"{o}\""))
-                .collect::<Vec<_>>()
-                .join(" or ");
-            return Err(ConfigError::invalid(
-                format!("store.{field}"),
-                format!("belongs to backend = {owners}, not \"{backend}\""),
-            ));
-        }
-        if backend == "memory" {
-            let defaults = MemorySettings::default();
-            let max_entries = match raw.max_entries {
-                Some(0) => {
-                    return Err(ConfigError::invalid(
-                        "store.max_entries",
-                        "must be at least 1",
-                    ))
-                }
-                Some(n) => n,
-                None => defaults.max_entries,
-            };
-            let max_bytes = match raw.max_bytes {
-                Some(HumanSize(0)) => {
-                    return Err(ConfigError::invalid(
-                        "store.max_bytes",
-                        "must be greater than zero",
-                    ))
-                }
-                Some(HumanSize(n)) => n,
-                None => defaults.max_bytes,
-            };
-            return Ok(StoreConfig::Memory(MemorySettings {
-                max_entries,
-                max_bytes,
-            }));
-        }
-        let topology = match backend {
-            "redis" => {
-                let url = raw.url.ok_or_else(|| {
-                    ConfigError::invalid("store.url", "is required when store.backend = \"redis\"")
-                })?;
-                check_url("store.url", &url)?;
-                Topology::Single { url }
-            }
-            _ => {
-                let urls = raw.urls.unwrap_or_default();
-                if urls.is_empty() {
-                    return Err(ConfigError::invalid(
-                        "store.urls",
-                        format!("needs at least one URL when store.backend = \"{backend}\""),
-                    ));
-                }
-                for url in &urls {
-                    if url.starts_with("unix://") {
-                        return Err(ConfigError::invalid(
-                            "store.urls",
-                            "must be redis:// or rediss:// URLs (nodes are reached over TCP)",
-                        ));
-                    }
-                    check_url("store.urls", url)?;
-                }
-                if urls.iter().any(|u| u.starts_with("rediss://"))
-                    && !urls.iter().all(|u| u.starts_with("rediss://"))
-                {
-                    return Err(ConfigError::invalid(
-                        "store.urls",
-                        "mixes redis:// and rediss://: use one scheme for every node",
-                    ));
-                }
-                if backend == "redis-cluster" {
-                    Topology::Cluster { urls }
-                } else {
-                    let master_name = raw.master_name.unwrap_or_default();
-                    if master_name.is_empty() {
-                        return Err(ConfigError::invalid(
-                            "store.master_name",
-                            "is required when store.backend = \"redis-sentinel\"",
-                        ));
-                    }
-                    Topology::Sentinel { urls, master_name }
-                }
-            }
-        };
-        let mut settings = RedisSettings::with_topology(topology);
-        settings.wait_replicas = raw.wait_replicas.unwrap_or(0);
-        if let Some(prefix) = raw.prefix {
-            // The prefix scopes every key this gateway writes, and the admin API's evict-all
-            // deletes everything under it: an empty one would mean the whole database.
-            if prefix.is_empty() || prefix.contains(['*', '?', '[', ']', '\\']) {
-                return Err(ConfigError::invalid(
-                    "store.prefix",
-                    "must be non-empty and free of the glob characters * ? [ ] \\",
-                ));
-            }
-            // In a cluster, braces would make a hash tag of the prefix: every record on one slot.
-            if backend == "redis-cluster" && prefix.contains(['{', '}']) {
-                return Err(ConfigError::invalid(
-                    "store.prefix",
-                    "must be free of { and } on a Redis Cluster (they would put every record on one slot)",
-                ));
-            }
-            settings.prefix = prefix;
-        }
-        match raw.timeout {
-            Some(HumanDuration(d)) if d.is_zero() => {
-                return Err(ConfigError::invalid(
-                    "store.timeout",
-                    "must be greater than zero",
-                ))
-            }
-            Some(HumanDuration(d)) => settings.timeout = d,
-            None => {}
-        }
-        if let Some(HumanSize(n)) = raw.local_cache {
-            settings.local_cache = n;
-        }
-        if let Some(HumanDuration(d)) = raw.local_cache_ttl {
-            settings.local_cache_ttl = d;
-        }
-        if let Some(path) = raw.tls_ca_file {
-            if !settings
-                .topology
-                .urls()
-                .iter()
-                .all(|u| u.starts_with("rediss://"))
-            {
-                return Err(ConfigError::invalid(
-                    "store.tls_ca_file",
-                    "needs rediss:// URLs",
-                ));
-            }
-            if let Err(e) = std::fs::metadata(&path) {
-                return Err(ConfigError::invalid(
-                    "store.tls_ca_file",
-                    format!("{path}: {e}"),
-                ));
-            }
-            settings.tls_ca_file = Some(path);
-        }
-        if let Some(c) = raw.compression {
-            settings.compression = c;
-        }
-        Ok(StoreConfig::Redis(settings))
+/// A field refused, named within `[store]`, and why.
+type Refused = (String, String);
+
+fn refused(field: &str, reason: impl Into<String>) -> Refused {
+    (field.to_string(), reason.into())
+}
+
+impl<'de> Deserialize<'de> for StoreConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Read whole first: `backend`, wherever it is written, decides what the others are.
+        let table = toml::Table::deserialize(d)?;
+        read(table).map_err(|(field, reason)| checked::refused(&field, reason))
     }
 }
 
-/// A Redis URL's scheme, checked for `field`.
-fn check_url(field: &str, url: &str) -> Result<(), ConfigError> {
-    if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
-        Ok(())
-    } else {
-        Err(ConfigError::invalid(
-            field,
-            "must start with redis://, rediss:// or unix://",
-        ))
+/// One backend: its name, the fields of its table, and how the table becomes a store's settings.
+struct Backend {
+    name: &'static str,
+    fields: fn() -> &'static [&'static str],
+    read: fn(toml::Table) -> Result<StoreConfig, Refused>,
+}
+
+const BACKENDS: [Backend; 4] = [
+    Backend::of::<MemoryTable>("memory"),
+    Backend::of::<SingleTable>("redis"),
+    Backend::of::<ClusterTable>("redis-cluster"),
+    Backend::of::<SentinelTable>("redis-sentinel"),
+];
+
+impl Backend {
+    const fn of<T: Table>(name: &'static str) -> Self {
+        Backend {
+            name,
+            fields: fields_of::<T>,
+            read: |table| checked::from_value::<T>(toml::Value::Table(table))?.settings(),
+        }
     }
+}
+
+/// A backend's table, read.
+trait Table: serde::de::DeserializeOwned {
+    /// The store's settings, or the field at fault.
+    fn settings(self) -> Result<StoreConfig, Refused>;
+}
+
+/// The table as written, read as its backend's.
+fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
+    let name = match table.remove("backend") {
+        None => "memory".to_string(),
+        Some(v) => String::deserialize(v).map_err(|e| refused("backend", e.message()))?,
+    };
+    let Some(backend) = BACKENDS.iter().find(|b| b.name == name) else {
+        return Err(refused(
+            "backend",
+            format!("{name:?} is not a backend; use \"memory\", \"redis\", \"redis-cluster\" or \"redis-sentinel\""),
+        ));
+    };
+    for field in table
+        .keys()
+        .filter(|f| !(backend.fields)().contains(&f.as_str()))
+    {
+        let owners: Vec<_> = BACKENDS
+            .iter()
+            .filter(|b| (b.fields)().contains(&field.as_str()))
+            .map(|b| format!("\"{}\"", b.name))
+            .collect();
+        if !owners.is_empty() {
+            return Err(refused(
+                field,
+                format!(
+                    "belongs to backend = {}, not \"{name}\"",
+                    owners.join(" or ")
+                ),
+            ));
+        }
+    }
+    (backend.read)(table)
+}
+
+/// `backend = "memory"`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MemoryTable {
+    max_entries: Option<Checked<checked::AtLeastOne>>,
+    max_bytes: Option<Checked<checked::NonZeroSize>>,
+}
+
+impl Table for MemoryTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let mut settings = MemorySettings::default();
+        if let Some(n) = self.max_entries {
+            settings.max_entries = n.into_inner();
+        }
+        if let Some(n) = self.max_bytes {
+            settings.max_bytes = n.into_inner();
+        }
+        Ok(StoreConfig::Memory(settings))
+    }
+}
+
+/// Declares a Redis backend's table: its own fields, then the fields every Redis backend has.
+macro_rules! redis_table {
+    ($(#[$doc:meta])* $name:ident { $($field:ident: $ty:ty,)* }) => {
+        $(#[$doc])*
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $name {
+            $($field: $ty,)*
+            wait_replicas: Option<u32>,
+            prefix: Option<Checked<Prefix>>,
+            timeout: Option<Checked<NonZero>>,
+            local_cache: Option<HumanSize>,
+            local_cache_ttl: Option<HumanDuration>,
+            tls_ca_file: Option<Checked<ExistingFile>>,
+            compression: Option<Compression>,
+        }
+
+        impl $name {
+            /// The settings for `topology`, with the fields every Redis backend has.
+            fn redis(self, topology: Topology) -> Result<RedisSettings, Refused> {
+                let mut settings = RedisSettings::with_topology(topology);
+                settings.wait_replicas = self.wait_replicas.unwrap_or(0);
+                if let Some(prefix) = self.prefix {
+                    settings.prefix = prefix.into_inner();
+                }
+                if let Some(timeout) = self.timeout {
+                    settings.timeout = timeout.into_inner();
+                }
+                if let Some(HumanSize(n)) = self.local_cache {
+                    settings.local_cache = n;
+                }
+                if let Some(HumanDuration(d)) = self.local_cache_ttl {
+                    settings.local_cache_ttl = d;
+                }
+                if let Some(path) = self.tls_ca_file {
+                    let urls = settings.topology.urls();
+                    if !urls.iter().all(|u| u.starts_with("rediss://")) {
+                        return Err(refused("tls_ca_file", "needs rediss:// URLs"));
+                    }
+                    settings.tls_ca_file = Some(path.into_inner());
+                }
+                if let Some(c) = self.compression {
+                    settings.compression = c;
+                }
+                Ok(settings)
+            }
+        }
+    };
+}
+
+redis_table! {
+    /// `backend = "redis"`: one server.
+    SingleTable {
+        url: Option<Checked<RedisUrl>>,
+    }
+}
+
+impl Table for SingleTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let url = self
+            .url
+            .as_ref()
+            .ok_or_else(|| refused("url", "is required when store.backend = \"redis\""))?;
+        let topology = Topology::Single {
+            url: url.get().clone(),
+        };
+        self.redis(topology).map(StoreConfig::Redis)
+    }
+}
+
+redis_table! {
+    /// `backend = "redis-cluster"`: a Redis Cluster's seed nodes.
+    ClusterTable {
+        urls: Option<Checked<NodeUrls>>,
+    }
+}
+
+impl Table for ClusterTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let urls = node_urls(&self.urls, "redis-cluster")?;
+        // Braces would make a hash tag of the prefix: every record on one slot.
+        if let Some(prefix) = &self.prefix {
+            if prefix.get().contains(['{', '}']) {
+                return Err(refused(
+                    "prefix",
+                    "must be free of { and } on a Redis Cluster (they would put every record on one slot)",
+                ));
+            }
+        }
+        self.redis(Topology::Cluster { urls })
+            .map(StoreConfig::Redis)
+    }
+}
+
+redis_table! {
+    /// `backend = "redis-sentinel"`: the sentinels, and the name of the primary they monitor.
+    SentinelTable {
+        urls: Option<Checked<NodeUrls>>,
+        master_name: Option<String>,
+    }
+}
+
+impl Table for SentinelTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let urls = node_urls(&self.urls, "redis-sentinel")?;
+        let master_name = self.master_name.clone().unwrap_or_default();
+        if master_name.is_empty() {
+            return Err(refused(
+                "master_name",
+                "is required when store.backend = \"redis-sentinel\"",
+            ));
+        }
+        self.redis(Topology::Sentinel { urls, master_name })
+            .map(StoreConfig::Redis)
+    }
+}
+
+/// The nodes of a cluster or the sentinels: at least one.
+fn node_urls(urls: &Option<Checked<NodeUrls>>, backend: &str) -> Result<Vec<String>, Refused> {
+    match urls {
+        Some(urls) if !urls.get().is_empty() => Ok(urls.get().clone()),
+        _ => Err(refused(
+            "urls",
+            format!("needs at least one URL when store.backend = \"{backend}\""),
+        )),
+    }
+}
+
+/// A Redis URL's scheme.
+fn redis_url(url: String) -> Result<String, String> {
+    if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
+        Ok(url)
+    } else {
+        Err("must start with redis://, rediss:// or unix://".into())
+    }
+}
+
+rules! {
+    /// `redis://`, `rediss://` or `unix://`.
+    RedisUrl: String => String = redis_url;
+    /// Nodes reached over TCP, all with TLS or none.
+    NodeUrls: Vec<String> => Vec<String> = |urls: Vec<String>| {
+        for url in &urls {
+            if url.starts_with("unix://") {
+                return Err("must be redis:// or rediss:// URLs (nodes are reached over TCP)".to_string());
+            }
+            redis_url(url.clone())?;
+        }
+        let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
+        match tls == 0 || tls == urls.len() {
+            true => Ok(urls),
+            false => Err("mixes redis:// and rediss://: use one scheme for every node".to_string()),
+        }
+    };
+    /// The prefix scopes every key this gateway writes, and the admin API's evict-all deletes
+    /// everything under it: an empty one would mean the whole database.
+    Prefix: String => String = |prefix: String| {
+        match prefix.is_empty() || prefix.contains(['*', '?', '[', ']', '\\']) {
+            true => Err("must be non-empty and free of the glob characters * ? [ ] \\".to_string()),
+            false => Ok(prefix),
+        }
+    };
+    /// A file that exists.
+    ExistingFile: String => String = |path: String| match std::fs::metadata(&path) {
+        Ok(_) => Ok(path),
+        Err(e) => Err(format!("{path}: {e}")),
+    };
 }

@@ -9,11 +9,11 @@ use std::time::Duration;
 use http::Uri;
 use serde::Deserialize;
 
+use super::checked::{rules, AtLeastOne, Checked, NonZero};
 use super::human::HumanDuration;
 use super::{invalid, ConfigError};
 
-/// The name of the upstream requests go to unless their route names another.
-pub const DEFAULT_UPSTREAM: &str = "default";
+pub use crate::idempotency::DEFAULT_UPSTREAM;
 
 /// How long opening a connection to an upstream may take, when not given.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -30,9 +30,19 @@ pub(super) struct RawUpstream {
     ca_file: Option<String>,
     client_cert_file: Option<String>,
     client_key_file: Option<String>,
-    server_name: Option<String>,
-    connect_timeout: Option<HumanDuration>,
-    max_connections: Option<usize>,
+    server_name: Option<Checked<ServerName>>,
+    connect_timeout: Option<Checked<NonZero>>,
+    max_connections: Option<Checked<AtLeastOne>>,
+}
+
+rules! {
+    /// The name sent as SNI: a DNS name or an IP address.
+    ServerName: String => String = |sni: String| {
+        match rustls::pki_types::ServerName::try_from(sni.as_str()) {
+            Ok(_) => Ok(sni),
+            Err(_) => Err(format!("{sni:?} is not a DNS name or IP address")),
+        }
+    };
 }
 
 /// The `[tls]` table as written.
@@ -193,14 +203,6 @@ fn upstream(
             ))
         }
     };
-    if let Some(sni) = &r.server_name {
-        if rustls::pki_types::ServerName::try_from(sni.as_str()).is_err() {
-            return Err(invalid(
-                format!("{at}.server_name"),
-                format!("{sni:?} is not a DNS name or IP address"),
-            ));
-        }
-    }
     let http2 = r.http2.unwrap_or(false);
     let tls = if https {
         let alpn: &[&[u8]] = if http2 { &[b"h2"] } else { &[b"http/1.1"] };
@@ -210,26 +212,12 @@ fn upstream(
     } else {
         None
     };
-    let connect_timeout = match r.connect_timeout {
-        Some(HumanDuration(d)) if d.is_zero() => {
-            return Err(invalid(
-                format!("{at}.connect_timeout"),
-                "must be greater than zero",
-            ))
-        }
-        Some(HumanDuration(d)) => d,
-        None => DEFAULT_CONNECT_TIMEOUT,
-    };
-    let max_connections = match r.max_connections {
-        Some(0) => {
-            return Err(invalid(
-                format!("{at}.max_connections"),
-                "must be at least 1",
-            ))
-        }
-        Some(n) => n,
-        None => DEFAULT_MAX_CONNECTIONS,
-    };
+    let connect_timeout = r
+        .connect_timeout
+        .map_or(DEFAULT_CONNECT_TIMEOUT, Checked::into_inner);
+    let max_connections = r
+        .max_connections
+        .map_or(DEFAULT_MAX_CONNECTIONS, Checked::into_inner);
     Ok((
         name.clone(),
         UpstreamConfig {
@@ -239,7 +227,7 @@ fn upstream(
             ca_file: r.ca_file,
             client_cert_file: r.client_cert_file,
             client_key_file: r.client_key_file,
-            server_name: r.server_name,
+            server_name: r.server_name.map(Checked::into_inner),
             connect_timeout,
             max_connections,
             tls,

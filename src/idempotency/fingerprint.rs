@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 
 use super::json::{hash_canonical, Json, Pointer};
 use super::key::write_field;
-use crate::config::{FingerprintMode, Policy};
+use super::policy::{FingerprintMode, Policy};
 
 /// SHA-256 over method, path and query, content-type and body (and, as a route says, the
 /// canonical form of a JSON body and some headers). Two requests with one key and the

@@ -6,7 +6,6 @@ use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
 use super::json::{hash_canonical, Json, Pointer};
-use crate::config::KeySecret;
 use crate::error::GatewayError;
 
 /// The request header that carries the key.
@@ -296,6 +295,38 @@ fn unquote(inner: &[u8]) -> Result<Vec<u8>, GatewayError> {
         }
     }
     Ok(out)
+}
+
+/// The secret that derived keys are an HMAC with (`IDEMGATE_KEY_SECRET`): never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeySecret(std::sync::Arc<[u8]>);
+
+impl KeySecret {
+    /// The shortest secret accepted, in bytes.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret of at least [`KeySecret::MIN_LEN`] bytes.
+    pub fn new(secret: impl AsRef<[u8]>) -> Result<Self, String> {
+        let secret = secret.as_ref();
+        if secret.len() < Self::MIN_LEN {
+            return Err(format!(
+                "must be at least {} characters long",
+                Self::MIN_LEN
+            ));
+        }
+        Ok(KeySecret(secret.into()))
+    }
+
+    /// The secret's bytes.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use tokio_util::task::TaskTracker;
 
+use super::policy::Policy;
 use super::routes::{RouteTable, Routes};
 use super::service::{Idempotency, Shared};
-use crate::config::Policy;
 use crate::metrics::Metrics;
 use crate::store::Store;
 

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
-use crate::config::{Config, ConfigError, Policy};
+use super::policy::Policy;
+use crate::error::ConfigError;
 use crate::metrics::{Metrics, RouteMetrics};
 
 /// The policies a layer applies, by request path: path patterns in matchit syntax (the router
@@ -59,14 +60,17 @@ impl Routes {
         Ok(self)
     }
 
-    /// The routes of a validated config.
-    pub fn from_config(config: &Config) -> Self {
-        config
-            .routes
-            .iter()
-            .fold(Routes::new((*config.defaults).clone()), |routes, r| {
-                routes
-                    .route(&r.path, (*r.policy).clone())
+    /// The routes of a validated configuration: its defaults, and its routes' policies in file
+    /// order, each named after its path pattern (its `route`).
+    pub fn from_config<'a>(
+        defaults: &Policy,
+        routes: impl IntoIterator<Item = &'a Policy>,
+    ) -> Self {
+        routes
+            .into_iter()
+            .fold(Routes::new(defaults.clone()), |table, policy| {
+                table
+                    .route(&policy.route.clone(), policy.clone())
                     .expect("route paths were validated with the config")
             })
     }

@@ -22,10 +22,10 @@ use axum::body::Body;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 
-use crate::config::{Config, Policy, DEFAULT_UPSTREAM};
+use crate::config::Config;
 use crate::error::GatewayError;
 use crate::headers::content_length;
-use crate::idempotency::{Deadline, NotSent};
+use crate::idempotency::{Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
 use crate::metrics::{Metrics, UpstreamResult};
 use upstream::Upstream;
 

@@ -91,13 +91,13 @@ impl Events {
             ca_pem: o.ca_pem,
             push: Some(push),
         })?;
-        if matches!(o.topology, crate::config::Topology::Sentinel { .. }) {
+        if matches!(o.topology, super::Topology::Sentinel { .. }) {
             keep_following(&conn, &shared);
         }
         Ok(Arc::new(Events {
             shared,
             conn,
-            sharded: matches!(o.topology, crate::config::Topology::Cluster { .. }),
+            sharded: matches!(o.topology, super::Topology::Cluster { .. }),
             evict_channel,
         }))
     }

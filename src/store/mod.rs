@@ -16,12 +16,14 @@ pub mod cached;
 pub mod events;
 pub mod memory;
 pub mod redis;
+mod settings;
 mod topology;
 
 pub use self::cached::{CachedStore, LocalCache};
 pub use self::events::{Evicted, Watch};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
+pub use self::settings::{redact_url, Compression, MemorySettings, RedisSettings, Topology};
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from
 /// the entry the key holds and the request's fingerprint, the one place that decision is made.

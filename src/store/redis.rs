@@ -24,9 +24,10 @@ use bytes::Bytes;
 use redis::Script;
 
 use super::events::{Events, Evicted, Watch};
+use super::settings::{Compression, RedisSettings, Topology};
+pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 use super::topology::{Conn, Opening};
 use super::{Claim, Store, StoreError};
-use crate::config::{Compression, Topology};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{self, EntryState, Token};
@@ -45,7 +46,7 @@ pub struct RedisStore {
     // every handle of the process); none when `wait_replicas` is 0.
     wait: Option<Arc<WaitPool>>,
     // The prefix, the compression and how to open more connections.
-    options: Arc<RedisOptions>,
+    options: Arc<RedisSettings>,
     scripts: Arc<Scripts>,
     // Whether claims use `SET NX GET`; cleared for good when the server refuses it (Redis < 7).
     native_claim: Arc<AtomicBool>,
@@ -92,12 +93,6 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// Key prefix used when none is given.
-pub const DEFAULT_PREFIX: &str = "idemgate:";
-
-/// How long connecting or one answer may take when no timeout is given.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// Connections for the writes followed by `WAIT`, each taken by one write at a time: a `WAIT`
 /// blocks its connection inside Redis until the replicas answer (or its timeout passes), and
 /// must not hold up the commands of other requests.
@@ -115,7 +110,7 @@ const WAIT_CONNECTIONS: usize = 16;
 impl WaitPool {
     /// The pool's connections, opened lazily; an answer may take the `WAIT`'s whole timeout
     /// before it is sent, so they wait twice the store's.
-    fn open(options: &RedisOptions) -> Result<Self, StoreError> {
+    fn open(options: &RedisSettings) -> Result<Self, StoreError> {
         let opening = Opening {
             timeout: options.timeout * 2,
             ..RedisStore::opening(options)
@@ -147,85 +142,9 @@ impl WaitPool {
 /// The channel of a record key, after its name, on which completing and releasing it publish.
 const DONE_SUFFIX: &str = ":done";
 
-/// How to reach Redis and how to write there: the one way a [`RedisStore`] is made.
-#[derive(Clone)]
-pub struct RedisOptions {
-    topology: Topology,
-    wait_replicas: u32,
-    prefix: String,
-    timeout: Duration,
-    ca_pem: Option<Vec<u8>>,
-    compression: Compression,
-}
-
-impl std::fmt::Debug for RedisOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisOptions")
-            .field("topology", &self.topology)
-            .field("wait_replicas", &self.wait_replicas)
-            .field("prefix", &self.prefix)
-            .field("timeout", &self.timeout)
-            .field("compression", &self.compression)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisOptions {
-    /// Redis at `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS,
-    /// `unix://`), with the default prefix, timeout and compression.
-    pub fn new(url: impl Into<String>) -> Self {
-        Self::with_topology(Topology::Single { url: url.into() })
-    }
-
-    /// Redis found by `topology` (one server, a cluster's seed nodes, or sentinels), with the
-    /// default prefix, timeout and compression.
-    pub fn with_topology(topology: Topology) -> Self {
-        RedisOptions {
-            topology,
-            wait_replicas: 0,
-            prefix: DEFAULT_PREFIX.to_string(),
-            timeout: DEFAULT_TIMEOUT,
-            ca_pem: None,
-            compression: Compression::default(),
-        }
-    }
-
-    /// Have `replicas` replicas acknowledge every claim and completion (`WAIT`) within the
-    /// timeout; 0 (the default): no `WAIT`.
-    pub fn wait_replicas(mut self, replicas: u32) -> Self {
-        self.wait_replicas = replicas;
-        self
-    }
-
-    /// Prefix every key with `prefix`, so several deployments can share one Redis.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// Past `timeout` without a connection or an answer, the store counts as down for that
-    /// request.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// For `rediss://`: trust these PEM certificates (a private CA) instead of the system's roots.
-    pub fn tls_ca(mut self, pem: Vec<u8>) -> Self {
-        self.ca_pem = Some(pem);
-        self
-    }
-
-    /// Write completed bodies with `compression` (records are read whatever their encoding).
-    pub fn compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
-        self
-    }
-}
-
 impl RedisStore {
     /// Connect, and check that Redis answers.
-    pub async fn connect(options: &RedisOptions) -> Result<Self, StoreError> {
+    pub async fn connect(options: &RedisSettings) -> Result<Self, StoreError> {
         let store = Self::lazy(options)?;
         store.ping_now().await?;
         Ok(store)
@@ -233,13 +152,14 @@ impl RedisStore {
 
     /// A handle that connects on first use (and reconnects by itself after), for starting while
     /// Redis is unreachable: until it answers, every operation fails as a store error.
-    pub fn lazy(options: &RedisOptions) -> Result<Self, StoreError> {
-        let events = Events::open(&Self::opening(options), &options.prefix)?;
+    pub fn lazy(options: &RedisSettings) -> Result<Self, StoreError> {
+        let options = options.with_ca_read()?;
+        let events = Events::open(&Self::opening(&options), &options.prefix)?;
         let wait = match options.wait_replicas {
             0 => None,
-            _ => Some(Arc::new(WaitPool::open(options)?)),
+            _ => Some(Arc::new(WaitPool::open(&options)?)),
         };
-        Self::with_shared(Arc::new(options.clone()), events, wait)
+        Self::with_shared(Arc::new(options), events, wait)
     }
 
     /// Another handle with a connection of its own (for another worker thread), sharing this
@@ -251,7 +171,7 @@ impl RedisStore {
         Ok(store)
     }
 
-    fn opening(options: &RedisOptions) -> Opening<'_> {
+    fn opening(options: &RedisSettings) -> Opening<'_> {
         Opening {
             topology: &options.topology,
             timeout: options.timeout,
@@ -261,7 +181,7 @@ impl RedisStore {
     }
 
     fn with_shared(
-        options: Arc<RedisOptions>,
+        options: Arc<RedisSettings>,
         events: Arc<Events>,
         wait: Option<Arc<WaitPool>>,
     ) -> Result<Self, StoreError> {

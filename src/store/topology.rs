@@ -22,7 +22,7 @@ use redis::{
     RedisResult, TlsCertificates, Value,
 };
 
-use crate::config::Topology;
+use super::Topology;
 
 /// Receives pub/sub messages on a subscriber connection.
 pub(crate) type PushFn = Arc<dyn Fn(PushInfo) + Send + Sync>;

@@ -1,0 +1,250 @@
+//! The stores' settings: the bounds of the embedded store, and where the Redis store finds its
+//! nodes and how it writes there. The configuration reads `[store]` into these.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{cached, memory, StoreError};
+
+/// `backend = "memory"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemorySettings {
+    /// Most records kept; past it completed records are evicted (never in-flight ones).
+    pub max_entries: usize,
+    /// Most bytes of stored responses kept, evicting likewise.
+    pub max_bytes: u64,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        MemorySettings {
+            max_entries: memory::DEFAULT_MAX_ENTRIES,
+            max_bytes: memory::DEFAULT_MAX_BYTES,
+        }
+    }
+}
+
+/// How the Redis store keeps response bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// LZ4 for bodies of 1 KiB and more without a `Content-Encoding`, kept only when it saves
+    /// at least an eighth.
+    #[default]
+    Lz4,
+    /// Bodies as they came.
+    None,
+}
+
+/// Which Redis deployment holds the records, and how to find it. URLs may carry a password, so
+/// they are never logged whole.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Topology {
+    /// `backend = "redis"`: one server at `url` (`redis://`, `rediss://` or `unix://`).
+    Single {
+        /// The server.
+        url: String,
+    },
+    /// `backend = "redis-cluster"`: seed nodes of a Redis Cluster; the rest are discovered.
+    Cluster {
+        /// Seed nodes.
+        urls: Vec<String>,
+    },
+    /// `backend = "redis-sentinel"`: the primary that these sentinels name `master_name`. The
+    /// data nodes are reached with the sentinels' user, password and TLS setting.
+    Sentinel {
+        /// The sentinels.
+        urls: Vec<String>,
+        /// The name the sentinels monitor the primary under.
+        master_name: String,
+    },
+}
+
+impl Topology {
+    /// The `backend` value that selects this topology.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Topology::Single { .. } => "redis",
+            Topology::Cluster { .. } => "redis-cluster",
+            Topology::Sentinel { .. } => "redis-sentinel",
+        }
+    }
+
+    /// Every URL, for TLS checks and logs.
+    pub fn urls(&self) -> Vec<&str> {
+        match self {
+            Topology::Single { url } => vec![url.as_str()],
+            Topology::Cluster { urls } | Topology::Sentinel { urls, .. } => {
+                urls.iter().map(String::as_str).collect()
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Passwords in URLs are never printed.
+        let redacted = |urls: &[String]| urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>();
+        match self {
+            Topology::Single { url } => f
+                .debug_struct("Single")
+                .field("url", &redact_url(url))
+                .finish(),
+            Topology::Cluster { urls } => f
+                .debug_struct("Cluster")
+                .field("urls", &redacted(urls))
+                .finish(),
+            Topology::Sentinel { urls, master_name } => f
+                .debug_struct("Sentinel")
+                .field("urls", &redacted(urls))
+                .field("master_name", master_name)
+                .finish(),
+        }
+    }
+}
+
+/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    // The last '@' ends the userinfo: a password may itself contain '@'.
+    let Some((userinfo, host)) = rest.rsplit_once('@') else {
+        return url.to_string();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Key prefix used when none is given.
+pub const DEFAULT_PREFIX: &str = "idemgate:";
+
+/// How long connecting or one answer may take when no timeout is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How to reach Redis and how to write there (`backend = "redis"`, `"redis-cluster"` or
+/// `"redis-sentinel"`): the one way a [`RedisStore`](super::RedisStore) is made.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    /// Where the records are.
+    pub topology: Topology,
+    /// Replicas that must acknowledge each claim and completion (`WAIT`); 0: none.
+    pub wait_replicas: u32,
+    /// Prefix of every key the gateway writes, so one Redis can serve several deployments.
+    pub prefix: String,
+    /// How long to wait to connect or for one answer before the store counts as down.
+    pub timeout: Duration,
+    /// Bytes of completed responses each gateway process keeps to replay without a round trip
+    /// (0 turns the local cache off).
+    pub local_cache: u64,
+    /// The longest a response stays in the local cache.
+    pub local_cache_ttl: Duration,
+    /// For `rediss://`: a PEM file of the CA(s) to trust instead of the system's, read when the
+    /// store opens.
+    pub tls_ca_file: Option<String>,
+    /// How stored bodies are compressed (records are read whatever their encoding).
+    pub compression: Compression,
+    // The CA(s) given as PEM in code, or read from `tls_ca_file`.
+    pub(crate) ca_pem: Option<Vec<u8>>,
+}
+
+impl RedisSettings {
+    /// Redis at `url` (`redis://[user:password@]host:port/db`, `rediss://` for TLS,
+    /// `unix://`), every other setting at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self::with_topology(Topology::Single { url: url.into() })
+    }
+
+    /// Redis found by `topology` (one server, a cluster's seed nodes, or sentinels), every
+    /// other setting at its default.
+    pub fn with_topology(topology: Topology) -> Self {
+        RedisSettings {
+            topology,
+            wait_replicas: 0,
+            prefix: DEFAULT_PREFIX.to_string(),
+            timeout: DEFAULT_TIMEOUT,
+            local_cache: cached::DEFAULT_BYTES,
+            local_cache_ttl: cached::DEFAULT_MAX_AGE,
+            tls_ca_file: None,
+            compression: Compression::default(),
+            ca_pem: None,
+        }
+    }
+
+    /// Have `replicas` replicas acknowledge every claim and completion (`WAIT`) within the
+    /// timeout; 0 (the default): no `WAIT`.
+    pub fn wait_replicas(mut self, replicas: u32) -> Self {
+        self.wait_replicas = replicas;
+        self
+    }
+
+    /// Prefix every key with `prefix`, so several deployments can share one Redis.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Past `timeout` without a connection or an answer, the store counts as down for that
+    /// request.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// For `rediss://`: trust these PEM certificates (a private CA) instead of the system's roots.
+    pub fn tls_ca(mut self, pem: Vec<u8>) -> Self {
+        self.ca_pem = Some(pem);
+        self
+    }
+
+    /// Write completed bodies with `compression` (records are read whatever their encoding).
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// These settings with the PEM of `tls_ca_file` read, when it is given.
+    pub(crate) fn with_ca_read(&self) -> Result<Self, StoreError> {
+        let mut settings = self.clone();
+        if let (None, Some(path)) = (&settings.ca_pem, &settings.tls_ca_file) {
+            let pem = std::fs::read(path).map_err(|e| {
+                StoreError::Redis(redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "cannot read store.tls_ca_file",
+                    format!("{path}: {e}"),
+                )))
+            })?;
+            settings.ca_pem = Some(pem);
+        }
+        Ok(settings)
+    }
+}
+
+impl fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL's password is never printed, nor the CA's PEM.
+        f.debug_struct("RedisSettings")
+            .field("topology", &self.topology)
+            .field("wait_replicas", &self.wait_replicas)
+            .field("prefix", &self.prefix)
+            .field(
+                "timeout",
+                &format_args!("{}", humantime::format_duration(self.timeout)),
+            )
+            .field(
+                "local_cache",
+                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
+            )
+            .field(
+                "local_cache_ttl",
+                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
+            )
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("compression", &self.compression)
+            .finish()
+    }
+}
