@@ -5,18 +5,22 @@
 
 mod body;
 pub mod fingerprint;
+mod inner;
 pub mod json;
 pub mod key;
 mod layer;
+mod lease;
 pub mod record;
+mod response;
 mod routes;
 mod service;
+mod wait;
 
+pub use inner::{Deadline, NotSent};
 pub use layer::IdempotencyLayer;
+pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;
-pub use service::{
-    Deadline, Idempotency, NotSent, IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT,
-};
+pub use service::Idempotency;
 
 #[cfg(test)]
 mod tests;
