@@ -6,7 +6,7 @@
 mod body;
 pub mod fingerprint;
 mod inner;
-pub mod json;
+pub(crate) mod json;
 pub mod key;
 mod layer;
 mod lease;
@@ -17,6 +17,7 @@ mod service;
 mod wait;
 
 pub use inner::{Deadline, NotSent};
+pub use json::Pointer;
 pub use layer::IdempotencyLayer;
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;
