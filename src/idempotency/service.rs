@@ -133,7 +133,7 @@ where
         let started = Instant::now();
         // The service that was polled ready is the one that runs this request.
         let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let route = shared.table.route_for(req.uri().path()).clone();
         let policy = &route.policy;
@@ -153,18 +153,8 @@ where
             Ok(None) if applies && policy.require_key => {
                 return shared.refuse_now(&route, started, GatewayError::MissingKey)
             }
-            Ok(None) => {
-                // Not idempotent: simply the inner service.
-                let call = inner.call(req);
-                shared.metrics.overhead(started.elapsed());
-                return Box::pin(async move {
-                    let called = Instant::now();
-                    let answer = call.await.map(relayed);
-                    shared.metrics.upstream(called.elapsed());
-                    route.metrics.count(Outcome::passthrough);
-                    answer
-                });
-            }
+            // Not idempotent: simply the inner service.
+            Ok(None) => return shared.pass_now(route, inner, req, started),
             Err(e) => return shared.refuse_now(&route, started, e),
         };
         // At debug level: at the default `info`, a span per request and its formatted fields
@@ -197,6 +187,7 @@ where
         })
     }
 }
+
 /// A response or the inner service's error.
 type Answer<E> = Result<Response<Body>, E>;
 
@@ -269,6 +260,32 @@ impl<St: Store> Shared<St> {
         route.metrics.count(Outcome::rejected_invalid);
         self.metrics.overhead(started.elapsed());
         Box::pin(std::future::ready(Ok(e.into_response())))
+    }
+
+    /// Hand a request idempotency does not apply to to the inner service, counted as a
+    /// pass-through. The inner service is called now: it is the one that was polled ready.
+    fn pass_now<S, RB>(
+        self: Arc<Self>,
+        route: Arc<RouteState>,
+        mut inner: S,
+        req: Request<Body>,
+        started: Instant,
+    ) -> BoxFuture<Result<Response<Body>, S::Error>>
+    where
+        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        RB: ByteBody,
+    {
+        let call = inner.call(req);
+        self.metrics.overhead(started.elapsed());
+        Box::pin(async move {
+            let called = Instant::now();
+            let answer = call.await.map(relayed);
+            self.metrics.upstream(called.elapsed());
+            route.metrics.count(Outcome::passthrough);
+            answer
+        })
     }
 
     /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
