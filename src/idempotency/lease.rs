@@ -100,11 +100,11 @@ impl<St: Store> Lease<St> {
     /// sure this holder's completion is refused.
     pub(super) async fn hold(&self) -> std::convert::Infallible {
         let held = &self.held;
-        let (route, lease) = (&held.policy.route, held.policy.lock_ttl);
-        let every = (lease / 3).max(Duration::from_millis(10));
+        let (route, lock_ttl) = (&held.policy.route, held.policy.lock_ttl);
+        let every = (lock_ttl / 3).max(Duration::from_millis(10));
         loop {
             tokio::time::sleep(every).await;
-            let renew = self.shared.store.renew(&held.key, &held.token, lease);
+            let renew = self.shared.store.renew(&held.key, &held.token, lock_ttl);
             match self.shared.timed(StoreOp::renew, renew).await {
                 Ok(true) => debug!(%route, key = %held.tag(), "lease renewed"),
                 Ok(false) => {

@@ -4,9 +4,9 @@
 //! for an in-flight duplicate in `wait.rs`.
 //!
 //! ```text
-//!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► without_store: 503 | call unprotected
+//!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► on_store_error: 503 | call unprotected
 //!                                                   ▲          ├─ mismatch (409/422)
-//!                                                   │          ├─ in flight ─► Waiter: 409 in flight
+//!                                                   │          ├─ in flight ─► on_in_flight: 409 in flight
 //!                                                   └─ waiting ◄┘                 | wait (bounded) and claim again
 //!                                                              ├─ not replayable ─► 409 not replayable
 //!                                                              ├─ replay ─► the stored response
@@ -57,6 +57,7 @@ use crate::store::{Claim, Replay, Store, StoreError};
 const IN_FLIGHT: GatewayError = GatewayError::InFlight {
     retry_after: Duration::from_secs(1),
 };
+
 /// A service wrapped by an [`IdempotencyLayer`](super::IdempotencyLayer): requests idempotency
 /// applies to run the keyed state machine around `inner`; every other request is simply passed
 /// to `inner`.
