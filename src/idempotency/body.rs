@@ -2,10 +2,29 @@
 //! and a response (to record). Bounded buffering: a body that proves larger than the cap is never
 //! read further.
 
+use std::error::Error as StdError;
+
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
 use http_body::Body as _;
 use http_body_util::BodyExt;
+
+/// An error of any kind, boxed: what a body's error becomes in an axum [`Body`].
+pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The bounds a request's or the inner service's body needs to become an axum [`Body`]: bytes,
+/// sendable, owned, with an error that boxes.
+pub(crate) trait ByteBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> ByteBody for B
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+}
 
 /// A body read whole, or found larger than the cap.
 pub(crate) enum Collected {

@@ -23,7 +23,12 @@ impl Fingerprint {
     /// Fingerprint a request as `policy` says: with `fingerprint = "json"` and a JSON-typed
     /// body (`doc`, parsed), its canonical form leaving out `fingerprint_ignore`; otherwise the
     /// exact bytes; and the values of `fingerprint_headers`.
-    pub fn for_policy(parts: &Parts, body: &[u8], doc: Option<&Json<'_>>, policy: &Policy) -> Self {
+    pub(crate) fn for_policy(
+        parts: &Parts,
+        body: &[u8],
+        doc: Option<&Json<'_>>,
+        policy: &Policy,
+    ) -> Self {
         let doc = doc.filter(|_| policy.fingerprint == FingerprintMode::Json);
         Self::with(
             parts,

@@ -77,7 +77,7 @@ impl IdempotencyKey {
     /// The key at `pointer` in a JSON body: `Ok(None)` when the body has no such field; an error
     /// naming the pointer when the value is not a string or a number, or not a valid key. A
     /// number is taken as written.
-    pub fn from_json(
+    pub(crate) fn from_json(
         doc: &Json<'_>,
         pointer: &Pointer,
         max_len: usize,
@@ -114,7 +114,7 @@ impl IdempotencyKey {
 
     /// The key derived from `fields` of a JSON body: an HMAC-SHA256, with `secret`, over each
     /// field's pointer and canonical value; `None` when a field is missing.
-    pub fn derived(doc: &Json<'_>, fields: &[Pointer], secret: &KeySecret) -> Option<Self> {
+    pub(crate) fn derived(doc: &Json<'_>, fields: &[Pointer], secret: &KeySecret) -> Option<Self> {
         use hmac::{Hmac, Mac};
         let mut mac =
             Hmac::<Sha256>::new_from_slice(secret.expose()).expect("HMAC takes any key length");

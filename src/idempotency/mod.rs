@@ -5,22 +5,27 @@
 
 mod body;
 pub mod fingerprint;
-pub mod json;
+mod inner;
+pub(crate) mod json;
 pub mod key;
 mod layer;
+mod lease;
 pub mod policy;
 pub mod record;
+mod response;
 mod routes;
 mod service;
+mod wait;
 
+pub use inner::{Deadline, NotSent};
+pub use json::Pointer;
 pub use layer::IdempotencyLayer;
 pub use policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, DEFAULT_UPSTREAM,
 };
+pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;
-pub use service::{
-    Deadline, Idempotency, NotSent, IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT,
-};
+pub use service::Idempotency;
 
 #[cfg(test)]
 mod tests;

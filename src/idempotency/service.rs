@@ -1,5 +1,7 @@
 //! [`Idempotency`]: the state machine of one request, around any inner service. Read
-//! `Shared::keyed` and `Shared::run_claimed` top to bottom: they are the whole protocol.
+//! `Shared::keyed` and `Shared::run_claimed` top to bottom: they are the whole protocol. The
+//! claim's life cycle is in `lease.rs`, what is stored and replayed in `response.rs`, the wait
+//! for an in-flight duplicate in `wait.rs`.
 //!
 //! ```text
 //!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► on_store_error: 503 | call unprotected
@@ -9,7 +11,7 @@
 //!                                                              ├─ not replayable ─► 409 not replayable
 //!                                                              ├─ replay ─► the stored response
 //!                                                              └─ claimed ─► run_claimed (spawned: survives client aborts)
-//!  run_claimed: call the inner service while renewing the lease
+//!  run_claimed: call the inner service while the Lease is held (renewed)
 //!                   ─┬─ error carrying NotSent ─► release, the error
 //!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
 //!                    ├─ 5xx, 408, 429 ─► release, pass the response on
@@ -28,75 +30,34 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{self, HeaderName, HeaderValue};
+use http::header;
 use http::request::Parts;
-use http::{Method, Request, Response, StatusCode};
-use tokio::sync::OwnedSemaphorePermit;
+use http::{Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
-use super::body::{collect_capped, replay_then_rest, Collected};
+use super::body::{collect_capped, replay_then_rest, ByteBody, Collected};
 use super::fingerprint::Fingerprint;
-use super::json;
-use super::key::{IdempotencyKey, KeySource, ScopedKey};
-use super::policy::{FingerprintMode, OnInFlight, OnStoreError, Policy};
+use super::inner::{is_not_sent, Deadline};
+use super::json::{self, Json};
+use super::key::{IdempotencyKey, KeySource};
+use super::lease::{Held, Lease};
+use super::policy::{FingerprintMode, OnStoreError, Policy};
 use super::record::{EntryState, StoredResponse, Token};
+use super::response::{self, relayed, TRACEPARENT};
 use super::routes::{RouteState, RouteTable};
+use super::wait::Waiter;
 use crate::error::GatewayError;
-use crate::headers::{declares_its_length, is_final_status};
+use crate::headers::is_final_status;
 use crate::metrics::{Metrics, Outcome, StoreOp, StoreOpMetrics};
-use crate::store::Watch;
 use crate::store::{Claim, Replay, Store, StoreError};
 
-/// The W3C trace context header, forwarded to the inner service and stored with the record.
-pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
-
-/// The header that marks a replayed response.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// How long a duplicate of an in-flight request is told to wait (`Retry-After`).
-const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// When the layer wants a keyed request's answer (head and body): handed to the inner service
-/// as a request extension, so that it can bound its own waits by the same instant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Deadline(pub Instant);
-
-/// Marks an inner service's error as "the request was certainly not processed" (a connection
-/// that could not be made, say): the layer then releases the key, so that a retry runs at once.
-///
-/// The layer looks for it along the error's `source()` chain, so an inner service expresses it
-/// by returning an error that is, or wraps, a `NotSent`. Every other error keeps the key claimed
-/// until its lease ends, since the request may have been processed.
-#[derive(Debug, thiserror::Error)]
-#[error("the request was not sent: {cause}")]
-pub struct NotSent {
-    #[source]
-    cause: Box<dyn StdError + Send + Sync>,
-}
-
-impl NotSent {
-    /// Say that the request was not sent, because of `cause`.
-    pub fn new(cause: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
-        NotSent {
-            cause: cause.into(),
-        }
-    }
-}
-
-/// Whether `e`, or an error it was caused by, is a [`NotSent`].
-fn is_not_sent(e: &(dyn StdError + 'static)) -> bool {
-    let mut cause = Some(e);
-    while let Some(e) = cause {
-        if e.is::<NotSent>() {
-            return true;
-        }
-        cause = e.source();
-    }
-    false
-}
+/// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
+const IN_FLIGHT: GatewayError = GatewayError::InFlight {
+    retry_after: Duration::from_secs(1),
+};
 
 /// A service wrapped by an [`IdempotencyLayer`](super::IdempotencyLayer): requests idempotency
 /// applies to run the keyed state machine around `inner`; every other request is simply passed
@@ -174,7 +135,7 @@ where
         let started = Instant::now();
         // The service that was polled ready is the one that runs this request.
         let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let route = shared.table.route_for(req.uri().path()).clone();
         let policy = &route.policy;
@@ -194,18 +155,8 @@ where
             Ok(None) if applies && policy.require_key => {
                 return shared.refuse_now(&route, started, GatewayError::MissingKey)
             }
-            Ok(None) => {
-                // Not idempotent: simply the inner service.
-                let call = inner.call(req);
-                shared.metrics.overhead(started.elapsed());
-                return Box::pin(async move {
-                    let called = Instant::now();
-                    let answer = call.await.map(relayed);
-                    shared.metrics.upstream(called.elapsed());
-                    route.metrics.count(Outcome::passthrough);
-                    answer
-                });
-            }
+            // Not idempotent: simply the inner service.
+            Ok(None) => return shared.pass_now(route, inner, req, started),
             Err(e) => return shared.refuse_now(&route, started, e),
         };
         // At debug level: at the default `info`, a span per request and its formatted fields
@@ -220,82 +171,68 @@ where
             original_trace = field::Empty,
         );
         Box::pin(async move {
-            let (outcome, answer, inner_time) = shared
+            let finished = shared
                 .clone()
                 .keyed(route.clone(), inner, key, req)
                 .instrument(span.clone())
                 .await;
-            span.record("outcome", outcome.as_str());
-            match &answer {
+            span.record("outcome", finished.outcome.as_str());
+            match &finished.answer {
                 Ok(resp) => debug!(parent: &span, status = resp.status().as_u16(), "done"),
                 Err(e) => debug!(parent: &span, error = %e, "inner service failed"),
             }
-            route.metrics.count(outcome);
+            route.metrics.count(finished.outcome);
             shared
                 .metrics
-                .overhead(started.elapsed().saturating_sub(inner_time));
-            answer
+                .overhead(started.elapsed().saturating_sub(finished.inner_time));
+            finished.answer
         })
-    }
-}
-
-/// The header by which an upstream steers the recording of one response (`no-store`,
-/// `max-age=SECONDS`); never relayed to a client.
-pub const IDEMPOTENCY_CONTROL: HeaderName = HeaderName::from_static("idempotency-control");
-
-/// A response the inner service gave, as relayed to the client: its body boxed, and
-/// `Idempotency-Control` removed.
-fn relayed<RB>(resp: Response<RB>) -> Response<Body>
-where
-    RB: http_body::Body<Data = Bytes> + Send + 'static,
-    RB::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let mut resp = resp.map(Body::new);
-    if !resp.headers().is_empty() {
-        resp.headers_mut().remove(IDEMPOTENCY_CONTROL);
-    }
-    resp
-}
-
-/// What an upstream's `Idempotency-Control` asks for one response.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Control {
-    // `no-store`, or `max-age=0`: not recorded.
-    no_store: bool,
-    // `max-age=SECONDS`: recorded for this long (bounded by the route's max_ttl).
-    max_age: Option<Duration>,
-}
-
-impl Control {
-    /// Read the directives of every `Idempotency-Control` header (comma-separated,
-    /// case-insensitive; unknown ones ignored), and remove them.
-    fn take(headers: &mut http::HeaderMap) -> Self {
-        let mut control = Control::default();
-        for value in headers.get_all(IDEMPOTENCY_CONTROL) {
-            for directive in value.to_str().unwrap_or("").split(',').map(str::trim) {
-                let (name, arg) = directive.split_once('=').unwrap_or((directive, ""));
-                if name.eq_ignore_ascii_case("no-store") {
-                    control.no_store = true;
-                } else if name.eq_ignore_ascii_case("max-age") {
-                    match arg.trim().trim_matches('"').parse::<u64>() {
-                        Ok(0) => control.no_store = true,
-                        Ok(secs) => control.max_age = Some(Duration::from_secs(secs)),
-                        Err(_) => {}
-                    }
-                }
-            }
-        }
-        headers.remove(IDEMPOTENCY_CONTROL);
-        control
     }
 }
 
 /// A response or the inner service's error.
 type Answer<E> = Result<Response<Body>, E>;
 
+/// The inner service's answer, and how long it took to give it.
+struct Forwarded<E> {
+    answer: Answer<E>,
+    took: Duration,
+}
+
+impl<E> Forwarded<E> {
+    /// The request ends with this answer, counted as `outcome`.
+    fn ended(self, outcome: Outcome) -> Finished<E> {
+        Finished {
+            outcome,
+            answer: self.answer,
+            inner_time: self.took,
+        }
+    }
+}
+
+/// What a keyed request came to: its outcome (for the metrics and the span), the answer the
+/// client gets, and the time the inner service took (left out of the layer's overhead).
+struct Finished<E> {
+    outcome: Outcome,
+    answer: Answer<E>,
+    inner_time: Duration,
+}
+
+impl<E> Finished<E> {
+    /// The layer's own answer, with its outcome; nothing was called.
+    fn refused(outcome: Outcome, e: GatewayError) -> Self {
+        debug!(problem = e.kind(), "refused");
+        Finished {
+            outcome,
+            answer: Ok(e.into_response()),
+            inner_time: Duration::ZERO,
+        }
+    }
+}
+
 /// What the inner service's call came to, for a claimed request.
 enum Called<E> {
-    /// It failed, and its error carries [`NotSent`]: safe to run again.
+    /// It failed, and its error carries [`NotSent`](super::NotSent): safe to run again.
     NotSent(E),
     /// It failed after the request may have been processed.
     Failed(E),
@@ -303,7 +240,7 @@ enum Called<E> {
     BodyFailed,
     /// The response's status ends no exchange (1xx, or past 599): a broken answer, after the
     /// request may have been processed.
-    NotFinal(StatusCode),
+    NotFinal(http::StatusCode),
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
     Transient(Response<Body>),
     /// A storable response whose whole body fits in `max_body`, to keep for the duration.
@@ -330,6 +267,32 @@ impl<St: Store> Shared<St> {
         Box::pin(std::future::ready(Ok(e.into_response())))
     }
 
+    /// Hand a request idempotency does not apply to to the inner service, counted as a
+    /// pass-through. The inner service is called now: it is the one that was polled ready.
+    fn pass_now<S, RB>(
+        self: Arc<Self>,
+        route: Arc<RouteState>,
+        mut inner: S,
+        req: Request<Body>,
+        started: Instant,
+    ) -> BoxFuture<Result<Response<Body>, S::Error>>
+    where
+        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        RB: ByteBody,
+    {
+        let call = inner.call(req);
+        self.metrics.overhead(started.elapsed());
+        Box::pin(async move {
+            let called = Instant::now();
+            let answer = call.await.map(relayed);
+            self.metrics.upstream(called.elapsed());
+            route.metrics.count(Outcome::passthrough);
+            answer
+        })
+    }
+
     /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
     /// one), the key is looked for in the body; a request that has none after all goes to the
     /// inner service as it would have without a key route.
@@ -339,229 +302,188 @@ impl<St: Store> Shared<St> {
         inner: S,
         key: Option<IdempotencyKey>,
         req: Request<Body>,
-    ) -> (Outcome, Answer<S::Error>, Duration)
+    ) -> Finished<S::Error>
     where
         S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
         S::Future: Send,
         S::Error: StdError + Send + 'static,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+        RB: ByteBody,
     {
-        const NO_CALL: Duration = Duration::ZERO;
+        use Outcome::rejected_invalid;
         let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
         let body = match collect_capped(body, policy.max_body).await {
             Ok(Collected::Whole(body)) => body,
-            Ok(Collected::TooLarge { read, rest }) => {
-                if key.is_none() && !policy.require_key {
-                    // No key in a header, and too large to look for one in the body.
-                    let req = Request::from_parts(parts, replay_then_rest(read, rest));
-                    let (answer, took) = self.pass_through(inner, req).await;
-                    return (Outcome::passthrough, answer, took);
-                }
+            // No key in a header, and too large to look for one in the body.
+            Ok(Collected::TooLarge { read, rest }) if key.is_none() && !policy.require_key => {
+                let req = Request::from_parts(parts, replay_then_rest(read, rest));
+                let passed = self.pass_through(inner, req).await;
+                return passed.ended(Outcome::passthrough);
+            }
+            Ok(Collected::TooLarge { .. }) => {
                 let limit = policy.max_body;
-                return refused(
-                    Outcome::rejected_invalid,
-                    GatewayError::BodyTooLarge { limit },
-                );
+                return Finished::refused(rejected_invalid, GatewayError::BodyTooLarge { limit });
             }
-            Err(_) => return refused(Outcome::rejected_invalid, GatewayError::InvalidBody),
+            Err(_) => return Finished::refused(rejected_invalid, GatewayError::InvalidBody),
         };
-        // The body is parsed once, when something needs it: a canonical fingerprint, or a key
-        // that no header carried.
-        let json_typed = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|ct| json::is_json_type(ct.as_bytes()));
-        let doc = if json_typed && (policy.fingerprint == FingerprintMode::Json || key.is_none()) {
-            match json::parse(&body) {
-                Ok(doc) => Some(doc),
-                Err(e) => {
-                    return refused(Outcome::rejected_invalid, GatewayError::InvalidJson(e.0))
-                }
-            }
-        } else {
-            None
+        let found = match find_key(&policy, &parts, &body, key) {
+            Ok(found) => found,
+            Err(e) => return Finished::refused(rejected_invalid, e),
         };
-        let (key, source) = match key {
-            Some(key) => (key, KeySource::Header),
-            None => match body_key(&policy, doc.as_ref()) {
-                Ok(Some(found)) => found,
-                Ok(None) if policy.require_key => {
-                    return refused(Outcome::rejected_invalid, GatewayError::MissingKey)
-                }
-                Ok(None) => {
-                    drop(doc);
-                    let req = Request::from_parts(parts, Body::from(body));
-                    let (answer, took) = self.pass_through(inner, req).await;
-                    return (Outcome::passthrough, answer, took);
-                }
-                Err(e) => return refused(Outcome::rejected_invalid, e),
-            },
+        let Some((key, source)) = found.key else {
+            drop(found.doc);
+            let req = Request::from_parts(parts, Body::from(body));
+            let passed = self.pass_through(inner, req).await;
+            return passed.ended(Outcome::passthrough);
         };
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
-        let held = Arc::new(Held {
+        let held = Held {
             key: key.scoped(&parts.headers, &policy.scope_headers, &policy.scope_cookies),
             token: Token::random(),
-            fingerprint: Fingerprint::for_policy(&parts, &body, doc.as_ref(), &policy),
-            route: policy.clone(),
+            fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+            policy: policy.clone(),
             client_key: key,
             source,
-        });
-        drop(doc);
-        // Set once this request starts waiting for an in-flight duplicate (`on_in_flight = "wait"`).
-        let mut waiting: Option<Waiting> = None;
-
-        loop {
-            // From here until the store's answer is in hand, the claim may be applied without
-            // this request knowing: if the request goes away (the client hung up) or the answer
-            // is lost (a timeout), the guard takes the claim back so that it does not sit in
-            // flight for a lease with nobody working on it.
-            let pending = PendingClaim::arm(&self, &held);
-            let claim = self
-                .timed(
-                    StoreOp::claim,
-                    self.store
-                        .claim(&held.key, &held.fingerprint, &held.token, policy.lock_ttl),
-                )
-                .await;
-            let claim = match claim {
-                Ok(claim) => {
-                    pending.disarm();
-                    claim
-                }
-                Err(StoreError::Decode(e)) => {
-                    // The store answered, with a record this build cannot read: never run again.
-                    pending.disarm();
-                    error!(error = %e, route = %policy.route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
-                    return refused(Outcome::store_error, GatewayError::CorruptRecord);
-                }
-                Err(e) => {
-                    drop(pending);
-                    if matches!(e, StoreError::NotAcknowledged { .. }) {
-                        self.metrics.unacknowledged(StoreOp::claim);
-                    }
-                    match policy.on_store_error {
-                        OnStoreError::Reject => {
-                            error!(error = %e, route = %policy.route, key = %held.tag(), "store unavailable; refusing the keyed request (on_store_error = reject)");
-                            return refused(Outcome::store_error, GatewayError::StoreUnavailable);
-                        }
-                        OnStoreError::Pass => {
-                            warn!(error = %e, route = %policy.route, key = %held.tag(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
-                            self.metrics.store_error_passed();
-                            let req = Request::from_parts(parts, Body::from(body));
-                            let (answer, took) = self.pass_through(inner, req).await;
-                            return (Outcome::store_error, answer, took);
-                        }
-                    }
-                }
-            };
-            match claim {
-                Claim::Mismatch => {
-                    let e = GatewayError::Mismatch {
-                        status: policy.mismatch_status,
-                    };
-                    return refused(Outcome::mismatch, e);
-                }
-                Claim::InFlight => {
-                    if policy.on_in_flight == OnInFlight::Wait {
-                        if waiting.is_none() {
-                            if let Some(mut w) = Waiting::start(&route) {
-                                // Subscribed first, then looked at again: a completion between
-                                // the two is seen by the second look.
-                                w.watch = self.store.watch(&held.key).await;
-                                waiting = Some(w);
-                                continue;
-                            }
-                        }
-                        if let Some(w) = waiting.as_mut() {
-                            if let Some(delay) = w.next_delay() {
-                                match w.watch.as_mut() {
-                                    Some(watch) => {
-                                        tokio::select! {
-                                            () = tokio::time::sleep(delay) => {}
-                                            () = watch.changed() => {}
-                                        }
-                                    }
-                                    None => tokio::time::sleep(delay).await,
-                                }
-                                continue;
-                            }
-                        }
-                    }
-                    let e = GatewayError::InFlight {
-                        retry_after: IN_FLIGHT_RETRY_AFTER,
-                    };
-                    return refused(Outcome::in_flight_conflict, e);
-                }
-                Claim::NotReplayable => {
-                    return refused(Outcome::not_replayable, GatewayError::NotReplayable)
-                }
-                Claim::Replay(Replay {
-                    response,
-                    expires_in,
-                }) => {
-                    if !framed_as_stored(&response, &parts.method) {
-                        error!(route = %policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
-                        return refused(Outcome::store_error, GatewayError::CorruptRecord);
-                    }
-                    if let Some(trace) = response.traceparent.as_ref().and_then(|t| t.to_str().ok())
-                    {
-                        Span::current().record("original_trace", trace);
-                    }
-                    self.metrics.replayed_bytes(response.body.len());
-                    let resp = respond(
-                        &response,
-                        Some(&policy.replay_drop_headers),
-                        expiry(&policy, expires_in),
-                    );
-                    return (Outcome::replayed, Ok(resp), NO_CALL);
-                }
-                Claim::Claimed => {
-                    // The claimed work runs in its own task so that a client that disconnects does
-                    // not cancel it: the call completes and its response is stored for the retry.
-                    // The tracker lets a graceful shutdown wait for it.
-                    drop(waiting);
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    let this = self.clone();
-                    this.metrics.in_flight().inc();
-                    let work = async move {
-                        let result = this.run_claimed(inner, &held, parts, body).await;
-                        this.metrics.in_flight().dec();
-                        if tx.send(result).is_err() {
-                            debug!("client went away; the response was recorded for its retry");
-                        }
-                    };
-                    // No span of its own at info level (its cost shows on the miss path); its
-                    // warnings name the route and key themselves.
-                    self.tasks.spawn(work.in_current_span());
-                    let (answer, took) = rx.await.unwrap_or_else(|_| {
-                        // The task ended without an answer: it panicked, or the runtime is going away.
-                        (Ok(GatewayError::Upstream.into_response()), NO_CALL)
-                    });
-                    return (Outcome::miss, answer, took);
-                }
+        };
+        drop(found.doc);
+        let lease = Lease::new(self.clone(), held);
+        // A duplicate of an in-flight request may wait for it (`on_in_flight = "wait"`).
+        let mut waiter = Waiter::new(route);
+        let claim = loop {
+            match lease.claim().await {
+                Ok(Claim::InFlight) if waiter.look_again(&lease).await => {}
+                claim => break claim,
+            }
+        };
+        match claim {
+            Err(e) => self.without_store(e, &lease.held, inner, parts, body).await,
+            Ok(Claim::Mismatch) => {
+                let status = policy.mismatch_status;
+                Finished::refused(Outcome::mismatch, GatewayError::Mismatch { status })
+            }
+            Ok(Claim::InFlight) => Finished::refused(Outcome::in_flight_conflict, IN_FLIGHT),
+            Ok(Claim::NotReplayable) => {
+                Finished::refused(Outcome::not_replayable, GatewayError::NotReplayable)
+            }
+            Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts.method, &lease.held),
+            Ok(Claim::Claimed) => {
+                drop(waiter);
+                self.run_in_task(lease, inner, parts, body).await
             }
         }
+    }
+
+    /// The store gave no usable answer to the claim. A record this build cannot read is refused
+    /// (never run again); otherwise the route's `on_store_error` refuses the request or forwards
+    /// it without idempotency.
+    async fn without_store<S, RB>(
+        &self,
+        e: StoreError,
+        held: &Held,
+        inner: S,
+        parts: Parts,
+        body: Bytes,
+    ) -> Finished<S::Error>
+    where
+        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        RB: ByteBody,
+    {
+        let route = &held.policy.route;
+        if let StoreError::Decode(e) = &e {
+            error!(error = %e, %route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
+            return Finished::refused(Outcome::store_error, GatewayError::CorruptRecord);
+        }
+        if matches!(e, StoreError::NotAcknowledged { .. }) {
+            self.metrics.unacknowledged(StoreOp::claim);
+        }
+        match held.policy.on_store_error {
+            OnStoreError::Reject => {
+                error!(error = %e, %route, key = %held.tag(), "store unavailable; refusing the keyed request (on_store_error = reject)");
+                Finished::refused(Outcome::store_error, GatewayError::StoreUnavailable)
+            }
+            OnStoreError::Pass => {
+                warn!(error = %e, %route, key = %held.tag(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                self.metrics.store_error_passed();
+                let req = Request::from_parts(parts, Body::from(body));
+                self.pass_through(inner, req)
+                    .await
+                    .ended(Outcome::store_error)
+            }
+        }
+    }
+
+    /// The stored response, replayed to a request with `method`; refused when its record is
+    /// damaged (its body disagrees with its Content-Length).
+    fn replayed<E>(&self, replay: &Replay, method: &Method, held: &Held) -> Finished<E> {
+        let stored = &replay.response;
+        if !response::framed(stored, method == Method::HEAD) {
+            error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
+            return Finished::refused(Outcome::store_error, GatewayError::CorruptRecord);
+        }
+        if let Some(trace) = stored.traceparent.as_ref().and_then(|t| t.to_str().ok()) {
+            Span::current().record("original_trace", trace);
+        }
+        self.metrics.replayed_bytes(stored.body.len());
+        Finished {
+            outcome: Outcome::replayed,
+            answer: Ok(response::replay(stored, &held.policy, replay.expires_in)),
+            inner_time: Duration::ZERO,
+        }
+    }
+
+    /// Run a claimed call in a task of its own, so that a client that disconnects does not
+    /// cancel it: the call completes and its response is recorded for the retry. The tracker
+    /// lets a graceful shutdown wait for it.
+    async fn run_in_task<S, RB>(
+        self: &Arc<Self>,
+        lease: Lease<St>,
+        inner: S,
+        parts: Parts,
+        body: Bytes,
+    ) -> Finished<S::Error>
+    where
+        S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
+        S::Future: Send,
+        S::Error: StdError + Send + 'static,
+        RB: ByteBody,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let this = self.clone();
+        this.metrics.in_flight().inc();
+        let work = async move {
+            let forwarded = this.run_claimed(inner, &lease, parts, body).await;
+            this.metrics.in_flight().dec();
+            if tx.send(forwarded).is_err() {
+                debug!("client went away; the response was recorded for its retry");
+            }
+        };
+        // No span of its own at info level (its cost shows on the miss path); its warnings
+        // name the route and key themselves.
+        self.tasks.spawn(work.in_current_span());
+        let forwarded = rx.await.unwrap_or_else(|_| Forwarded {
+            // The task ended without an answer: it panicked, or the runtime is going away.
+            answer: Ok(GatewayError::Upstream.into_response()),
+            took: Duration::ZERO,
+        });
+        forwarded.ended(Outcome::miss)
     }
 
     /// The state machine of a claimed key: call the inner service while holding the lease, then
     /// record; with the time the call took.
     async fn run_claimed<S, RB>(
-        self: &Arc<Self>,
+        &self,
         inner: S,
-        held: &Arc<Held>,
+        lease: &Lease<St>,
         parts: Parts,
         body: Bytes,
-    ) -> (Answer<S::Error>, Duration)
+    ) -> Forwarded<S::Error>
     where
         S: tower::Service<Request<Body>, Response = Response<RB>>,
         S::Error: StdError + 'static,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+        RB: ByteBody,
     {
-        let policy = &*held.route;
+        let (held, policy) = (&*lease.held, &*lease.held.policy);
         let traceparent = parts.headers.get(TRACEPARENT).cloned();
         let is_head = parts.method == Method::HEAD;
         let mut req = Request::from_parts(parts, Body::from(body));
@@ -574,7 +496,7 @@ impl<St: Store> Shared<St> {
             biased;
             called = self.call(inner, req, held) => Ok(called),
             () = tokio::time::sleep_until(deadline) => Err(()),
-            never = self.hold_lease(held) => match never {},
+            never = lease.hold() => match never {},
         };
         let took = started.elapsed();
         self.metrics.upstream(took);
@@ -587,7 +509,7 @@ impl<St: Store> Shared<St> {
             }
             Ok(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
-                self.release(held).await;
+                lease.release().await;
                 Err(e)
             }
             Ok(Called::Failed(e)) => {
@@ -600,16 +522,16 @@ impl<St: Store> Shared<St> {
                 Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).into_response())
             }
             Ok(Called::Transient(resp)) => {
-                self.release(held).await;
+                lease.release().await;
                 Ok(resp)
             }
             Ok(Called::Whole(head, body, ttl)) => {
                 let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
-                if declares_its_length(stored.status, stored.lengths(), stored.body.len(), is_head)
-                {
-                    let state = EntryState::Completed(stored.clone());
-                    self.complete(held, &state, ttl).await;
-                    Ok(respond(&stored, None, expiry(policy, Some(ttl))))
+                if response::framed(&stored, is_head) {
+                    lease
+                        .complete(&EntryState::Completed(stored.clone()), ttl)
+                        .await;
+                    Ok(response::first(&stored, policy, ttl))
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
@@ -617,15 +539,11 @@ impl<St: Store> Shared<St> {
                 }
             }
             Ok(Called::TooLarge(head, read, rest, ttl)) => {
-                self.complete(held, &EntryState::NotReplayable, ttl).await;
-                let mut resp = Response::from_parts(head, replay_then_rest(read, rest));
-                if let Some((name, value)) = expiry(policy, Some(ttl)) {
-                    resp.headers_mut().insert(name, value);
-                }
-                Ok(resp)
+                lease.complete(&EntryState::NotReplayable, ttl).await;
+                Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
         };
-        (answer, took)
+        Forwarded { answer, took }
     }
 
     /// Call the inner service and read as much of the response as the decision needs.
@@ -633,10 +551,9 @@ impl<St: Store> Shared<St> {
     where
         S: tower::Service<Request<Body>, Response = Response<RB>>,
         S::Error: StdError + 'static,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+        RB: ByteBody,
     {
-        let policy = &*held.route;
+        let policy = &*held.policy;
         let resp = match inner.oneshot(req).await {
             Ok(resp) => resp,
             Err(e) if is_not_sent(&e) => return Called::NotSent(e),
@@ -647,14 +564,8 @@ impl<St: Store> Shared<St> {
         }
         let (mut head, body) = resp.into_parts();
         let body = Body::new(body);
-        let control = Control::take(&mut head.headers);
-        if !is_storable(head.status, policy.cache_server_errors) || control.no_store {
+        let Some(ttl) = response::recorded_for(&mut head, policy) else {
             return Called::Transient(Response::from_parts(head, body));
-        }
-        let ttl = match control.max_age {
-            Some(age) => age.min(policy.max_ttl),
-            None if head.status.as_u16() >= 400 => policy.failure_ttl,
-            None => policy.ttl,
         };
         match collect_capped(body, policy.max_body).await {
             Ok(Collected::Whole(body)) => Called::Whole(head, body, ttl),
@@ -666,150 +577,22 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// Renew the lease every third of its length for as long as this future is polled. Never
-    /// returns: when the lease is lost (a newer claim exists), renewing stops and fencing makes
-    /// sure this holder's completion is refused.
-    async fn hold_lease(&self, held: &Held) -> std::convert::Infallible {
-        let (route, lease) = (&held.route.route, held.route.lock_ttl);
-        let every = (lease / 3).max(Duration::from_millis(10));
-        loop {
-            tokio::time::sleep(every).await;
-            match self
-                .timed(
-                    StoreOp::renew,
-                    self.store.renew(&held.key, &held.token, lease),
-                )
-                .await
-            {
-                Ok(true) => debug!(%route, key = %held.tag(), "lease renewed"),
-                Ok(false) => {
-                    warn!(%route, key = %held.tag(), "lease lost while the upstream was running; this holder's result will not be stored");
-                    return std::future::pending().await;
-                }
-                Err(e) => {
-                    warn!(%route, key = %held.tag(), error = %e, "lease renewal failed; retrying")
-                }
-            }
-        }
-    }
-
-    async fn complete(self: &Arc<Self>, held: &Arc<Held>, state: &EntryState, ttl: Duration) {
-        let route = &held.route.route;
-        let (key, token) = (&held.key, &held.token);
-        match self
-            .timed(
-                StoreOp::complete,
-                self.store
-                    .complete(key, &held.fingerprint, token, state, ttl),
-            )
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                warn!(%route, key = %held.tag(), "lease was lost before completion; response delivered but not recorded")
-            }
-            Err(e) => {
-                if matches!(e, StoreError::NotAcknowledged { .. }) {
-                    self.metrics.unacknowledged(StoreOp::complete);
-                }
-                warn!(%route, key = %held.tag(), error = %e, "store did not record the response (or no replica acknowledged it); delivered anyway, sent again in the background until the lease ends");
-                let (this, held, state) = (self.clone(), held.clone(), state.clone());
-                self.tasks
-                    .spawn(async move { this.complete_again(&held, &state, ttl).await });
-            }
-        }
-    }
-
-    /// Send a completion again until the store records it and the replicas acknowledge it (a
-    /// failover in progress, a Redis restart), for as long as the claim's lease could last:
-    /// after that the key is free and the response no longer ours to record. Fenced by the
-    /// token, and a completion already there counts as done.
-    async fn complete_again(&self, held: &Held, state: &EntryState, ttl: Duration) {
-        let route = &held.route.route;
-        let until = Instant::now() + held.route.lock_ttl;
-        let mut delay = Duration::from_millis(100);
-        let mut written = false;
-        while Instant::now() + delay < until {
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
-            match self
-                .store
-                .complete(&held.key, &held.fingerprint, &held.token, state, ttl)
-                .await
-            {
-                Ok(true) => {
-                    tracing::info!(%route, key = %held.tag(), "response recorded on a later try");
-                    return;
-                }
-                Ok(false) => {
-                    warn!(%route, key = %held.tag(), "lease was lost before the response could be recorded");
-                    return;
-                }
-                Err(e) => {
-                    written |= matches!(e, StoreError::NotAcknowledged { .. });
-                    debug!(%route, key = %held.tag(), error = %e, "recording the response failed again");
-                }
-            }
-        }
-        if written {
-            warn!(%route, key = %held.tag(), "response recorded, but no replica acknowledged it before the lease ended; a failover now could lose it");
-        } else {
-            error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
-        }
-    }
-
-    /// Take back a claim whose answer was lost. It may still be applied after the error: stuck
-    /// behind a stalled Redis, or sent on a connection that was replaced while the release goes
-    /// on the new one, so that Redis may run the two in either order. So the release is tried
-    /// again as Redis recovers: six tries, 0.1 s apart doubling (3.1 s of pauses), until one
-    /// removes the claim. Fenced by the token: it never removes anyone else's claim.
-    async fn take_back(&self, held: &Held) {
-        let mut delay = Duration::from_millis(100);
-        for attempt in 0..6 {
-            if attempt > 0 {
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            if let Ok(true) = self.store.release(&held.key, &held.token).await {
-                debug!(route = %held.route.route, key = %held.tag(), "claim with a lost answer taken back");
-                return;
-            }
-        }
-    }
-
-    async fn release(&self, held: &Held) {
-        match self
-            .timed(StoreOp::release, self.store.release(&held.key, &held.token))
-            .await
-        {
-            Ok(_) => {}
-            Err(e) => {
-                warn!(route = %held.route.route, key = %held.tag(), error = %e, "store failed to release the key; it stays claimed until its lease ends")
-            }
-        }
-    }
-
     /// Hand a request idempotency does not apply to to the inner service; with the time it took
     /// to answer.
-    async fn pass_through<S, RB>(
-        &self,
-        inner: S,
-        req: Request<Body>,
-    ) -> (Answer<S::Error>, Duration)
+    async fn pass_through<S, RB>(&self, inner: S, req: Request<Body>) -> Forwarded<S::Error>
     where
         S: tower::Service<Request<Body>, Response = Response<RB>>,
-        RB: http_body::Body<Data = Bytes> + Send + 'static,
-        RB::Error: Into<Box<dyn StdError + Send + Sync>>,
+        RB: ByteBody,
     {
         let started = Instant::now();
         let answer = inner.oneshot(req).await.map(relayed);
         let took = started.elapsed();
         self.metrics.upstream(took);
-        (answer, took)
+        Forwarded { answer, took }
     }
 
     /// Await a store operation, recording its latency.
-    async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
+    pub(super) async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
         let started = Instant::now();
         let out = f.await;
         self.ops.observe(op, started.elapsed());
@@ -817,105 +600,47 @@ impl<St: Store> Shared<St> {
     }
 }
 
-/// A claim this layer holds: what fences its store operations (key, token), what it records
-/// (fingerprint, under the route's policy), and what its warnings name (route, key tag).
-struct Held {
-    key: ScopedKey,
-    token: Token,
-    fingerprint: Fingerprint,
-    route: Arc<Policy>,
-    // The client's key, logged only as a short hash.
-    client_key: IdempotencyKey,
-    // Where the key came from, kept with the record.
-    source: KeySource,
+/// A keyed request's body as the protocol reads it before the claim.
+struct Found<'b> {
+    // The body parsed as JSON, when something needs it: a canonical fingerprint, or a key that
+    // no header carried.
+    doc: Option<Json<'b>>,
+    // The key and where it came from; none when neither a header nor the body carries one.
+    key: Option<(IdempotencyKey, KeySource)>,
 }
 
-impl Held {
-    /// The key as logs show it.
-    fn tag(&self) -> String {
-        self.client_key.short_hash()
-    }
-}
-
-/// Armed while a claim's answer is awaited: dropped armed (the request's future was dropped, or
-/// the store failed to answer), it takes the claim back in a task of its own, fenced by the token,
-/// since the claim may have been applied all the same.
-struct PendingClaim<St: Store> {
-    armed: Option<(Arc<Shared<St>>, Arc<Held>)>,
-}
-
-impl<St: Store> PendingClaim<St> {
-    fn arm(shared: &Arc<Shared<St>>, held: &Arc<Held>) -> Self {
-        PendingClaim {
-            armed: Some((shared.clone(), held.clone())),
-        }
-    }
-
-    /// The store answered: whatever it said, this request acts on it.
-    fn disarm(mut self) {
-        self.armed = None;
-    }
-}
-
-impl<St: Store> Drop for PendingClaim<St> {
-    fn drop(&mut self) {
-        if let Some((shared, held)) = self.armed.take() {
-            // Outside a runtime (a test dropping a future at exit) there is nothing to run it on;
-            // the claim then ends with its lease.
-            if tokio::runtime::Handle::try_current().is_ok() {
-                let tasks = shared.tasks.clone();
-                tasks.spawn(async move { shared.take_back(&held).await });
-            }
-        }
-    }
-}
-
-/// A duplicate waiting for an in-flight request: holds one of the route's waiter permits and
-/// looks at the store again when the key's holder completes or releases it (when the store
-/// says), and otherwise with a growing delay until the deadline.
-struct Waiting {
-    // Released when the wait ends, however it ends.
-    _permit: OwnedSemaphorePermit,
-    deadline: Instant,
-    delay: Duration,
-    watch: Option<Watch>,
-}
-
-impl Waiting {
-    /// Start waiting, or `None` when the route already has `max_waiters` waiting.
-    fn start(route: &RouteState) -> Option<Self> {
-        let permit = route.waiters.clone().try_acquire_owned().ok()?;
-        Some(Waiting {
-            _permit: permit,
-            deadline: Instant::now() + route.policy.wait_timeout,
-            delay: Duration::from_millis(5),
-            watch: None,
-        })
-    }
-
-    /// How long to sleep before polling again, or `None` once the deadline has passed.
-    fn next_delay(&mut self) -> Option<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
-        }
-        let delay = self.delay.min(left);
-        self.delay = (self.delay * 2).min(Duration::from_millis(100));
-        Some(delay)
-    }
-}
-
-/// The layer's own answer, with its outcome; nothing was called.
-fn refused<E>(outcome: Outcome, e: GatewayError) -> (Outcome, Answer<E>, Duration) {
-    debug!(problem = e.kind(), "refused");
-    (outcome, Ok(e.into_response()), Duration::ZERO)
+/// The key of a request, from `key` (a header's) or else from its `body`; refused when the body
+/// does not parse as the JSON its type says, or when the route requires a key and there is none.
+fn find_key<'b>(
+    policy: &Policy,
+    parts: &Parts,
+    body: &'b [u8],
+    key: Option<IdempotencyKey>,
+) -> Result<Found<'b>, GatewayError> {
+    let json_typed = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| json::is_json_type(ct.as_bytes()));
+    let doc = if json_typed && (policy.fingerprint == FingerprintMode::Json || key.is_none()) {
+        Some(json::parse(body).map_err(|e| GatewayError::InvalidJson(e.0))?)
+    } else {
+        None
+    };
+    let key = match key {
+        Some(key) => Some((key, KeySource::Header)),
+        None => match body_key(policy, doc.as_ref())? {
+            None if policy.require_key => return Err(GatewayError::MissingKey),
+            found => found,
+        },
+    };
+    Ok(Found { doc, key })
 }
 
 /// The key a JSON body carries (`key_from_body`), or else the one derived from its fields
 /// (`derived_key`); `None` when neither is there (or the body is not JSON).
 fn body_key(
     policy: &Policy,
-    doc: Option<&json::Json<'_>>,
+    doc: Option<&Json<'_>>,
 ) -> Result<Option<(IdempotencyKey, KeySource)>, GatewayError> {
     let Some(doc) = doc else { return Ok(None) };
     if let Some(pointer) = &policy.key_from_body {
@@ -929,89 +654,4 @@ fn body_key(
         }
     }
     Ok(None)
-}
-
-/// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:
-/// answers that say "try again" (5xx, 408 Request Timeout, 429 Too Many Requests).
-fn is_storable(status: StatusCode, cache_server_errors: bool) -> bool {
-    match status.as_u16() {
-        408 | 429 => false,
-        200..=499 => true,
-        500..=599 => cache_server_errors,
-        _ => false,
-    }
-}
-
-/// Whether a stored response still declares the length of the body it holds (a record cut short
-/// in the store does not), for a replay to a request with `method`.
-fn framed_as_stored(stored: &StoredResponse, method: &Method) -> bool {
-    declares_its_length(
-        stored.status,
-        stored.lengths(),
-        stored.body.len(),
-        method == Method::HEAD,
-    )
-}
-
-/// The expiry header of `policy`, for a record that lives `lives` more (unknown: none).
-fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, HeaderValue)> {
-    let name = policy.expiry_header.clone()?;
-    let at = std::time::SystemTime::now() + lives?;
-    let value = HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()?;
-    Some((name, value))
-}
-
-/// Build the client's response from a stored one. A replay (`drop` given) carries
-/// `Idempotent-Replayed: true` and none of the headers in `drop`; `expiry` is added when set.
-fn respond(
-    stored: &StoredResponse,
-    drop: Option<&[HeaderName]>,
-    expiry: Option<(HeaderName, HeaderValue)>,
-) -> Response<Body> {
-    let mut resp = Response::new(Body::from(stored.body.clone()));
-    *resp.status_mut() = stored.status;
-    let headers = resp.headers_mut();
-    headers.reserve(stored.headers.len() + 2);
-    for (n, v) in &stored.headers {
-        if drop.is_some_and(|drop| drop.contains(n)) {
-            continue;
-        }
-        headers.append(n.clone(), v.clone());
-    }
-    if drop.is_some() {
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    }
-    if let Some((name, value)) = expiry {
-        headers.insert(name, value);
-    }
-    resp
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn storable_statuses() {
-        for s in [200, 201, 204, 301, 400, 404, 409, 422] {
-            assert!(is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
-        }
-        for s in [408, 429, 500, 502, 503] {
-            assert!(!is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
-        }
-        assert!(is_storable(StatusCode::INTERNAL_SERVER_ERROR, true));
-        assert!(!is_storable(StatusCode::TOO_MANY_REQUESTS, true));
-    }
-
-    #[test]
-    fn not_sent_is_found_along_the_source_chain() {
-        #[derive(Debug, thiserror::Error)]
-        #[error("outer")]
-        struct Outer(#[source] NotSent);
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
-        assert!(is_not_sent(&NotSent::new(io)));
-        assert!(is_not_sent(&Outer(NotSent::new("refused"))));
-        let other = std::io::Error::other("reset");
-        assert!(!is_not_sent(&other));
-    }
 }

@@ -210,6 +210,32 @@ async fn a_failure_after_sending_keeps_the_claim_until_the_lease_ends() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_answer_with_no_final_status_is_a_502_that_keeps_the_claim() {
+    let s = Setup::new(|p| p.lock_ttl(Duration::from_secs(10)));
+    for (key, status) in [("k101", "101"), ("k600", "600")] {
+        let path = format!("/status/{status}");
+        let first = s.post(&path, key, "a").await.unwrap();
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{status}");
+        assert_eq!(first.problem(), "upstream-invalid-response");
+        let retry = s.post(&path, key, "a").await.unwrap();
+        assert_eq!(
+            retry.problem(),
+            "in-flight",
+            "{status}: it may have been processed"
+        );
+    }
+    assert_eq!(s.calls(), 2);
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let after = s.post("/status/101", "k101", "a").await.unwrap();
+    assert_eq!(
+        after.problem(),
+        "upstream-invalid-response",
+        "the lease ended: it runs again"
+    );
+    assert_eq!(s.calls(), 3);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_timeout_answers_504_and_keeps_the_claim() {
     let s = Setup::new(|p| {
         p.upstream_timeout(Duration::from_secs(1))

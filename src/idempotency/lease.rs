@@ -1,0 +1,247 @@
+//! The life cycle of a claim this layer holds: asked for under a drop guard ([`PendingClaim`]),
+//! its lease renewed while the inner service runs, then completed (sent again in the background
+//! when the store did not record it), released, or taken back when its answer was lost. Every
+//! store operation on it is fenced by the claim's token: a holder whose lease ran out changes
+//! nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::{debug, error, warn};
+
+use super::fingerprint::Fingerprint;
+use super::key::{IdempotencyKey, KeySource, ScopedKey};
+use super::policy::Policy;
+use super::record::{EntryState, Token};
+use super::service::Shared;
+use crate::metrics::StoreOp;
+use crate::store::{Claim, Store, StoreError, Watch};
+
+/// A claim on a key: what fences its store operations (key, token), what it records
+/// (fingerprint, under the route's policy), and what its warnings name (route, key tag).
+pub(super) struct Held {
+    pub(super) key: ScopedKey,
+    pub(super) token: Token,
+    pub(super) fingerprint: Fingerprint,
+    // The route's policy: its name, lease and ttls.
+    pub(super) policy: Arc<Policy>,
+    // The client's key, logged only as a short hash.
+    pub(super) client_key: IdempotencyKey,
+    // Where the key came from, kept with the record.
+    pub(super) source: KeySource,
+}
+
+impl Held {
+    /// The key as logs show it.
+    pub(super) fn tag(&self) -> String {
+        self.client_key.short_hash()
+    }
+}
+
+/// A claim and the layer's store, metrics and background tasks it is carried out with. Cheap
+/// to clone: the background re-send of a completion and the drop guard keep a clone.
+pub(super) struct Lease<St> {
+    shared: Arc<Shared<St>>,
+    pub(super) held: Arc<Held>,
+}
+
+impl<St> Clone for Lease<St> {
+    fn clone(&self) -> Self {
+        Lease {
+            shared: self.shared.clone(),
+            held: self.held.clone(),
+        }
+    }
+}
+
+impl<St: Store> Lease<St> {
+    pub(super) fn new(shared: Arc<Shared<St>>, held: Held) -> Self {
+        Lease {
+            shared,
+            held: Arc::new(held),
+        }
+    }
+
+    /// Ask the store for the key. From here until the store's answer is in hand, the claim may
+    /// be applied without this request knowing: if the request goes away (the client hung up)
+    /// or the answer is lost (a timeout), the guard takes the claim back so that it does not
+    /// sit in flight for a lease with nobody working on it. A record this build cannot read is
+    /// an answer all the same.
+    pub(super) async fn claim(&self) -> Result<Claim, StoreError> {
+        let (shared, held) = (&self.shared, &self.held);
+        let pending = PendingClaim::arm(self);
+        let claim = shared
+            .timed(
+                StoreOp::claim,
+                shared.store.claim(
+                    &held.key,
+                    &held.fingerprint,
+                    &held.token,
+                    held.policy.lock_ttl,
+                ),
+            )
+            .await;
+        match &claim {
+            Ok(_) | Err(StoreError::Decode(_)) => pending.disarm(),
+            Err(_) => drop(pending),
+        }
+        claim
+    }
+
+    /// A subscription to changes of the key (a completion or a release by its holder), when
+    /// the store offers one.
+    pub(super) async fn watch(&self) -> Option<Watch> {
+        self.shared.store.watch(&self.held.key).await
+    }
+
+    /// Renew the lease every third of its length for as long as this future is polled. Never
+    /// returns: when the lease is lost (a newer claim exists), renewing stops and fencing makes
+    /// sure this holder's completion is refused.
+    pub(super) async fn hold(&self) -> std::convert::Infallible {
+        let held = &self.held;
+        let (route, lock_ttl) = (&held.policy.route, held.policy.lock_ttl);
+        let every = (lock_ttl / 3).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(every).await;
+            let renew = self.shared.store.renew(&held.key, &held.token, lock_ttl);
+            match self.shared.timed(StoreOp::renew, renew).await {
+                Ok(true) => debug!(%route, key = %held.tag(), "lease renewed"),
+                Ok(false) => {
+                    warn!(%route, key = %held.tag(), "lease lost while the upstream was running; this holder's result will not be stored");
+                    return std::future::pending().await;
+                }
+                Err(e) => {
+                    warn!(%route, key = %held.tag(), error = %e, "lease renewal failed; retrying")
+                }
+            }
+        }
+    }
+
+    /// Record `state` for `ttl`; when the store does not record it (or no replica acknowledges
+    /// it), the response is delivered anyway and the completion sent again in the background.
+    pub(super) async fn complete(&self, state: &EntryState, ttl: Duration) {
+        let (shared, held) = (&self.shared, &self.held);
+        let route = &held.policy.route;
+        let complete = shared
+            .store
+            .complete(&held.key, &held.fingerprint, &held.token, state, ttl);
+        match shared.timed(StoreOp::complete, complete).await {
+            Ok(true) => {}
+            Ok(false) => {
+                warn!(%route, key = %held.tag(), "lease was lost before completion; response delivered but not recorded")
+            }
+            Err(e) => {
+                if matches!(e, StoreError::NotAcknowledged { .. }) {
+                    shared.metrics.unacknowledged(StoreOp::complete);
+                }
+                warn!(%route, key = %held.tag(), error = %e, "store did not record the response (or no replica acknowledged it); delivered anyway, sent again in the background until the lease ends");
+                let (this, state) = (self.clone(), state.clone());
+                shared
+                    .tasks
+                    .spawn(async move { this.complete_again(&state, ttl).await });
+            }
+        }
+    }
+
+    /// Send a completion again until the store records it and the replicas acknowledge it (a
+    /// failover in progress, a Redis restart), for as long as the claim's lease could last:
+    /// after that the key is free and the response no longer ours to record. Fenced by the
+    /// token, and a completion already there counts as done.
+    async fn complete_again(&self, state: &EntryState, ttl: Duration) {
+        let held = &self.held;
+        let route = &held.policy.route;
+        let until = Instant::now() + held.policy.lock_ttl;
+        let mut delay = Duration::from_millis(100);
+        let mut written = false;
+        while Instant::now() + delay < until {
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+            let complete =
+                self.shared
+                    .store
+                    .complete(&held.key, &held.fingerprint, &held.token, state, ttl);
+            match complete.await {
+                Ok(true) => {
+                    tracing::info!(%route, key = %held.tag(), "response recorded on a later try");
+                    return;
+                }
+                Ok(false) => {
+                    warn!(%route, key = %held.tag(), "lease was lost before the response could be recorded");
+                    return;
+                }
+                Err(e) => {
+                    written |= matches!(e, StoreError::NotAcknowledged { .. });
+                    debug!(%route, key = %held.tag(), error = %e, "recording the response failed again");
+                }
+            }
+        }
+        if written {
+            warn!(%route, key = %held.tag(), "response recorded, but no replica acknowledged it before the lease ended; a failover now could lose it");
+        } else {
+            error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
+        }
+    }
+
+    /// Let the key go, so that a retry runs at once.
+    pub(super) async fn release(&self) {
+        let held = &self.held;
+        let release = self.shared.store.release(&held.key, &held.token);
+        if let Err(e) = self.shared.timed(StoreOp::release, release).await {
+            warn!(route = %held.policy.route, key = %held.tag(), error = %e, "store failed to release the key; it stays claimed until its lease ends")
+        }
+    }
+
+    /// Take back a claim whose answer was lost. It may still be applied after the error: stuck
+    /// behind a stalled Redis, or sent on a connection that was replaced while the release goes
+    /// on the new one, so that Redis may run the two in either order. So the release is tried
+    /// again as Redis recovers: six tries, 0.1 s apart doubling (3.1 s of pauses), until one
+    /// removes the claim. Fenced by the token: it never removes anyone else's claim.
+    async fn take_back(&self) {
+        let held = &self.held;
+        let mut delay = Duration::from_millis(100);
+        for attempt in 0..6 {
+            if attempt > 0 {
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            if let Ok(true) = self.shared.store.release(&held.key, &held.token).await {
+                debug!(route = %held.policy.route, key = %held.tag(), "claim with a lost answer taken back");
+                return;
+            }
+        }
+    }
+}
+
+/// Armed while a claim's answer is awaited: dropped armed (the request's future was dropped, or
+/// the store failed to answer), it takes the claim back in a task of its own, fenced by the token,
+/// since the claim may have been applied all the same.
+struct PendingClaim<St: Store> {
+    armed: Option<Lease<St>>,
+}
+
+impl<St: Store> PendingClaim<St> {
+    fn arm(lease: &Lease<St>) -> Self {
+        PendingClaim {
+            armed: Some(lease.clone()),
+        }
+    }
+
+    /// The store answered: whatever it said, this request acts on it.
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl<St: Store> Drop for PendingClaim<St> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.armed.take() {
+            // Outside a runtime (a test dropping a future at exit) there is nothing to run it on;
+            // the claim then ends with its lease.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                let tasks = lease.shared.tasks.clone();
+                tasks.spawn(async move { lease.take_back().await });
+            }
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! What is recorded and what is replayed: which responses are stored and for how long (status,
+//! `Idempotency-Control`, the route's ttls), the framing a record must keep, and the responses
+//! built from a record (the first answer and every replay, with the expiry header).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue};
+use http::{response, HeaderMap, Response, StatusCode};
+
+use super::body::ByteBody;
+use super::policy::Policy;
+use super::record::StoredResponse;
+use crate::headers::declares_its_length;
+
+/// The W3C trace context header, forwarded to the inner service and stored with the record.
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+/// The header that marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The header by which an upstream steers the recording of one response (`no-store`,
+/// `max-age=SECONDS`); never relayed to a client.
+pub const IDEMPOTENCY_CONTROL: HeaderName = HeaderName::from_static("idempotency-control");
+
+/// A response the inner service gave, as relayed to the client: its body boxed, and
+/// `Idempotency-Control` removed.
+pub(super) fn relayed(resp: Response<impl ByteBody>) -> Response<Body> {
+    let mut resp = resp.map(Body::new);
+    if !resp.headers().is_empty() {
+        resp.headers_mut().remove(IDEMPOTENCY_CONTROL);
+    }
+    resp
+}
+
+/// How long to record a response whose head is `head`, or `None` when it must not be recorded
+/// (a status that says "try again", or `Idempotency-Control: no-store`). Takes
+/// `Idempotency-Control` out of the head either way.
+pub(super) fn recorded_for(head: &mut response::Parts, policy: &Policy) -> Option<Duration> {
+    let control = Control::take(&mut head.headers);
+    if !is_storable(head.status, policy.cache_server_errors) || control.no_store {
+        return None;
+    }
+    Some(match control.max_age {
+        Some(age) => age.min(policy.max_ttl),
+        None if head.status.as_u16() >= 400 => policy.failure_ttl,
+        None => policy.ttl,
+    })
+}
+
+/// What an upstream's `Idempotency-Control` asks for one response.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Control {
+    // `no-store`, or `max-age=0`: not recorded.
+    no_store: bool,
+    // `max-age=SECONDS`: recorded for this long (bounded by the route's max_ttl).
+    max_age: Option<Duration>,
+}
+
+impl Control {
+    /// Read the directives of every `Idempotency-Control` header (comma-separated,
+    /// case-insensitive; unknown ones ignored), and remove them.
+    fn take(headers: &mut HeaderMap) -> Self {
+        let mut control = Control::default();
+        for value in headers.get_all(IDEMPOTENCY_CONTROL) {
+            for directive in value.to_str().unwrap_or("").split(',').map(str::trim) {
+                let (name, arg) = directive.split_once('=').unwrap_or((directive, ""));
+                if name.eq_ignore_ascii_case("no-store") {
+                    control.no_store = true;
+                } else if name.eq_ignore_ascii_case("max-age") {
+                    match arg.trim().trim_matches('"').parse::<u64>() {
+                        Ok(0) => control.no_store = true,
+                        Ok(secs) => control.max_age = Some(Duration::from_secs(secs)),
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        headers.remove(IDEMPOTENCY_CONTROL);
+        control
+    }
+}
+
+/// Stored: 2xx, 3xx and 4xx except 408 and 429 (and 5xx when the route says so). Not stored:
+/// answers that say "try again" (5xx, 408 Request Timeout, 429 Too Many Requests).
+fn is_storable(status: StatusCode, cache_server_errors: bool) -> bool {
+    match status.as_u16() {
+        408 | 429 => false,
+        200..=499 => true,
+        500..=599 => cache_server_errors,
+        _ => false,
+    }
+}
+
+/// Whether a stored response declares the length of the body it holds (a response whose
+/// `Content-Length` disagrees with its body, or a record cut short in the store, does not), for
+/// an answer to a `HEAD` request when `to_head`.
+pub(super) fn framed(stored: &StoredResponse, to_head: bool) -> bool {
+    declares_its_length(stored.status, stored.lengths(), stored.body.len(), to_head)
+}
+
+/// The first answer from a response just recorded for `ttl`.
+pub(super) fn first(stored: &StoredResponse, policy: &Policy, ttl: Duration) -> Response<Body> {
+    respond(stored, None, expiry(policy, Some(ttl)))
+}
+
+/// A replay of a stored response that lives `lives` more (unknown: no expiry header): marked
+/// `Idempotent-Replayed: true`, without the route's `replay_drop_headers`.
+pub(super) fn replay(
+    stored: &StoredResponse,
+    policy: &Policy,
+    lives: Option<Duration>,
+) -> Response<Body> {
+    respond(
+        stored,
+        Some(&policy.replay_drop_headers),
+        expiry(policy, lives),
+    )
+}
+
+/// The only answer from a response too large to record (the key is recorded as not replayable
+/// for `ttl`): the chunks read so far, then the rest as it comes.
+pub(super) fn streamed_once(
+    head: response::Parts,
+    read: Vec<Bytes>,
+    rest: Body,
+    policy: &Policy,
+    ttl: Duration,
+) -> Response<Body> {
+    let mut resp = Response::from_parts(head, super::body::replay_then_rest(read, rest));
+    if let Some((name, value)) = expiry(policy, Some(ttl)) {
+        resp.headers_mut().insert(name, value);
+    }
+    resp
+}
+
+/// The expiry header of `policy`, for a record that lives `lives` more (unknown: none).
+fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, HeaderValue)> {
+    let name = policy.expiry_header.clone()?;
+    let at = std::time::SystemTime::now() + lives?;
+    let value = HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()?;
+    Some((name, value))
+}
+
+/// Build the client's response from a stored one. A replay (`drop` given) carries
+/// `Idempotent-Replayed: true` and none of the headers in `drop`; `expiry` is added when set.
+fn respond(
+    stored: &StoredResponse,
+    drop: Option<&[HeaderName]>,
+    expiry: Option<(HeaderName, HeaderValue)>,
+) -> Response<Body> {
+    let mut resp = Response::new(Body::from(stored.body.clone()));
+    *resp.status_mut() = stored.status;
+    let headers = resp.headers_mut();
+    headers.reserve(stored.headers.len() + 2);
+    for (n, v) in &stored.headers {
+        if drop.is_some_and(|drop| drop.contains(n)) {
+            continue;
+        }
+        headers.append(n.clone(), v.clone());
+    }
+    if drop.is_some() {
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    if let Some((name, value)) = expiry {
+        headers.insert(name, value);
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storable_statuses() {
+        for s in [200, 201, 204, 301, 400, 404, 409, 422] {
+            assert!(is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
+        }
+        for s in [408, 429, 500, 502, 503] {
+            assert!(!is_storable(StatusCode::from_u16(s).unwrap(), false), "{s}");
+        }
+        assert!(is_storable(StatusCode::INTERNAL_SERVER_ERROR, true));
+        assert!(!is_storable(StatusCode::TOO_MANY_REQUESTS, true));
+    }
+}
