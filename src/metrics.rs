@@ -146,9 +146,64 @@ struct Inner {
     local_cache_bytes: Gauge,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
-    client_connections: Gauge,
-    client_closed: Family<ClosedLabels, Counter>,
-    client_cap: Counter<f64, std::sync::atomic::AtomicU64>,
+    clients: ClientConnections,
+}
+
+/// The upstream families: requests by result, connections opened.
+fn register_upstream(
+    registry: &mut Registry,
+) -> (
+    Family<UpstreamLabels, Counter>,
+    Family<UpstreamName, Counter>,
+) {
+    let upstream_requests = Family::<UpstreamLabels, Counter>::default();
+    registry.register(
+        "idemgate_upstream_requests",
+        "Requests the proxy sent, by upstream and what became of them",
+        upstream_requests.clone(),
+    );
+    let upstream_connections = Family::<UpstreamName, Counter>::default();
+    registry.register(
+        "idemgate_upstream_connections_opened",
+        "Connections opened to each upstream (TCP, and the TLS handshake for https)",
+        upstream_connections.clone(),
+    );
+    (upstream_requests, upstream_connections)
+}
+
+/// The client connections' families.
+struct ClientConnections {
+    open: Gauge,
+    closed: Family<ClosedLabels, Counter>,
+    at_cap: Counter<f64, std::sync::atomic::AtomicU64>,
+}
+
+impl ClientConnections {
+    fn register(registry: &mut Registry) -> Self {
+        let open = Gauge::default();
+        registry.register(
+            "idemgate_client_connections",
+            "Client connections open in this process",
+            open.clone(),
+        );
+        let closed = Family::<ClosedLabels, Counter>::default();
+        registry.register(
+            "idemgate_client_connections_closed",
+            "Client connections the gateway closed, by the timeout that ended them",
+            closed.clone(),
+        );
+        let at_cap = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "idemgate_client_connections_at_cap_seconds",
+            "Time spent with max_client_connections open, new connections waiting in the kernel's backlog",
+            at_cap.clone(),
+        );
+        ClientConnections {
+            open,
+            closed,
+            at_cap,
+        }
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -238,41 +293,11 @@ impl Metrics {
             "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
             local_cache_bytes.clone(),
         );
-        let upstream_requests = Family::<UpstreamLabels, Counter>::default();
-        registry.register(
-            "idemgate_upstream_requests",
-            "Requests the proxy sent, by upstream and what became of them",
-            upstream_requests.clone(),
-        );
-        let upstream_connections = Family::<UpstreamName, Counter>::default();
-        registry.register(
-            "idemgate_upstream_connections_opened",
-            "Connections opened to each upstream (TCP, and the TLS handshake for https)",
-            upstream_connections.clone(),
-        );
-        let client_connections = Gauge::default();
-        registry.register(
-            "idemgate_client_connections",
-            "Client connections open in this process",
-            client_connections.clone(),
-        );
-        let client_closed = Family::<ClosedLabels, Counter>::default();
-        registry.register(
-            "idemgate_client_connections_closed",
-            "Client connections the gateway closed, by the timeout that ended them",
-            client_closed.clone(),
-        );
-        let client_cap = Counter::<f64, std::sync::atomic::AtomicU64>::default();
-        registry.register(
-            "idemgate_client_connections_at_cap_seconds",
-            "Time spent with max_client_connections open, new connections waiting in the kernel's backlog",
-            client_cap.clone(),
-        );
+        let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
+        let clients = ClientConnections::register(&mut registry);
         Metrics {
             inner: Arc::new(Inner {
-                client_connections,
-                client_closed,
-                client_cap,
+                clients,
                 upstream_requests,
                 upstream_connections,
                 registry,
@@ -404,20 +429,21 @@ impl Metrics {
 
     /// The open client connections gauge.
     pub fn client_connections(&self) -> &Gauge {
-        &self.inner.client_connections
+        &self.inner.clients.open
     }
 
     /// Count a client connection closed by `reason`.
     pub fn client_closed(&self, reason: ClosedBy) {
         self.inner
-            .client_closed
+            .clients
+            .closed
             .get_or_create(&ClosedLabels { reason })
             .inc();
     }
 
     /// Add time spent at `max_client_connections`.
     pub fn at_connection_cap(&self, d: Duration) {
-        self.inner.client_cap.inc_by(d.as_secs_f64());
+        self.inner.clients.at_cap.inc_by(d.as_secs_f64());
     }
 
     /// The OpenMetrics text exposition of every family.

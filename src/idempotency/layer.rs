@@ -6,7 +6,8 @@ use tokio_util::task::TaskTracker;
 
 use super::policy::Policy;
 use super::routes::{RouteTable, Routes};
-use super::service::{Idempotency, Shared};
+use super::service::Idempotency;
+use super::shared::Shared;
 use crate::metrics::Metrics;
 use crate::store::Store;
 

@@ -14,7 +14,7 @@ use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, KeySource, ScopedKey};
 use super::policy::Policy;
 use super::record::{EntryState, Token};
-use super::service::Shared;
+use super::shared::Shared;
 use crate::metrics::StoreOp;
 use crate::store::{Claim, Store, StoreError, Watch};
 

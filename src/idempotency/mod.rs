@@ -15,6 +15,7 @@ pub mod record;
 mod response;
 mod routes;
 mod service;
+mod shared;
 mod wait;
 
 pub use inner::{Deadline, NotSent};

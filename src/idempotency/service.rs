@@ -28,13 +28,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use super::shared::Shared;
 use axum::body::Body;
 use bytes::Bytes;
 use http::header;
 use http::request::Parts;
 use http::{Method, Request, Response};
 use tokio::time::Instant;
-use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
@@ -47,11 +47,11 @@ use super::lease::{Held, Lease};
 use super::policy::{FingerprintMode, OnStoreError, Policy};
 use super::record::{EntryState, StoredResponse, Token};
 use super::response::{self, relayed, TRACEPARENT};
-use super::routes::{RouteState, RouteTable};
+use super::routes::RouteState;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{Metrics, Outcome, StoreOp, StoreOpMetrics};
+use crate::metrics::{Outcome, StoreOp};
 use crate::store::{Claim, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
@@ -82,31 +82,6 @@ impl<S: Clone, St> Clone for Idempotency<S, St> {
 impl<S, St> Idempotency<S, St> {
     pub(crate) fn new(inner: S, shared: Arc<Shared<St>>) -> Self {
         Idempotency { inner, shared }
-    }
-}
-
-/// What every clone of a layer and its services share.
-pub(crate) struct Shared<St> {
-    // Where records live.
-    pub(crate) store: St,
-    // Which policy a path gets, with the routes' live state.
-    pub(crate) table: RouteTable,
-    // Every claimed call, so that a shutdown can wait for them to be recorded.
-    pub(crate) tasks: TaskTracker,
-    pub(crate) metrics: Metrics,
-    // The store-operation histograms, resolved once.
-    ops: StoreOpMetrics,
-}
-
-impl<St> Shared<St> {
-    pub(crate) fn new(store: St, table: RouteTable, metrics: Metrics, tasks: TaskTracker) -> Self {
-        Shared {
-            store,
-            table,
-            tasks,
-            ops: metrics.store_ops(),
-            metrics,
-        }
     }
 }
 
@@ -589,14 +564,6 @@ impl<St: Store> Shared<St> {
         let took = started.elapsed();
         self.metrics.upstream(took);
         Forwarded { answer, took }
-    }
-
-    /// Await a store operation, recording its latency.
-    pub(super) async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
-        let started = Instant::now();
-        let out = f.await;
-        self.ops.observe(op, started.elapsed());
-        out
     }
 }
 

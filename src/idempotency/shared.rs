@@ -1,0 +1,44 @@
+//! What every clone of a layer and its services share: the store, the route table, the tracker
+//! of claimed calls, the metrics. The protocol (`service.rs`) and the lease (`lease.rs`) both
+//! work on it.
+
+use std::future::Future;
+
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use super::routes::RouteTable;
+use crate::metrics::{Metrics, StoreOp, StoreOpMetrics};
+
+/// What every clone of a layer and its services share.
+pub(crate) struct Shared<St> {
+    // Where records live.
+    pub(crate) store: St,
+    // Which policy a path gets, with the routes' live state.
+    pub(crate) table: RouteTable,
+    // Every claimed call, so that a shutdown can wait for them to be recorded.
+    pub(crate) tasks: TaskTracker,
+    pub(crate) metrics: Metrics,
+    // The store-operation histograms, resolved once.
+    ops: StoreOpMetrics,
+}
+
+impl<St> Shared<St> {
+    pub(crate) fn new(store: St, table: RouteTable, metrics: Metrics, tasks: TaskTracker) -> Self {
+        Shared {
+            store,
+            table,
+            tasks,
+            ops: metrics.store_ops(),
+            metrics,
+        }
+    }
+
+    /// Await a store operation, recording its latency.
+    pub(super) async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
+        let started = Instant::now();
+        let out = f.await;
+        self.ops.observe(op, started.elapsed());
+        out
+    }
+}
