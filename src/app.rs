@@ -8,18 +8,15 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tower::Layer;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::admin;
-use crate::config::{Config, StoreConfig};
+use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::listener::{ConnectionCap, Timeouts, Worker};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::RedisSettings as RedisOptions;
-use crate::store::{
-    CachedStore, Claim, Evicted, Inspect, LocalCache, MemoryStore, RedisStore, Store, StoreError,
-};
+use crate::store::{AnyStore, StoreError};
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +43,7 @@ impl App {
     /// records). Fails when the store is misconfigured; an unreachable Redis is picked up later.
     pub async fn new(config: Config) -> Result<Self, AppError> {
         let metrics = Metrics::new();
-        let store = AnyStore::open(&config, &metrics).await?;
+        let store = AnyStore::open(&config.store, &metrics).await?;
         let admin = match config.admin.listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),
             None => None,
@@ -115,154 +112,6 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     App::new(config).await?.serve(listener, shutdown).await
-}
-
-/// The configured store: the embedded one, or Redis with the process's local cache in front.
-#[derive(Clone, Debug)]
-enum AnyStore {
-    Memory(MemoryStore),
-    Redis(CachedStore<RedisStore>, Arc<RedisOptions>),
-}
-
-impl AnyStore {
-    async fn open(config: &Config, metrics: &Metrics) -> Result<Self, AppError> {
-        let settings = match &config.store {
-            StoreConfig::Memory(m) => {
-                return Ok(AnyStore::Memory(MemoryStore::with_limits(
-                    m.max_entries,
-                    m.max_bytes,
-                )));
-            }
-            StoreConfig::Redis(settings) => settings,
-        };
-        let options = Arc::new(settings.clone());
-        let redis = match RedisStore::connect(&options).await {
-            Ok(store) => store,
-            // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
-            // running. Keyed requests follow on_store_error until it answers; unkeyed ones flow.
-            Err(StoreError::Redis(e)) if crate::store::redis::unreachable(&e) => {
-                error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
-                RedisStore::lazy(&options)?
-            }
-            Err(e) => return Err(e.into()),
-        };
-        match redis.durability_warnings().await {
-            Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
-            Err(e) => {
-                info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
-            }
-        }
-        // One local cache of completed records for the whole process, told of every gateway's
-        // evictions.
-        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
-            .counting_hits(metrics.local_cache_hits());
-        let evicted = cache.clone();
-        redis
-            .on_evicted(move |what| match what {
-                Evicted::Key(key) => evicted.invalidate(&key),
-                Evicted::All => evicted.clear(),
-            })
-            .await;
-        Ok(AnyStore::Redis(CachedStore::new(redis, cache), options))
-    }
-
-    /// The handle one worker thread uses. With Redis, a connection of its own, so that its
-    /// commands stay on its thread; a worker that cannot connect (Redis went away since
-    /// start-up) shares the first handle, which reconnects by itself.
-    async fn for_worker(&self) -> Self {
-        match self {
-            AnyStore::Memory(_) => self.clone(),
-            AnyStore::Redis(shared, options) => match shared.inner().sibling().await {
-                Ok(own) => AnyStore::Redis(
-                    CachedStore::new(own, shared.cache().clone()),
-                    options.clone(),
-                ),
-                Err(e) => {
-                    warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
-                    self.clone()
-                }
-            },
-        }
-    }
-}
-
-/// `$call` on whichever store `$self` is.
-macro_rules! on_store {
-    ($self:ident, $s:ident => $call:expr) => {
-        match $self {
-            AnyStore::Memory($s) => $call,
-            AnyStore::Redis($s, _) => $call,
-        }
-    };
-}
-
-impl Store for AnyStore {
-    async fn claim(
-        &self,
-        key: &crate::idempotency::key::ScopedKey,
-        fingerprint: &crate::idempotency::fingerprint::Fingerprint,
-        token: &crate::idempotency::record::Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        on_store!(self, s => s.claim(key, fingerprint, token, lease).await)
-    }
-
-    async fn complete(
-        &self,
-        key: &crate::idempotency::key::ScopedKey,
-        fingerprint: &crate::idempotency::fingerprint::Fingerprint,
-        token: &crate::idempotency::record::Token,
-        state: &crate::idempotency::record::EntryState,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.complete(key, fingerprint, token, state, ttl).await)
-    }
-
-    async fn release(
-        &self,
-        key: &crate::idempotency::key::ScopedKey,
-        token: &crate::idempotency::record::Token,
-    ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.release(key, token).await)
-    }
-
-    async fn renew(
-        &self,
-        key: &crate::idempotency::key::ScopedKey,
-        token: &crate::idempotency::record::Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.renew(key, token, lease).await)
-    }
-
-    async fn watch(&self, key: &crate::idempotency::key::ScopedKey) -> Option<crate::store::Watch> {
-        on_store!(self, s => s.watch(key).await)
-    }
-}
-
-impl Inspect for AnyStore {
-    async fn ping(&self) -> Result<(), StoreError> {
-        on_store!(self, s => s.ping().await)
-    }
-
-    async fn inspect(
-        &self,
-        key: &crate::idempotency::key::ScopedKey,
-    ) -> Result<Option<crate::store::Inspected>, StoreError> {
-        on_store!(self, s => s.inspect(key).await)
-    }
-
-    async fn evict(&self, key: &crate::idempotency::key::ScopedKey) -> Result<bool, StoreError> {
-        on_store!(self, s => s.evict(key).await)
-    }
-
-    async fn evict_all(&self) -> Result<u64, StoreError> {
-        on_store!(self, s => s.evict_all().await)
-    }
-
-    fn local_cache_size(&self) -> Option<(u64, u64)> {
-        on_store!(self, s => s.local_cache_size())
-    }
 }
 
 /// Run `config.workers` threads, each a single-threaded event loop accepting from the one

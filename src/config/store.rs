@@ -7,50 +7,9 @@ use serde::Deserialize;
 
 use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
-pub use crate::store::{redact_url, Compression, MemorySettings, RedisSettings, Topology};
-
-/// Which store keeps the records, with its settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreConfig {
-    /// The embedded in-process store: zero setup, one gateway process, lost on restart.
-    Memory(MemorySettings),
-    /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
-    /// gateway replica and durable as far as Redis is.
-    Redis(RedisSettings),
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        StoreConfig::Memory(MemorySettings::default())
-    }
-}
-
-impl StoreConfig {
-    /// The backend for logs: its name, and for Redis the URL with any password as `***`.
-    pub fn describe(&self) -> String {
-        match self {
-            StoreConfig::Memory(_) => "memory".into(),
-            StoreConfig::Redis(r) => format!(
-                "{} {}",
-                r.topology.backend(),
-                r.topology
-                    .urls()
-                    .iter()
-                    .map(|u| redact_url(u))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
-        }
-    }
-
-    /// The backend's name, as `backend` is written.
-    pub fn backend(&self) -> &'static str {
-        match self {
-            StoreConfig::Memory(_) => "memory",
-            StoreConfig::Redis(r) => r.topology.backend(),
-        }
-    }
-}
+pub use crate::store::{
+    redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology,
+};
 
 /// A field refused, named within `[store]`, and why.
 type Refused = (String, String);

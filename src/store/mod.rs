@@ -12,18 +12,20 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 
+mod any;
 pub mod cached;
-pub mod events;
 pub mod memory;
 pub mod redis;
 mod settings;
-mod topology;
 
+pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
-pub use self::events::{Evicted, Watch};
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
-pub use self::settings::{redact_url, Compression, MemorySettings, RedisSettings, Topology};
+pub use self::redis::{Evicted, Watch};
+pub use self::settings::{
+    redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology,
+};
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from
 /// the entry the key holds and the request's fingerprint, the one place that decision is made.
@@ -89,7 +91,7 @@ pub enum StoreError {
     },
     /// A stored record could not be decoded.
     #[error(transparent)]
-    Decode(#[from] crate::idempotency::record::DecodeError),
+    Decode(#[from] DecodeError),
 }
 
 /// The operations the state machine needs. Implementations must make each one atomic.
@@ -171,3 +173,8 @@ pub trait Inspect: Store {
         None
     }
 }
+
+/// Why bytes from the store could not be read as an entry.
+#[derive(Debug, thiserror::Error)]
+#[error("corrupt or unknown record encoding: {0}")]
+pub struct DecodeError(pub(crate) &'static str);

@@ -22,7 +22,7 @@ use redis::{
     RedisResult, TlsCertificates, Value,
 };
 
-use super::Topology;
+use crate::store::Topology;
 
 /// Receives pub/sub messages on a subscriber connection.
 pub(crate) type PushFn = Arc<dyn Fn(PushInfo) + Send + Sync>;

@@ -23,14 +23,19 @@ use std::time::Duration;
 use bytes::Bytes;
 use redis::Script;
 
-use super::events::{Events, Evicted, Watch};
+mod codec;
+mod events;
+mod topology;
+
+use self::events::Events;
+pub use self::events::{Evicted, Watch};
+use self::topology::{Conn, Opening};
 use super::settings::{Compression, RedisSettings, Topology};
 pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
-use super::topology::{Conn, Opening};
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{self, EntryState, Token};
+use crate::idempotency::record::{EntryState, Token};
 
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
@@ -70,10 +75,10 @@ impl Scripts {
             source
                 .replace("@PUBLISH@", publish)
                 .replace("@DONE@", DONE_SUFFIX)
-                .replace("@STATE@", &(record::STATE_AT + 1).to_string())
-                .replace("@TOKEN_FROM@", &(record::TOKEN_AT + 1).to_string())
-                .replace("@TOKEN_TO@", &record::WRITTEN_AT.to_string())
-                .replace("@IN_FLIGHT@", &char::from(record::IN_FLIGHT).to_string())
+                .replace("@STATE@", &(codec::STATE_AT + 1).to_string())
+                .replace("@TOKEN_FROM@", &(codec::TOKEN_AT + 1).to_string())
+                .replace("@TOKEN_TO@", &codec::WRITTEN_AT.to_string())
+                .replace("@IN_FLIGHT@", &char::from(codec::IN_FLIGHT).to_string())
         };
         Scripts {
             claim: Script::new(&fill(include_str!("lua/claim.lua"))),
@@ -428,7 +433,7 @@ impl RedisStore {
         &self,
         key: &ScopedKey,
         token: &Token,
-        entry: &record::Encoded<'_>,
+        entry: &codec::Encoded<'_>,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
@@ -530,7 +535,7 @@ impl super::Inspect for RedisStore {
             .await?;
         let Some(raw) = raw else { return Ok(None) };
         let stored_bytes = raw.len();
-        let (entry, _) = record::decode(Bytes::from(raw))?;
+        let (entry, _) = codec::decode(Bytes::from(raw))?;
         Ok(Some(super::Inspected {
             entry,
             expires_in: u64::try_from(pttl).ok().map(Duration::from_millis),
@@ -604,7 +609,7 @@ impl Store for RedisStore {
         token: &Token,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let entry = record::encode(fingerprint, token, &EntryState::InFlight);
+        let entry = codec::encode(fingerprint, token, &EntryState::InFlight);
         let redis_key = self.redis_key(key);
         match self.try_claim(&redis_key, &entry, lease).await? {
             (None, Ok(())) => Ok(Claim::Claimed),
@@ -617,7 +622,7 @@ impl Store for RedisStore {
                 Err(not_acknowledged)
             }
             (Some((raw, pttl)), _) => {
-                let (mut held, holder) = record::decode(Bytes::from(raw))?;
+                let (mut held, holder) = codec::decode(Bytes::from(raw))?;
                 held.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
                 Ok(Claim::decide(held, &holder, fingerprint, token))
             }
@@ -632,7 +637,7 @@ impl Store for RedisStore {
         state: &EntryState,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let parts = record::encode_parts(
+        let parts = codec::encode_parts(
             fingerprint,
             token,
             state,

@@ -1,0 +1,156 @@
+//! The binary's backend dispatch: whichever store the configuration names, as one type.
+
+use std::time::Duration;
+
+use tracing::{error, info, warn};
+
+use super::{
+    CachedStore, Claim, Evicted, Inspect, Inspected, LocalCache, MemoryStore, RedisStore, Store,
+    StoreConfig, StoreError, Watch,
+};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::ScopedKey;
+use crate::idempotency::record::{EntryState, Token};
+use crate::metrics::Metrics;
+
+/// The configured store: the embedded one, or Redis with the process's local cache in front.
+#[derive(Clone, Debug)]
+pub enum AnyStore {
+    /// The embedded store.
+    Memory(MemoryStore),
+    /// Redis, with the process's local cache in front.
+    Redis(CachedStore<RedisStore>),
+}
+
+impl AnyStore {
+    /// Open the store `settings` describe (for Redis: connect, and warn when its settings could
+    /// lose records). Fails when the store is misconfigured; an unreachable Redis is picked up
+    /// later.
+    pub async fn open(settings: &StoreConfig, metrics: &Metrics) -> Result<Self, StoreError> {
+        let settings = match settings {
+            StoreConfig::Memory(m) => {
+                return Ok(AnyStore::Memory(MemoryStore::with_limits(
+                    m.max_entries,
+                    m.max_bytes,
+                )));
+            }
+            StoreConfig::Redis(settings) => settings,
+        };
+        let redis = match RedisStore::connect(settings).await {
+            Ok(store) => store,
+            // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
+            // running. Keyed requests follow on_store_error until it answers; unkeyed ones flow.
+            Err(StoreError::Redis(e)) if super::redis::unreachable(&e) => {
+                error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
+                RedisStore::lazy(settings)?
+            }
+            Err(e) => return Err(e),
+        };
+        match redis.durability_warnings().await {
+            Ok(warnings) => warnings.iter().for_each(|w| warn!("{w}")),
+            Err(e) => {
+                info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
+            }
+        }
+        // One local cache of completed records for the whole process, told of every gateway's
+        // evictions.
+        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
+            .counting_hits(metrics.local_cache_hits());
+        let evicted = cache.clone();
+        redis
+            .on_evicted(move |what| match what {
+                Evicted::Key(key) => evicted.invalidate(&key),
+                Evicted::All => evicted.clear(),
+            })
+            .await;
+        Ok(AnyStore::Redis(CachedStore::new(redis, cache)))
+    }
+
+    /// The handle one worker thread uses. With Redis, a connection of its own, so that its
+    /// commands stay on its thread; a worker that cannot connect (Redis went away since
+    /// start-up) shares the first handle, which reconnects by itself.
+    pub async fn for_worker(&self) -> Self {
+        match self {
+            AnyStore::Memory(_) => self.clone(),
+            AnyStore::Redis(shared) => match shared.inner().sibling().await {
+                Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
+                Err(e) => {
+                    warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
+                    self.clone()
+                }
+            },
+        }
+    }
+}
+
+/// `$call` on whichever store `$self` is.
+macro_rules! on_store {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyStore::Memory($s) => $call,
+            AnyStore::Redis($s) => $call,
+        }
+    };
+}
+
+impl Store for AnyStore {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        on_store!(self, s => s.claim(key, fingerprint, token, lease).await)
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        on_store!(self, s => s.complete(key, fingerprint, token, state, ttl).await)
+    }
+
+    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+        on_store!(self, s => s.release(key, token).await)
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        on_store!(self, s => s.renew(key, token, lease).await)
+    }
+
+    async fn watch(&self, key: &ScopedKey) -> Option<Watch> {
+        on_store!(self, s => s.watch(key).await)
+    }
+}
+
+impl Inspect for AnyStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        on_store!(self, s => s.ping().await)
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+        on_store!(self, s => s.inspect(key).await)
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        on_store!(self, s => s.evict(key).await)
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        on_store!(self, s => s.evict_all().await)
+    }
+
+    fn local_cache_size(&self) -> Option<(u64, u64)> {
+        on_store!(self, s => s.local_cache_size())
+    }
+}

@@ -1,0 +1,474 @@
+//! The Redis record: an entry's compact binary encoding.
+//!
+//! Layout of an encoded entry (all integers big-endian), version 3 (still read: version 2, without
+//! the key source byte, and version 1, without the written-at time and the traceparent):
+//!
+//! ```text
+//! [0]      format version (3)
+//! [1]      state: b'P' in flight, b'C' completed (response follows), b'Z' the same with an
+//!          LZ4-compressed body, b'N' completed, not replayable
+//! [2..34]  request fingerprint (SHA-256)
+//! [34..50] claim token (fences completion and release against a newer holder)
+//! [50..58] when this entry was written, in ms since the Unix epoch
+//! -- only for b'C':
+//! u16      status
+//! u16      header count, then per header: u16 name length, name, u32 value length, value
+//! u8       length of the original request's W3C traceparent (0: none), then its bytes
+//! u8       where the key came from: 0 unknown, 1 a header, 2 the body, 3 derived
+//! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
+//! ```
+//!
+//! The Lua scripts beside this file read the state byte and the token directly; the offsets and
+//! state bytes are defined once here, and filled into the scripts when they load. A later version
+//! keeps byte 0 as the version so that old records stay readable.
+
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, StatusCode};
+
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::KeySource;
+use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token};
+use crate::store::DecodeError;
+
+/// The encoding version written by this build.
+pub(super) const FORMAT_VERSION: u8 = 3;
+/// Offset of the state byte.
+pub(super) const STATE_AT: usize = 1;
+/// Offset of the token.
+pub(super) const TOKEN_AT: usize = 34;
+/// Offset of the written-at time.
+pub(super) const WRITTEN_AT: usize = 50;
+/// Length of the fixed header before the response.
+pub(super) const HEADER_LEN: usize = 58;
+/// State byte: claimed, in flight.
+pub(super) const IN_FLIGHT: u8 = b'P';
+/// State byte: completed, the response follows.
+pub(super) const COMPLETED: u8 = b'C';
+/// State byte: completed, the response follows with an LZ4-compressed body.
+pub(super) const COMPRESSED: u8 = b'Z';
+/// State byte: completed, not replayable.
+pub(super) const NOT_REPLAYABLE: u8 = b'N';
+
+/// Bodies from this size on are worth trying to compress.
+pub(super) const COMPRESS_FROM: usize = 1024;
+
+/// The most a compressed body may claim to expand to (a corrupt length must not allocate more).
+const MAX_EXPANDED: usize = 1 << 30;
+
+/// Encode an entry (with its token) for the store, bodies as they are.
+pub(super) fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
+    encode_with(fingerprint, token, state, false)
+}
+
+/// Encode an entry; with `compress`, a body of [`COMPRESS_FROM`] bytes or more that the
+/// upstream did not encode itself (no `Content-Encoding`) is stored LZ4-compressed when that
+/// saves at least an eighth of it.
+pub(super) fn encode_with(
+    fingerprint: &Fingerprint,
+    token: &Token,
+    state: &EntryState,
+    compress: bool,
+) -> Bytes {
+    encode_parts(fingerprint, token, state, compress).into_bytes()
+}
+
+/// An encoded entry in two parts, everything before the body and the body as stored, so that
+/// a large body can be written where it goes (a Redis command) without being copied first.
+pub(super) struct Encoded<'a> {
+    /// The fixed fields, status, headers and traceparent.
+    pub(super) head: BytesMut,
+    /// The body as stored: the response's own bytes, or compressed.
+    pub(super) body: std::borrow::Cow<'a, [u8]>,
+}
+
+impl Encoded<'_> {
+    /// The length of the whole encoding.
+    pub(super) fn len(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+
+    /// The whole encoding in one buffer.
+    pub(super) fn into_bytes(self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.len());
+        out.put_slice(&self.head);
+        out.put_slice(&self.body);
+        out.freeze()
+    }
+}
+
+/// [`encode_with`], in two parts.
+pub(super) fn encode_parts<'a>(
+    fingerprint: &Fingerprint,
+    token: &Token,
+    state: &'a EntryState,
+    compress: bool,
+) -> Encoded<'a> {
+    use std::borrow::Cow;
+    let compressed = match state {
+        EntryState::Completed(r)
+            if compress
+                && r.body.len() >= COMPRESS_FROM
+                && !r
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n == http::header::CONTENT_ENCODING) =>
+        {
+            let packed = lz4_flex::block::compress_prepend_size(&r.body);
+            (packed.len() <= r.body.len() - r.body.len() / 8).then_some(packed)
+        }
+        _ => None,
+    };
+    let (tag, resp) = match state {
+        EntryState::InFlight => (IN_FLIGHT, None),
+        EntryState::Completed(r) if compressed.is_some() => (COMPRESSED, Some(r)),
+        EntryState::Completed(r) => (COMPLETED, Some(r)),
+        EntryState::NotReplayable => (NOT_REPLAYABLE, None),
+    };
+    let body: Cow<'a, [u8]> = match (compressed, resp) {
+        (Some(packed), _) => Cow::Owned(packed),
+        (None, Some(r)) => Cow::Borrowed(&r.body[..]),
+        (None, None) => Cow::Borrowed(&[]),
+    };
+    let size = HEADER_LEN
+        + resp.map_or(0, |r| {
+            4 + r
+                .headers
+                .iter()
+                .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                .sum::<usize>()
+                + 1
+                + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
+                + 1
+        });
+    let mut out = BytesMut::with_capacity(size);
+    out.put_u8(FORMAT_VERSION);
+    out.put_u8(tag);
+    out.put_slice(&fingerprint.0);
+    out.put_slice(&token.0);
+    out.put_u64(now_ms());
+    if let Some(r) = resp {
+        out.put_u16(r.status.as_u16());
+        out.put_u16(r.headers.len() as u16);
+        for (n, v) in &r.headers {
+            out.put_u16(n.as_str().len() as u16);
+            out.put_slice(n.as_str().as_bytes());
+            out.put_u32(v.len() as u32);
+            out.put_slice(v.as_bytes());
+        }
+        // A traceparent is 55 bytes; anything longer than a length byte allows is not one.
+        match r.traceparent.as_ref().filter(|t| t.len() <= 255) {
+            Some(t) => {
+                out.put_u8(t.len() as u8);
+                out.put_slice(t.as_bytes());
+            }
+            None => out.put_u8(0),
+        }
+        out.put_u8(match r.key_source {
+            None => 0,
+            Some(KeySource::Header) => 1,
+            Some(KeySource::Body) => 2,
+            Some(KeySource::Derived) => 3,
+        });
+    }
+    Encoded { head: out, body }
+}
+
+/// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
+pub(super) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
+    // Version 1 (the first release) is still read: no written-at time, no traceparent.
+    let (header_len, v1) = match raw.first() {
+        Some(1) => (WRITTEN_AT, true),
+        Some(2 | 3) => (HEADER_LEN, false),
+        Some(_) => return Err(DecodeError("unknown version")),
+        None => return Err(DecodeError("too short")),
+    };
+    if raw.len() < header_len {
+        return Err(DecodeError("too short"));
+    }
+    let fingerprint = Fingerprint(raw[2..34].try_into().expect("32 bytes"));
+    let token = Token(raw[TOKEN_AT..WRITTEN_AT].try_into().expect("16 bytes"));
+    let written_ms = if v1 {
+        0
+    } else {
+        u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"))
+    };
+    let state = match raw[STATE_AT] {
+        IN_FLIGHT => EntryState::InFlight,
+        NOT_REPLAYABLE => EntryState::NotReplayable,
+        COMPLETED => {
+            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), raw[0])?))
+        }
+        COMPRESSED if !v1 => {
+            let mut r = decode_response(raw.slice(header_len..), raw[0])?;
+            let (expanded, _) = lz4_flex::block::uncompressed_size(&r.body)
+                .map_err(|_| DecodeError("truncated compressed body"))?;
+            if expanded > MAX_EXPANDED {
+                return Err(DecodeError("implausible compressed body length"));
+            }
+            r.body = lz4_flex::block::decompress_size_prepended(&r.body)
+                .map_err(|_| DecodeError("corrupt compressed body"))?
+                .into();
+            EntryState::Completed(Arc::new(r))
+        }
+        _ => return Err(DecodeError("unknown state")),
+    };
+    Ok((
+        Entry {
+            fingerprint,
+            state,
+            expires_in: None,
+            written_ms,
+        },
+        token,
+    ))
+}
+
+fn decode_response(mut buf: Bytes, version: u8) -> Result<StoredResponse, DecodeError> {
+    let with_trace = version >= 2;
+    let need = |buf: &Bytes, n: usize| {
+        if buf.remaining() < n {
+            Err(DecodeError("truncated"))
+        } else {
+            Ok(())
+        }
+    };
+    need(&buf, 4)?;
+    let status = StatusCode::from_u16(buf.get_u16()).map_err(|_| DecodeError("bad status"))?;
+    let count = buf.get_u16() as usize;
+    let mut headers = Vec::with_capacity(count);
+    for _ in 0..count {
+        need(&buf, 2)?;
+        let n = buf.get_u16() as usize;
+        need(&buf, n + 4)?;
+        let name =
+            HeaderName::from_bytes(&buf.split_to(n)).map_err(|_| DecodeError("bad header name"))?;
+        let v = buf.get_u32() as usize;
+        need(&buf, v)?;
+        let value = HeaderValue::from_maybe_shared(buf.split_to(v))
+            .map_err(|_| DecodeError("bad header value"))?;
+        headers.push((name, value));
+    }
+    let t = if with_trace {
+        need(&buf, 1)?;
+        buf.get_u8() as usize
+    } else {
+        0
+    };
+    need(&buf, t)?;
+    let traceparent = match t {
+        0 => None,
+        _ => Some(
+            HeaderValue::from_maybe_shared(buf.split_to(t))
+                .map_err(|_| DecodeError("bad traceparent"))?,
+        ),
+    };
+    let key_source = if version >= 3 {
+        need(&buf, 1)?;
+        match buf.get_u8() {
+            0 => None,
+            1 => Some(KeySource::Header),
+            2 => Some(KeySource::Body),
+            3 => Some(KeySource::Derived),
+            _ => return Err(DecodeError("bad key source")),
+        }
+    } else {
+        None
+    };
+    Ok(StoredResponse {
+        status,
+        headers,
+        body: buf,
+        traceparent,
+        key_source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_binary_bodies_and_headers() {
+        let body: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let resp = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (
+                    HeaderName::from_static("content-type"),
+                    HeaderValue::from_static("application/octet-stream"),
+                ),
+                (
+                    HeaderName::from_static("set-cookie"),
+                    HeaderValue::from_static("a=1"),
+                ),
+                (
+                    HeaderName::from_static("set-cookie"),
+                    HeaderValue::from_static("b=2"),
+                ),
+            ],
+            body: Bytes::from(body),
+            traceparent: Some(HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )),
+            key_source: Some(KeySource::Body),
+        };
+        let fp = Fingerprint([7; 32]);
+        let tok = Token::random();
+        let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
+        // 58 fixed + 4 (status, count) + 3 headers (6 bytes of lengths each + name + value)
+        // + traceparent (1 + 55) + key source (1) + body.
+        assert_eq!(
+            raw.len(),
+            HEADER_LEN + 4 + (6 + 12 + 24) + 2 * (6 + 10 + 3) + 56 + 1 + 1000
+        );
+        let before = now_ms();
+        let (entry, tok2) = decode(raw).unwrap();
+        assert_eq!(tok2, tok);
+        assert_eq!(entry.fingerprint, fp);
+        assert!(entry.written_ms <= before && entry.written_ms + 60_000 > before);
+        match entry.state {
+            EntryState::Completed(r) => assert_eq!(*r, resp),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn in_flight_and_truncated() {
+        let raw = encode(
+            &Fingerprint([1; 32]),
+            &Token([2; 16]),
+            &EntryState::InFlight,
+        );
+        assert_eq!(raw.len(), HEADER_LEN);
+        assert!(matches!(
+            decode(raw.clone()).unwrap().0.state,
+            EntryState::InFlight
+        ));
+        assert!(decode(raw.slice(..10)).is_err());
+        let mut c = encode(
+            &Fingerprint([1; 32]),
+            &Token([2; 16]),
+            &EntryState::Completed(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: vec![(HeaderName::from_static("x"), HeaderValue::from_static("y"))],
+                body: Bytes::new(),
+                traceparent: None,
+                key_source: None,
+            })),
+        )
+        .to_vec();
+        c.truncate(c.len() - 1);
+        assert!(decode(Bytes::from(c)).is_err());
+    }
+
+    #[test]
+    fn version_1_records_stay_readable() {
+        // A completed v1 record: no written-at time, no traceparent byte.
+        let mut v1 = vec![1u8, b'C'];
+        v1.extend_from_slice(&[7; 32]);
+        v1.extend_from_slice(&[3; 16]);
+        v1.extend_from_slice(&201u16.to_be_bytes());
+        v1.extend_from_slice(&1u16.to_be_bytes());
+        v1.extend_from_slice(&1u16.to_be_bytes());
+        v1.extend_from_slice(b"x");
+        v1.extend_from_slice(&1u32.to_be_bytes());
+        v1.extend_from_slice(b"y");
+        v1.extend_from_slice(b"old body");
+        let (entry, token) = decode(Bytes::from(v1)).unwrap();
+        assert_eq!(token, Token([3; 16]));
+        assert_eq!(entry.written_ms, 0);
+        match entry.state {
+            EntryState::Completed(r) => {
+                assert_eq!(r.status, StatusCode::CREATED);
+                assert_eq!(r.body.as_ref(), b"old body");
+                assert!(r.traceparent.is_none());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(
+            decode(Bytes::from_static(&[9, b'P'])).is_err(),
+            "unknown versions are refused"
+        );
+    }
+
+    fn completed(body: Vec<u8>, encoding: Option<&'static str>) -> EntryState {
+        let mut headers = vec![(
+            HeaderName::from_static("content-type"),
+            HeaderValue::from_static("application/json"),
+        )];
+        if let Some(e) = encoding {
+            headers.push((
+                HeaderName::from_static("content-encoding"),
+                HeaderValue::from_static(e),
+            ));
+        }
+        EntryState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::from(body),
+            traceparent: None,
+            key_source: None,
+        }))
+    }
+
+    fn body_of(raw: Bytes) -> Bytes {
+        match decode(raw).unwrap().0.state {
+            EntryState::Completed(r) => r.body.clone(),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn compressible_bodies_are_stored_compressed_and_read_back_whole() {
+        let json: Vec<u8> = (0..2000)
+            .flat_map(|i| {
+                format!("{{\"id\":\"pi_{i:08}\",\"status\":\"succeeded\"}},").into_bytes()
+            })
+            .collect();
+        let (fp, tok) = (Fingerprint([1; 32]), Token::random());
+        let state = completed(json.clone(), None);
+        let plain = encode(&fp, &tok, &state);
+        let packed = encode_with(&fp, &tok, &state, true);
+        assert_eq!(plain[STATE_AT], b'C');
+        assert_eq!(packed[STATE_AT], b'Z');
+        assert!(
+            packed.len() * 3 < plain.len(),
+            "{} vs {}",
+            packed.len(),
+            plain.len()
+        );
+        assert_eq!(body_of(packed.clone()), json);
+        // The fixed fields the Lua scripts read are where they always are.
+        assert_eq!(&packed[TOKEN_AT..WRITTEN_AT], &tok.0);
+        // A corrupt compressed body is an error, not a wrong replay.
+        let mut bad = packed.to_vec();
+        let n = bad.len();
+        bad[n - 20..].fill(0xff);
+        assert!(decode(Bytes::from(bad)).is_err());
+    }
+
+    #[test]
+    fn bodies_that_do_not_shrink_are_stored_as_they_are() {
+        let (fp, tok) = (Fingerprint([1; 32]), Token::random());
+        // Already encoded by the upstream, too small, or incompressible: stored as is.
+        let gz = completed(vec![b'a'; 10_000], Some("gzip"));
+        assert_eq!(encode_with(&fp, &tok, &gz, true)[STATE_AT], b'C');
+        let small = completed(vec![b'a'; COMPRESS_FROM - 1], None);
+        assert_eq!(encode_with(&fp, &tok, &small, true)[STATE_AT], b'C');
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let noise: Vec<u8> = (0..10_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let random = completed(noise.clone(), None);
+        let raw = encode_with(&fp, &tok, &random, true);
+        assert_eq!(raw[STATE_AT], b'C');
+        assert_eq!(body_of(raw), noise);
+    }
+}
