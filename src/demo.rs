@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 /// The example upstream: `POST /v1/payments` "charges" (slowly, like a card network) and counts
 /// every execution; `GET /v1/payments/executions` tells how many charges really ran.
-pub fn payments_api() -> Router {
+pub(crate) fn payments_api() -> Router {
     let executions = Arc::new(AtomicU64::new(0));
     Router::new()
         .route("/v1/payments", post(charge))
@@ -41,7 +41,7 @@ async fn count(State(executions): State<Arc<AtomicU64>>) -> Json<Value> {
 }
 
 /// The gateway config the demo runs: `/v1/payments` requires a key, everything else defaults.
-pub fn config_toml(listen: &str, upstream: &str) -> String {
+pub(crate) fn config_toml(listen: &str, upstream: &str) -> String {
     format!(
         r#"
 listen = "{listen}"
@@ -60,7 +60,7 @@ ttl = "1h"
 }
 
 /// The curl lines printed for the user to try.
-pub fn instructions(listen: &str) -> String {
+pub(crate) fn instructions(listen: &str) -> String {
     format!(
         r#"idemgate demo: gateway on http://{listen} (embedded store) in front of an example payments API.
 

@@ -65,9 +65,8 @@
 #![warn(missing_docs)]
 
 pub mod admin;
-pub mod app;
+mod app;
 pub mod config;
-pub mod demo;
 pub mod error;
 mod headers;
 pub mod idempotency;
@@ -77,6 +76,7 @@ pub mod proxy;
 pub mod store;
 mod tls;
 
+pub use app::{run, App, AppError};
 pub use error::ConfigError;
 pub use idempotency::{
     FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight, OnStoreError,

@@ -1,5 +1,7 @@
 //! The `idemgate` binary: parse the command line, set up logging, run until SIGINT/SIGTERM.
 
+mod demo;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -101,7 +103,7 @@ async fn run(file: Option<&str>) -> Result<(), String> {
     // timeout) stops the start there.
     let mut shutdown = Box::pin(shutdown);
     let app = tokio::select! {
-        app = idemgate::app::App::new(config) => app.map_err(|e| e.to_string())?,
+        app = idemgate::App::new(config) => app.map_err(|e| e.to_string())?,
         () = &mut shutdown => return Ok(()),
     };
     app.serve(listener, shutdown)
@@ -181,8 +183,8 @@ async fn demo(listen: &str) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let upstream_addr = upstream.local_addr().map_err(|e| e.to_string())?;
-    tokio::spawn(async move { axum::serve(upstream, idemgate::demo::payments_api()).await });
-    let config = Config::from_toml(&idemgate::demo::config_toml(
+    tokio::spawn(async move { axum::serve(upstream, demo::payments_api()).await });
+    let config = Config::from_toml(&demo::config_toml(
         listen,
         &format!("http://{upstream_addr}"),
     ))
@@ -190,8 +192,8 @@ async fn demo(listen: &str) -> Result<(), String> {
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e} (pick another with --listen)"))?;
-    println!("{}", idemgate::demo::instructions(listen));
-    idemgate::app::run(listener, config, shutdown_signal())
+    println!("{}", demo::instructions(listen));
+    idemgate::run(listener, config, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }

@@ -33,7 +33,7 @@ impl InProcessGateway {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = idemgate::app::App::new(config.parse())
+        let app = idemgate::App::new(config.parse())
             .await
             .expect("gateway failed to start");
         let admin = app.admin_addr();
