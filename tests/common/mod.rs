@@ -11,7 +11,8 @@
 //! env.redis().kill();
 //! ```
 //!
-//! The fixtures, by module:
+//! The fixtures, by module (the Redis ones, ports and waiting from `testkit`, which the benchmark
+//! shares):
 //! - [`config`]: [`TestConfig`], the gateway's TOML config built in code
 //!   (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
@@ -36,32 +37,23 @@
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod client;
-pub mod cluster;
 pub mod config;
 pub mod gateway;
-pub mod ports;
 pub mod raw;
-pub mod redis;
 pub mod tls;
 pub mod upstream;
-pub mod wait;
+
+pub use testkit::{cluster, ports, redis, wait};
 
 pub use self::client::{client, send, Seen};
-pub use self::cluster::{RedisCluster, RedisSentinelSet};
 pub use self::config::TestConfig;
 pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
-pub use self::ports::{free_port, ReservedPort};
-pub use self::redis::{RedisServer, TlsRedisServer};
 pub use self::tls::{Issued, TestCa, Validity};
 pub use self::upstream::CountingUpstream;
-pub use self::wait::wait_until;
-
-/// Which store a behavioural test runs against.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Memory,
-    Redis,
-}
+pub use testkit::{
+    free_port, wait_until, Backend, RedisCluster, RedisSentinelSet, RedisServer, ReservedPort,
+    TlsRedisServer,
+};
 
 /// Generate one test per backend for each named `async fn(Backend)`.
 #[macro_export]

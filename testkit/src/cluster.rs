@@ -16,20 +16,19 @@
 //! Failover is quick by configuration, not by luck: `cluster-node-timeout 1000` and
 //! `down-after-milliseconds 1000`; replicas sync at once (`repl-diskless-sync-delay 0`).
 //!
-//! Like [`RedisServer`](super::RedisServer), every process also listens on a unix socket in its
+//! Like [`RedisServer`](crate::RedisServer), every process also listens on a unix socket in its
 //! own directory; that socket answering PING is how a start is known to be this process's (a
 //! redis-server exits when it cannot bind its ports, including a cluster node's bus port).
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::FromRedisValue;
+use redis::{FromRedisValue, IntoConnectionInfo};
 
-use super::redis::{pong, socket_in};
-use super::{free_port, wait_until};
+use crate::redis::{pong, socket_in};
+use crate::{free_port, wait_until};
 
 /// How many ports a start tries (a port taken between [`free_port`] and the bind is a race with
 /// another process, not a failure).
@@ -92,6 +91,21 @@ impl RedisCluster {
     /// The port of node `node`.
     pub fn port(&self, node: usize) -> u16 {
         self.nodes[node].port
+    }
+
+    /// The port of every node, in the order of their indexes.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// The process id of node `node`, while it runs (for its CPU time).
+    pub fn pid(&self, node: usize) -> Option<u32> {
+        self.nodes[node].pid()
+    }
+
+    /// The process ids of the running nodes.
+    pub fn pids(&self) -> Vec<u32> {
+        self.nodes.iter().filter_map(Node::pid).collect()
     }
 
     /// The nodes that own slots now, as a running node sees it (sorted).
@@ -167,14 +181,20 @@ impl RedisCluster {
     /// how long that took.
     pub async fn restart(&self, node: usize) -> Duration {
         let started = std::time::Instant::now();
+        self.start_again(node).await;
+        self.wait_until_healthy().await;
+        started.elapsed()
+    }
+
+    /// Start the killed node `node` again with its directory and `nodes.conf`; returns once it
+    /// answers, before it has rejoined.
+    pub(crate) async fn start_again(&self, node: usize) {
         let n = &self.nodes[node];
         assert!(
             n.spawn(&Role::ClusterNode).await,
             "cluster node {node} did not come back on port {}",
             n.port
         );
-        self.wait_until_healthy().await;
-        started.elapsed()
     }
 
     /// Wait until all six nodes run and agree: cluster state ok, six nodes known, none flagged
@@ -333,6 +353,16 @@ impl RedisSentinelSet {
         self.data[node].url()
     }
 
+    /// The port of each data node: `0` (the first primary), then `1`.
+    pub fn ports(&self) -> Vec<u16> {
+        self.data.iter().map(|n| n.port).collect()
+    }
+
+    /// The process ids of the running data nodes.
+    pub fn pids(&self) -> Vec<u32> {
+        self.data.iter().filter_map(Node::pid).collect()
+    }
+
     /// The data node the sentinels name as the primary now (the first sentinel that answers).
     pub async fn primary(&self) -> usize {
         for sentinel in self.sentinels.iter() {
@@ -377,6 +407,14 @@ impl RedisSentinelSet {
     /// the primary counts it; returns how long that took.
     pub async fn restart_as_replica(&self, node: usize) -> Duration {
         let started = std::time::Instant::now();
+        self.start_as_replica(node).await;
+        self.wait_until_healthy(None).await;
+        started.elapsed()
+    }
+
+    /// Start the killed data node `node` again with `--replicaof` the other one; returns once it
+    /// answers, before its replication link is up.
+    pub(crate) async fn start_as_replica(&self, node: usize) {
         let primary = self.data[1 - node].port;
         let n = &self.data[node];
         let role = Role::Data {
@@ -387,14 +425,12 @@ impl RedisSentinelSet {
             "redis-server {node} did not come back on port {}",
             n.port
         );
-        self.wait_until_healthy(None).await;
-        started.elapsed()
     }
 
     /// Wait until data node `primary` (or, with `None`, whichever the sentinels name: a loaded
     /// machine can make them fail over once more) is the primary streaming to the other one, and
     /// every sentinel names it, knows a replica and the two other sentinels.
-    async fn wait_until_healthy(&self, primary: Option<usize>) -> Duration {
+    pub(crate) async fn wait_until_healthy(&self, primary: Option<usize>) -> Duration {
         settle("the Sentinel set is healthy", self.describe(), async || {
             let mut named = None;
             for sentinel in &self.sentinels {
@@ -600,6 +636,10 @@ impl Node {
         self.child.lock().unwrap().is_some()
     }
 
+    fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     fn kill9(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
             let _ = c.kill();
@@ -607,17 +647,9 @@ impl Node {
         }
     }
 
-    /// One command on a fresh connection; an error when the node does not answer within
-    /// [`QUERY`].
+    /// One command on a fresh connection (see [`query`]).
     async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        let client = redis::Client::open(self.url())?;
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(QUERY))
-            .set_response_timeout(Some(QUERY));
-        let mut conn = client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        cmd.query_async(&mut conn).await
+        query(self.port, cmd).await
     }
 
     /// Field `name` of `INFO section`.
@@ -766,6 +798,22 @@ impl NodeLine {
     fn handshake(&self) -> bool {
         self.has("handshake") || self.has("noaddr")
     }
+}
+
+/// One command to the node on `127.0.0.1:port`, on a fresh connection; an error when it does not
+/// answer within [`QUERY`]. Without the client's `CLIENT SETINFO`, which Redis 7.0 answers with an
+/// error that would count in the node's `INFO errorstats`.
+pub async fn query<T: FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+    let info = format!("redis://127.0.0.1:{port}").into_connection_info()?;
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    let client = redis::Client::open(info.set_redis_settings(settings))?;
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(QUERY))
+        .set_response_timeout(Some(QUERY));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
+    cmd.query_async(&mut conn).await
 }
 
 /// Wait until `condition` holds, for at most [`SETTLE`]; when it does not, the panic says what

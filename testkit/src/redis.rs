@@ -12,7 +12,16 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{free_port, wait_until, Backend};
+use crate::{free_port, wait_until};
+
+/// Which store a behavioural test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The in-process store.
+    Memory,
+    /// A [`RedisServer`].
+    Redis,
+}
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
 /// race with another process, not a failure.
@@ -22,8 +31,9 @@ const ATTEMPTS: usize = 3;
 const STARTUP: Duration = Duration::from_secs(10);
 
 /// A redis-server on a loopback port. Its methods take `&self`, so a test can `kill()` it through
-/// a shared [`TestEnv`](super::TestEnv).
+/// a shared handle (the tests' `TestEnv`).
 pub struct RedisServer {
+    /// Its TCP port on 127.0.0.1.
     pub port: u16,
     dir: tempfile::TempDir,
     appendonly: bool,
@@ -112,6 +122,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// The process id, while it runs (for its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     /// SIGKILL the server (no shutdown save).
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
@@ -170,6 +185,7 @@ impl Drop for RedisServer {
 /// 127.0.0.1. Killed on drop.
 pub struct TlsRedisServer {
     child: Mutex<Option<Child>>,
+    /// Its TLS port on 127.0.0.1.
     pub port: u16,
     /// The PEM certificate clients must trust.
     pub ca_file: PathBuf,
@@ -177,6 +193,7 @@ pub struct TlsRedisServer {
 }
 
 impl TlsRedisServer {
+    /// Start it with a fresh certificate, on a free port.
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let cert = rcgen::generate_simple_self_signed(vec![
