@@ -828,3 +828,29 @@ async fn settle(
         Err(_) => panic!("{what}: not within {SETTLE:?}; now:{}", describe.await),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RedisServer;
+
+    /// The fixtures' own queries leave no error reply behind (no `CLIENT SETINFO`, which Redis
+    /// 7.0 refuses): the benchmark counts every error reply of the nodes as the gateways' doing.
+    #[tokio::test]
+    async fn queries_leave_no_error_reply_behind() {
+        let redis = RedisServer::start().await;
+        for _ in 0..3 {
+            let _: String = query(redis.port, redis::cmd("INFO").arg("replication"))
+                .await
+                .unwrap();
+        }
+        let errors: String = query(redis.port, redis::cmd("INFO").arg("errorstats"))
+            .await
+            .unwrap();
+        let errors: Vec<&str> = errors
+            .lines()
+            .filter(|l| l.starts_with("errorstat_"))
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+    }
+}
