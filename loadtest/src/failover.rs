@@ -3,7 +3,7 @@
 //! seen, what the clients were refused and when, and what the upstream executed twice.
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
@@ -215,40 +215,50 @@ async fn under_load(
     let t = Timeline::of(failover.as_ref(), live.start, error);
     let errors = since(&errors_before, errorstats(&all_nodes).await);
     let failed = since(&failed_before, failed_commands(&all_nodes).await);
-    // Each kind of error reply with the window in which its count grew, from the kill.
-    let error_windows: Vec<String> = {
-        let mut kinds: Vec<&String> = errors
-            .iter()
-            .filter(|(_, &n)| n > 0)
-            .map(|(k, _)| k)
-            .collect();
-        kinds.sort();
-        kinds
-            .into_iter()
-            .map(|k| {
-                let mut prev = 0;
-                let (mut first, mut last) = (None, None);
-                for (at, e) in &samples {
-                    let n = e.get(k).copied().unwrap_or(0);
-                    if n > prev {
-                        first.get_or_insert(*at);
-                        last = Some(*at);
-                        prev = n;
-                    }
-                }
-                let rel = |d: Option<Duration>| {
-                    d.map_or("?".into(), |d| {
-                        format!("{:+.2}", d.as_secs_f64() - t.kill.as_secs_f64())
-                    })
-                };
-                format!("{k} {} (seen {} to {} s)", errors[k], rel(first), rel(last))
-            })
-            .collect()
-    };
+    let error_windows = error_windows(&errors, &samples, t.kill);
     let (keys_executed, executions, twice) = upstream_keys(up.addr).await;
     drop(gateways);
     drop(failover);
+    let run = Run {
+        t,
+        report,
+        before_kill,
+        capped,
+        upstream: (keys_executed, executions, twice),
+        error_windows,
+        failed,
+    };
+    figures(b, label, wait, run);
+}
 
+/// What one failover run saw.
+struct Run {
+    t: Timeline,
+    report: load::RetryReport,
+    /// Keys that succeeded before the kill.
+    before_kill: u64,
+    /// Whether keyed requests were still refused [`CAP`] after the kill.
+    capped: bool,
+    /// The upstream's keys executed, executions, and keys executed twice.
+    upstream: (u64, u64, u64),
+    /// Each kind of error reply the nodes answered, and when.
+    error_windows: Vec<String>,
+    /// The commands answered with an error.
+    failed: HashMap<String, u64>,
+}
+
+/// The figures of `run`: refusals by window and status, recovery, duplicates; printed, as a
+/// note, and what is wrong as insane.
+fn figures(b: &mut Bench, label: &str, wait: u32, run: Run) {
+    let Run {
+        t,
+        report,
+        before_kill,
+        capped,
+        upstream: (keys_executed, executions, twice),
+        error_windows,
+        failed,
+    } = run;
     let after_kill: Vec<&load::Attempt> =
         report.attempts.iter().filter(|a| a.end > t.kill).collect();
     let refused: Vec<&&load::Attempt> = after_kill.iter().filter(|a| a.refused()).collect();
@@ -376,6 +386,42 @@ async fn under_load(
         if error_windows.is_empty() { "none".into() } else { error_windows.join(", ") },
         errors_text(&failed),
     ));
+}
+
+/// Each kind of error reply in `errors` with the window in which its count grew in `samples`,
+/// in seconds from the kill.
+fn error_windows(
+    errors: &HashMap<String, u64>,
+    samples: &[(Duration, HashMap<String, u64>)],
+    kill: Duration,
+) -> Vec<String> {
+    let mut kinds: Vec<&String> = errors
+        .iter()
+        .filter(|(_, &n)| n > 0)
+        .map(|(k, _)| k)
+        .collect();
+    kinds.sort();
+    kinds
+        .into_iter()
+        .map(|k| {
+            let mut prev = 0;
+            let (mut first, mut last) = (None, None);
+            for (at, e) in samples {
+                let n = e.get(k).copied().unwrap_or(0);
+                if n > prev {
+                    first.get_or_insert(*at);
+                    last = Some(*at);
+                    prev = n;
+                }
+            }
+            let rel = |d: Option<Duration>| {
+                d.map_or("?".into(), |d| {
+                    format!("{:+.2}", d.as_secs_f64() - kill.as_secs_f64())
+                })
+            };
+            format!("{k} {} (seen {} to {} s)", errors[k], rel(first), rel(last))
+        })
+        .collect()
 }
 
 /// The upstream's `GET /__keys`: keys executed, executions, keys executed more than once.

@@ -32,7 +32,6 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 use bench::Bench;
-use load::{Keys, Pace};
 use testkit::RedisServer;
 
 #[derive(Parser)]
@@ -162,32 +161,14 @@ fn main() -> ExitCode {
         request_bytes,
     }) = cli.command
     {
-        let keys = match keys.as_str() {
-            "unique" => Keys::Unique(format!("manual-{}", std::process::id())),
-            "hot" => Keys::Hot("manual-hot".into(), 1000),
-            _ => Keys::None,
-        };
-        let body = request_bytes.map_or_else(load::small_request, load::json_request);
-        let r = rt.block_on(load::run_with_body(
+        rt.block_on(load::by_hand(
             target,
-            "/v1/payments",
-            body,
-            keys,
-            connections,
+            &keys,
             Duration::from_secs_f64(secs),
-            rate.map_or(Pace::Closed, Pace::Rate),
+            connections,
+            rate,
+            request_bytes,
         ));
-        println!(
-            "{} requests, {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
-            r.requests,
-            r.rps(),
-            r.ms(0.5),
-            r.ms(0.99),
-            r.ms(0.999),
-            r.ms(1.0),
-            r.conflicts,
-            r.errors
-        );
         return ExitCode::SUCCESS;
     }
     rt.block_on(bench(cli))
