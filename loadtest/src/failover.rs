@@ -218,7 +218,6 @@ async fn under_load(
     let error_windows = error_windows(&errors, &samples, t.kill);
     let (keys_executed, executions, twice) = upstream_keys(up.addr).await;
     drop(gateways);
-    drop(failover);
     let run = Run {
         t,
         report,
