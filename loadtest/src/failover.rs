@@ -215,18 +215,16 @@ async fn under_load(
     let t = Timeline::of(failover.as_ref(), live.start, error);
     let errors = since(&errors_before, errorstats(&all_nodes).await);
     let failed = since(&failed_before, failed_commands(&all_nodes).await);
-    let error_windows = error_windows(&errors, &samples, t.kill);
-    let (keys_executed, executions, twice) = upstream_keys(up.addr).await;
-    drop(gateways);
     let run = Run {
+        error_windows: error_windows(&errors, &samples, t.kill),
+        upstream: upstream_keys(up.addr).await,
         t,
         report,
         before_kill,
         capped,
-        upstream: (keys_executed, executions, twice),
-        error_windows,
         failed,
     };
+    drop(gateways);
     figures(b, label, wait, run);
 }
 

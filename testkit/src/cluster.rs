@@ -27,15 +27,8 @@ use std::time::Duration;
 
 use redis::{FromRedisValue, IntoConnectionInfo};
 
-use crate::redis::{pong, socket_in};
+use crate::redis::{came_up, socket_in, ATTEMPTS};
 use crate::{free_port, wait_until};
-
-/// How many ports a start tries (a port taken between [`free_port`] and the bind is a race with
-/// another process, not a failure).
-const ATTEMPTS: usize = 3;
-
-/// How long one redis-server (or sentinel) may take to answer PING after it was spawned.
-const STARTUP: Duration = Duration::from_secs(10);
 
 /// How long a cluster or Sentinel set may take to settle (form, fail over, take a node back).
 const SETTLE: Duration = Duration::from_secs(15);
@@ -607,25 +600,11 @@ impl Node {
             .spawn()
             .expect("redis-server must be installed (scripts/test installs it)");
         *self.child.lock().unwrap() = Some(child);
-        let socket = socket_in(dir);
-        let mut exited = false;
-        wait_until(STARTUP, "redis-server answers PING", async || {
-            let status = self
-                .child
-                .lock()
-                .unwrap()
-                .as_mut()
-                .unwrap()
-                .try_wait()
-                .unwrap();
-            exited = status.is_some();
-            exited || pong(&socket).await
-        })
-        .await;
-        if exited {
+        let up = came_up(&self.child, dir).await;
+        if !up {
             self.child.lock().unwrap().take();
         }
-        !exited
+        up
     }
 
     fn url(&self) -> String {

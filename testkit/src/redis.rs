@@ -25,7 +25,7 @@ pub enum Backend {
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
 /// race with another process, not a failure.
-const ATTEMPTS: usize = 3;
+pub(crate) const ATTEMPTS: usize = 3;
 
 /// How long a redis-server may take to come up (an AOF restart reloads its file first).
 const STARTUP: Duration = Duration::from_secs(10);
@@ -253,7 +253,7 @@ pub(crate) fn socket_in(dir: &Path) -> PathBuf {
 
 /// Wait until the redis-server `child` answers PING on the unix socket in `dir` (`true`), or
 /// exits (`false`, and it is reaped).
-async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
+pub(crate) async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
     let socket = socket_in(dir);
     let mut exited = false;
     wait_until(STARTUP, "redis-server answers PING", async || {
@@ -266,7 +266,7 @@ async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
 }
 
 /// Whether a PING on the unix socket `path` is answered PONG (not, e.g., LOADING).
-pub(crate) async fn pong(path: &Path) -> bool {
+async fn pong(path: &Path) -> bool {
     let Ok(mut s) = tokio::net::UnixStream::connect(path).await else {
         return false;
     };
