@@ -18,7 +18,8 @@
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
 //!   `pause()`, `resume()` and `restart()`; [`TlsRedisServer`], one that speaks only TLS.
 //! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
-//!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over.
+//!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over;
+//!   `testkit::Replicated` kills a primary as a failover run does and times each step.
 //! - [`upstream`]: [`CountingUpstream`], an HTTP upstream that counts its calls and answers by
 //!   query string (`?status=503`, `?delay_ms=400`, `/echo`, `/big?bytes=N`).
 //! - [`gateway`]: [`InProcessGateway`], the gateway on a socket of this process;
