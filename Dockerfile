@@ -6,10 +6,13 @@
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# The workspace manifest names the loadtest member, so its manifest and sources come along.
+# The workspace manifest names the loadtest and testkit members, so their manifests and sources
+# come along.
 COPY Cargo.toml Cargo.lock ./
 COPY loadtest/Cargo.toml loadtest/Cargo.toml
 COPY loadtest/src loadtest/src
+COPY testkit/Cargo.toml testkit/Cargo.toml
+COPY testkit/src testkit/src
 COPY src src
 # The manifest names the example, so its source comes along (it is not built here).
 COPY examples examples

@@ -20,6 +20,7 @@ use common::{
     TestConfig,
 };
 use redis::AsyncCommands;
+use testkit::{Failover, Replicated};
 
 const TOKEN: &str = "cluster-admin-token-0123456789";
 const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
@@ -626,47 +627,25 @@ async fn sentinel_exactly_once_replays_and_waiters() {
 
 // === failover, injected for real ===
 
-/// The store a failover run kills a primary of.
-#[derive(Clone, Copy)]
-enum Store<'a> {
-    Cluster(&'a RedisCluster),
-    Sentinel(&'a RedisSentinelSet),
+/// The gateways' config on `store`.
+fn on(store: Replicated<'_>, config: TestConfig) -> TestConfig {
+    match store {
+        Replicated::Cluster(cluster) => config.redis_cluster(cluster),
+        Replicated::Sentinel(set) => config.redis_sentinel(set),
+    }
 }
 
-impl Store<'_> {
-    fn config(self, config: TestConfig) -> TestConfig {
-        match self {
-            Store::Cluster(cluster) => config.redis_cluster(cluster),
-            Store::Sentinel(set) => config.redis_sentinel(set),
+/// SIGKILL a primary of `store` that holds some of the records written so far.
+async fn kill9_a_primary(store: Replicated<'_>) -> Failover<'_> {
+    let record = match store {
+        Replicated::Cluster(cluster) => {
+            let records = cluster.keys("test:*").await;
+            let (_, record) = records.first().expect("records before the kill").clone();
+            Some(record)
         }
-    }
-
-    /// SIGKILL a primary that holds some of the records written so far; which node it was.
-    async fn kill9_a_primary(self) -> usize {
-        match self {
-            Store::Cluster(cluster) => {
-                let records = cluster.keys("test:*").await;
-                let (_, record) = records.first().expect("records before the kill");
-                cluster.kill9_primary_of(record).await
-            }
-            Store::Sentinel(set) => set.kill9_primary().await,
-        }
-    }
-
-    async fn wait_for_failover(self, killed: usize) -> Duration {
-        match self {
-            Store::Cluster(cluster) => cluster.wait_for_failover(killed).await,
-            Store::Sentinel(set) => set.wait_for_failover(killed).await,
-        }
-    }
-
-    /// The supervisor: start the killed node again, as a replica of the promoted one.
-    async fn restart_as_replica(self, killed: usize) -> Duration {
-        match self {
-            Store::Cluster(cluster) => cluster.restart(killed).await,
-            Store::Sentinel(set) => set.restart_as_replica(killed).await,
-        }
-    }
+        Replicated::Sentinel(_) => None,
+    };
+    store.kill9_primary(record.as_deref()).await
 }
 
 /// How long a client retries one key before the test fails.
@@ -710,13 +689,14 @@ async fn until_2xx(gateways: &Gateways, g: usize, key: &str, log: &Mutex<Storm>)
 /// each copy retried until 2xx, while a primary holding some of the records is killed -9, the
 /// store fails over, and a supervisor restarts the killed node as a replica. Every key must
 /// succeed; with `wait_replicas = 1` none may run twice. Prints what the clients saw.
-async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
+async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u32) {
     let _one_at_a_time = KILLS.lock().await;
     // Each key's call takes 200 ms: calls are under way when the primary dies.
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(200));
-    let config = store.config(
+    let config = on(
+        store,
         TestConfig::new()
             .upstream(&upstream.url())
             .set("store.wait_replicas", wait_replicas)
@@ -750,9 +730,9 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
             async || done() >= 20,
         )
         .await;
-        let killed = store.kill9_a_primary().await;
-        let killed_at = Instant::now();
-        let failover = store.wait_for_failover(killed).await;
+        let mut killed = kill9_a_primary(store).await;
+        let killed_at = killed.killed_at;
+        let failover = killed.wait_for_failover().await;
         let mut probes_ran = 0;
         if wait_replicas > 0 {
             // The promoted primary has no replica until the supervisor acts: a claim on it is
@@ -777,7 +757,7 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
             .await;
         }
         let restarting = killed_at.elapsed();
-        let restart = store.restart_as_replica(killed).await;
+        let restart = killed.restart_as_replica().await;
         let restarted_at = Instant::now();
         wait_until(
             Duration::from_secs(15),
@@ -842,25 +822,25 @@ async fn failover_under_load(name: &str, store: Store<'_>, wait_replicas: u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_with_wait_replicas_runs_nothing_twice() {
     let cluster = RedisCluster::start().await;
-    failover_under_load("cluster-wait1", Store::Cluster(&cluster), 1).await;
+    failover_under_load("cluster-wait1", Replicated::Cluster(&cluster), 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_without_wait_replicas_shows_its_duplicates() {
     let cluster = RedisCluster::start().await;
-    failover_under_load("cluster-wait0", Store::Cluster(&cluster), 0).await;
+    failover_under_load("cluster-wait0", Replicated::Cluster(&cluster), 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failover_with_wait_replicas_runs_nothing_twice() {
     let set = RedisSentinelSet::start().await;
-    failover_under_load("sentinel-wait1", Store::Sentinel(&set), 1).await;
+    failover_under_load("sentinel-wait1", Replicated::Sentinel(&set), 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failover_without_wait_replicas_shows_its_duplicates() {
     let set = RedisSentinelSet::start().await;
-    failover_under_load("sentinel-wait0", Store::Sentinel(&set), 0).await;
+    failover_under_load("sentinel-wait0", Replicated::Sentinel(&set), 0).await;
 }
 
 /// `wait_replicas = 1` on a Redis that has no replica (the plain `redis` backend: the rule is the
@@ -985,10 +965,11 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
 /// as a replica right after the failover, before any request. Every new key must succeed within
 /// 5 s of the failover: the gateways use the promoted primary, not the old one (dead, or back
 /// as a replica that refuses writes).
-async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
+async fn new_keys_succeed_after_a_failover(store: Replicated<'_>, restart: bool) {
     let _one_at_a_time = KILLS.lock().await;
     let upstream = CountingUpstream::start().await;
-    let config = store.config(
+    let config = on(
+        store,
         TestConfig::new()
             .upstream(&upstream.url())
             .set("store.timeout", "500ms"),
@@ -999,7 +980,7 @@ async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
         let seen = send(gateways.post(i % 2, "/v1/p", &key).body("x")).await;
         assert_eq!(seen.status, 201);
     }
-    let killed = store.kill9_a_primary().await;
+    let mut killed = kill9_a_primary(store).await;
     // Keyed requests go on while the store fails over (each refused 503, or served when its
     // key's shard is up).
     let ran_during = std::sync::atomic::AtomicUsize::new(0);
@@ -1017,11 +998,11 @@ async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
         }
     };
     let failover = tokio::select! {
-        failover = store.wait_for_failover(killed) => failover,
+        failover = killed.wait_for_failover() => failover,
         () = during => unreachable!(),
     };
     if restart {
-        store.restart_as_replica(killed).await;
+        killed.restart_as_replica().await;
     }
     // Rounds of ten new keys, five through each gateway, until a whole round succeeds.
     let (mut round, mut ran_after) = (0, 0);
@@ -1070,23 +1051,23 @@ async fn new_keys_succeed_after_a_failover(store: Store<'_>, restart: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_gateways_use_the_promoted_primary_while_the_old_one_is_down() {
     let cluster = RedisCluster::start().await;
-    new_keys_succeed_after_a_failover(Store::Cluster(&cluster), false).await;
+    new_keys_succeed_after_a_failover(Replicated::Cluster(&cluster), false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_gateways_use_the_promoted_primary_once_the_old_one_is_a_replica() {
     let cluster = RedisCluster::start().await;
-    new_keys_succeed_after_a_failover(Store::Cluster(&cluster), true).await;
+    new_keys_succeed_after_a_failover(Replicated::Cluster(&cluster), true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_gateways_use_the_promoted_primary_while_the_old_one_is_down() {
     let set = RedisSentinelSet::start().await;
-    new_keys_succeed_after_a_failover(Store::Sentinel(&set), false).await;
+    new_keys_succeed_after_a_failover(Replicated::Sentinel(&set), false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_gateways_use_the_promoted_primary_once_the_old_one_is_a_replica() {
     let set = RedisSentinelSet::start().await;
-    new_keys_succeed_after_a_failover(Store::Sentinel(&set), true).await;
+    new_keys_succeed_after_a_failover(Replicated::Sentinel(&set), true).await;
 }

@@ -1,16 +1,20 @@
-//! Scaling out: two gateway replicas on a Redis Cluster against the same two on one Redis, and
-//! what `wait_replicas = 1` costs there (section `cluster`); a primary killed with SIGKILL under
-//! keyed requests with retries, on a cluster and on a Sentinel set (section `failover`).
+//! Section `cluster`, scaling out: two gateway replicas on a Redis Cluster against the same two
+//! on one Redis, and what `wait_replicas = 1` costs there.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::panic::AssertUnwindSafe;
+use std::path::Path;
 use std::time::Duration;
 
-use crate::load::{self, Keys, Live, Report};
-use crate::procs::{self, Cluster, Proc, RedisNode, SentinelSet};
-use crate::{human, round_trips, Bench, Row};
+use futures_util::FutureExt;
+use testkit::{RedisCluster, RedisServer};
+
+use crate::bench::{human, Bench, Row};
+use crate::load::{self, Keys, Report};
+use crate::metrics::{errors_text, errorstats, info_counts, round_trips, since};
+use crate::procs::{self, Proc};
 
 /// One measured setup: two gateways and the Redis processes behind them.
 struct Setup {
@@ -19,9 +23,10 @@ struct Setup {
     admins: Vec<SocketAddr>,
     gateway_pids: Vec<u32>,
     redis_pids: Vec<u32>,
-    /// The nodes that take the clients' commands (the primaries), and their replicas.
-    primaries: Vec<SocketAddr>,
-    replicas: Vec<SocketAddr>,
+    /// The ports of the nodes that take the clients' commands (the primaries), and of their
+    /// replicas.
+    primaries: Vec<u16>,
+    replicas: Vec<u16>,
     /// The replicas' processes, whose CPU is told apart from the primaries'.
     replica_pids: Vec<u32>,
 }
@@ -43,63 +48,6 @@ impl Setup {
     fn round_trips(&self) -> u64 {
         self.admins.iter().map(|&a| round_trips(a)).sum()
     }
-}
-
-/// `INFO <section>` of each node, its `<prefix><name>:...,<field>=<n>,...` lines summed by name.
-fn info_counts(
-    nodes: &[SocketAddr],
-    section: &str,
-    prefix: &str,
-    field: &str,
-) -> HashMap<String, u64> {
-    let mut sum = HashMap::new();
-    for &node in nodes {
-        let Ok(text) = procs::query::<String>(node, redis::cmd("INFO").arg(section)) else {
-            continue;
-        };
-        for l in text.lines() {
-            let Some((name, rest)) = l.strip_prefix(prefix).and_then(|l| l.split_once(':')) else {
-                continue;
-            };
-            let n = rest
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-            *sum.entry(name.to_string()).or_default() += n;
-        }
-    }
-    sum
-}
-
-fn commandstats(nodes: &[SocketAddr]) -> HashMap<String, u64> {
-    info_counts(nodes, "commandstats", "cmdstat_", "calls")
-}
-
-/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), of each node.
-fn errorstats(nodes: &[SocketAddr]) -> Vec<HashMap<String, u64>> {
-    nodes
-        .iter()
-        .map(|&n| info_counts(&[n], "errorstats", "errorstat_", "count"))
-        .collect()
-}
-
-/// Commands answered with an error, by command, of each node: `<command> rejected` (refused
-/// before running: a redirection, READONLY, CLUSTERDOWN) and `<command> failed` (an error
-/// while running).
-fn failed_commands(nodes: &[SocketAddr]) -> Vec<HashMap<String, u64>> {
-    nodes
-        .iter()
-        .map(|&n| {
-            let mut m = HashMap::new();
-            for field in ["rejected", "failed"] {
-                let calls =
-                    info_counts(&[n], "commandstats", "cmdstat_", &format!("{field}_calls"));
-                m.extend(calls.into_iter().map(|(k, v)| (format!("{k} {field}"), v)));
-            }
-            m
-        })
-        .collect()
 }
 
 /// `name n, ...` of the commands run per request between two `commandstats`, most first.
@@ -125,43 +73,40 @@ fn per_request(
     }
 }
 
-/// The error replies of [`errorstats`] `after` less `before`, summed over the nodes. A count
-/// lower than before is a node started again (its counts start from 0): all of it is new.
-fn since(
-    before: &[HashMap<String, u64>],
-    after: Vec<HashMap<String, u64>>,
-) -> HashMap<String, u64> {
-    let mut sum: HashMap<String, u64> = HashMap::new();
-    for (b, a) in before.iter().zip(after) {
-        for (k, v) in a {
-            let was = b.get(&k).copied().unwrap_or(0);
-            *sum.entry(k).or_default() += if v >= was { v - was } else { v };
-        }
-    }
-    sum
-}
-
-fn errors_text(errors: &HashMap<String, u64>) -> String {
-    let mut e: Vec<String> = errors
-        .iter()
-        .filter(|(_, &n)| n > 0)
-        .map(|(k, n)| format!("{k} {n}"))
-        .collect();
-    e.sort();
-    if e.is_empty() {
-        "none".into()
-    } else {
-        e.join(", ")
-    }
+/// `INFO commandstats` of the nodes on `ports`: calls by command, summed.
+async fn commandstats(ports: &[u16]) -> HashMap<String, u64> {
+    info_counts(ports, "commandstats", "cmdstat_", "calls").await
 }
 
 /// The `[store]` table of a standalone Redis.
-fn standalone_toml(node: &Proc) -> String {
-    format!("backend = \"redis\"\nurl = \"redis://{}\"", node.addr)
+fn standalone_toml(redis: &RedisServer) -> String {
+    format!(
+        "backend = \"redis\"\nurl = \"redis://127.0.0.1:{}\"",
+        redis.port
+    )
+}
+
+/// The `[store]` table of a gateway on `cluster`, two primaries as its seed nodes.
+pub async fn cluster_toml(cluster: &RedisCluster) -> String {
+    let seeds: Vec<String> = cluster.primaries().await[..2]
+        .iter()
+        .map(|&i| format!("\"redis://127.0.0.1:{}\"", cluster.port(i)))
+        .collect();
+    format!("backend = \"redis-cluster\"\nurls = [{}]", seeds.join(", "))
+}
+
+/// A Redis fixture started, or why it did not start (its panic's message).
+pub async fn started<T>(start: impl Future<Output = T>) -> Result<T, String> {
+    AssertUnwindSafe(start).catch_unwind().await.map_err(|e| {
+        e.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "did not start".into())
+    })
 }
 
 /// Two gateways on `store` (a `[store]` table's body) in front of `upstream`.
-fn two_gateways(dir: &Path, store: &str, upstream: SocketAddr, prefix: &str) -> Vec<Proc> {
+pub fn two_gateways(dir: &Path, store: &str, upstream: SocketAddr, prefix: &str) -> Vec<Proc> {
     (0..2)
         .map(|_| procs::gateway_with_prefix(dir, store, upstream, "", prefix))
         .collect()
@@ -173,8 +118,8 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
     let keys = b.warm_up(&setup.addrs, keys, "cluster-miss").await;
     let before = (
         setup.round_trips(),
-        commandstats(&setup.primaries),
-        commandstats(&setup.replicas),
+        commandstats(&setup.primaries).await,
+        commandstats(&setup.replicas).await,
     );
     b.redis_pids = setup.redis_pids.clone();
     let replica_cpu = procs::cpu_ns(&setup.replica_pids);
@@ -186,8 +131,8 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
         / r.requests.max(1) as f64;
     let after = (
         setup.round_trips(),
-        commandstats(&setup.primaries),
-        commandstats(&setup.replicas),
+        commandstats(&setup.primaries).await,
+        commandstats(&setup.replicas).await,
     );
     let trips = after.0.saturating_sub(before.0) as f64 / r.requests.max(1) as f64;
     let mut note = format!(
@@ -227,7 +172,7 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
 /// Cluster of 3 primaries and 3 replicas against the same two gateways on one standalone Redis,
 /// and the miss with `wait_replicas = 1` on the cluster; rounds interleaved; the Redis round
 /// trips and commands per request, and the MOVED/ASK redirections over every node (must be 0).
-pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
+pub async fn run(b: &mut Bench, dir: &Path, quick: bool) {
     // With --quick, a smoke run: 0.5 s phases.
     let secs = b.secs;
     if quick {
@@ -235,11 +180,7 @@ pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
     }
     b.size = 1024;
     b.request = load::small_request();
-    let cluster_dir = dir.join("cluster-bench");
-    let cluster = match tokio::task::spawn_blocking(move || Cluster::start(&cluster_dir, 3))
-        .await
-        .unwrap()
-    {
+    let cluster = match started(RedisCluster::start()).await {
         Ok(c) => c,
         Err(e) => {
             b.insane.push(format!("cluster: {e}"));
@@ -247,31 +188,33 @@ pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
             return;
         }
     };
-    let all_nodes: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
+    let all_nodes = cluster.ports();
     // What the cluster's making left (redis-cli's retried CLUSTER REPLICATE): not counted.
-    let errors_before = errorstats(&all_nodes);
-    let standalone = procs::redis(dir);
+    let errors_before = errorstats(&all_nodes).await;
+    let standalone = RedisServer::start().await;
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
     let prefix = format!("c{}:", b.prefix("cl"));
     let on_redis = two_gateways(dir, &standalone_toml(&standalone), up.addr, &prefix);
-    let on_cluster = two_gateways(dir, &cluster.store_toml(), up.addr, &prefix);
+    let store = cluster_toml(&cluster).await;
+    let on_cluster = two_gateways(dir, &store, up.addr, &prefix);
     let waiting = two_gateways(
         dir,
-        &format!("{}\nwait_replicas = 1", cluster.store_toml()),
+        &format!("{store}\nwait_replicas = 1"),
         up.addr,
         &prefix,
     );
-    let p = cluster.primaries();
-    let replica_nodes: Vec<&RedisNode> = (0..cluster.nodes.len())
-        .filter(|i| !p.contains(i))
-        .map(|i| &cluster.nodes[i])
+    let p = cluster.primaries().await;
+    let replica_nodes: Vec<usize> = (0..all_nodes.len()).filter(|i| !p.contains(i)).collect();
+    let primaries: Vec<u16> = p.iter().map(|&i| cluster.port(i)).collect();
+    let replicas: Vec<u16> = replica_nodes.iter().map(|&i| cluster.port(i)).collect();
+    let replica_pids: Vec<u32> = replica_nodes
+        .iter()
+        .filter_map(|&i| cluster.pid(i))
         .collect();
-    let primaries: Vec<SocketAddr> = p.iter().map(|&i| cluster.nodes[i].addr).collect();
-    let replicas: Vec<SocketAddr> = replica_nodes.iter().map(|n| n.addr).collect();
-    let replica_pids: Vec<u32> = replica_nodes.iter().flat_map(|n| n.pids()).collect();
-    let mut s_redis = Setup::new("redis", &on_redis, standalone.pids());
-    s_redis.primaries = vec![standalone.addr];
+    let redis_pids: Vec<u32> = standalone.pid().into_iter().collect();
+    let mut s_redis = Setup::new("redis", &on_redis, redis_pids);
+    s_redis.primaries = vec![standalone.port];
     let mut s_cluster = Setup::new("redis-cluster", &on_cluster, cluster.pids());
     s_cluster.primaries = primaries.clone();
     s_cluster.replicas = replicas.clone();
@@ -346,7 +289,7 @@ pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
             cz / ca.max(f64::MIN_POSITIVE)
         )
     };
-    let errors = since(&errors_before, errorstats(&all_nodes));
+    let errors = since(&errors_before, errorstats(&all_nodes).await);
     let redirections =
         errors.get("MOVED").copied().unwrap_or(0) + errors.get("ASK").copied().unwrap_or(0);
     if redirections > 0 {
@@ -372,422 +315,4 @@ pub async fn throughput(b: &mut Bench, dir: &Path, quick: bool) {
     drop((on_redis, on_cluster, waiting, up, standalone, cluster));
     b.redis_pids = Vec::new();
     b.secs = secs;
-}
-
-// === failover ===
-
-enum Topology {
-    Cluster(Cluster),
-    Sentinel(SentinelSet),
-}
-
-impl Topology {
-    fn store_toml(&self) -> String {
-        match self {
-            Topology::Cluster(c) => c.store_toml(),
-            Topology::Sentinel(s) => s.store_toml(),
-        }
-    }
-
-    fn nodes(&self) -> &[RedisNode] {
-        match self {
-            Topology::Cluster(c) => &c.nodes,
-            Topology::Sentinel(s) => &s.nodes,
-        }
-    }
-}
-
-/// What the supervisor did and saw, in time from the load's start.
-#[derive(Default, Debug)]
-struct Timeline {
-    kill: Duration,
-    killed: Option<SocketAddr>,
-    /// The replica seen as the primary (the cluster's own view, or the sentinels').
-    promoted: Option<Duration>,
-    /// The killed node started again as a replica.
-    restarted: Option<Duration>,
-    /// The restarted node replicating (`master_link_status:up`).
-    synced: Option<Duration>,
-    error: Option<String>,
-}
-
-/// `kill -9` the primary (on a cluster, the one the gateways have as their first seed node),
-/// wait for the failover, then start the killed node again as a replica (a cluster node with its
-/// directory and nodes.conf, so it rejoins and follows its promoted replica; a Sentinel set's
-/// with `--replicaof` the new primary), and wait for it to be in sync.
-fn supervise(topology: &mut Topology, live: &Live) -> Timeline {
-    let mut t = Timeline::default();
-    let since = |live: &Live| live.start.elapsed();
-    match topology {
-        Topology::Cluster(cluster) => {
-            let Some(&victim) = cluster.primaries().first() else {
-                t.error = Some("no primary found".into());
-                return t;
-            };
-            let Some(replica) = cluster.replica_of(victim) else {
-                t.error = Some("the primary has no replica".into());
-                return t;
-            };
-            t.killed = Some(cluster.nodes[victim].addr);
-            t.kill = since(live);
-            cluster.nodes[victim].kill9();
-            if let Err(e) = procs::wait_until("the replica promoted", 30, || {
-                cluster.nodes[replica].is_primary() == Some(true)
-            }) {
-                t.error = Some(e);
-                return t;
-            }
-            t.promoted = Some(since(live));
-            cluster.nodes[victim].restart(&[]);
-            t.restarted = Some(since(live));
-            if let Err(e) = wait_synced(&cluster.nodes[victim]) {
-                t.error = Some(e);
-                return t;
-            }
-            t.synced = Some(since(live));
-        }
-        Topology::Sentinel(set) => {
-            let Some(primary) = set.primary_addr() else {
-                t.error = Some("no sentinel answers".into());
-                return t;
-            };
-            let Some(victim) = set.nodes.iter().position(|n| n.addr == primary) else {
-                t.error = Some(format!("the sentinels' primary {primary} is not ours"));
-                return t;
-            };
-            let other = set.nodes[1 - victim].addr;
-            t.killed = Some(primary);
-            t.kill = since(live);
-            set.nodes[victim].kill9();
-            if let Err(e) = procs::wait_until("the sentinels' failover", 30, || {
-                set.primary_addr() == Some(other)
-            }) {
-                t.error = Some(e);
-                return t;
-            }
-            t.promoted = Some(since(live));
-            let port = other.port().to_string();
-            set.nodes[victim].restart(&["--replicaof".into(), "127.0.0.1".into(), port]);
-            t.restarted = Some(since(live));
-            if let Err(e) = wait_synced(&set.nodes[victim]) {
-                t.error = Some(e);
-                return t;
-            }
-            t.synced = Some(since(live));
-        }
-    }
-    t
-}
-
-fn wait_synced(node: &RedisNode) -> Result<(), String> {
-    procs::wait_until("the restarted node in sync", 30, || {
-        node.info("replication").is_some_and(|r| {
-            r.get("role").is_some_and(|v| v == "slave")
-                && r.get("master_link_status").is_some_and(|v| v == "up")
-        })
-    })
-}
-
-/// Section `failover`: for a cluster and a Sentinel set, each with `wait_replicas` 1 and 0 (with
-/// `--quick`, the cluster with 1 only), or the runs `--failover` names.
-pub async fn failover(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
-    let default: &[&str] = if quick {
-        &["redis-cluster:1"]
-    } else {
-        &[
-            "redis-cluster:1",
-            "redis-cluster:0",
-            "redis-sentinel:1",
-            "redis-sentinel:0",
-        ]
-    };
-    let runs: Vec<&str> = if runs.is_empty() {
-        default.to_vec()
-    } else {
-        runs.iter().map(String::as_str).collect()
-    };
-    for run in runs {
-        let parsed = run
-            .split_once(':')
-            .and_then(|(kind, wait)| Some((kind, wait.parse::<u32>().ok()?)))
-            .filter(|(kind, _)| matches!(*kind, "redis-cluster" | "redis-sentinel"));
-        match parsed {
-            Some((kind, wait)) => failover_run(b, dir, kind, wait, quick).await,
-            None => b.insane.push(format!(
-                "--failover {run}: not redis-cluster:N or redis-sentinel:N"
-            )),
-        }
-    }
-}
-
-/// Clients retrying (each key until a 2xx), the pause after the last refusal that ends a run,
-/// and the longest a run goes on after the kill.
-const CLIENTS: usize = 16;
-const BACKOFF: Duration = Duration::from_millis(50);
-const QUIET: Duration = Duration::from_secs(2);
-const CAP: Duration = Duration::from_secs(40);
-
-async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: bool) {
-    let label = format!("failover, {kind}, wait_replicas {wait}");
-    let d: PathBuf = dir.join(b.prefix("failover"));
-    let sentinel = kind == "redis-sentinel";
-    let topology = tokio::task::spawn_blocking(move || {
-        if sentinel {
-            SentinelSet::start(&d).map(Topology::Sentinel)
-        } else {
-            Cluster::start(&d, 3).map(Topology::Cluster)
-        }
-    })
-    .await
-    .unwrap();
-    let mut topology = match topology {
-        Ok(t) => t,
-        Err(e) => {
-            b.insane.push(format!("{label}: {e}"));
-            return;
-        }
-    };
-    let up = procs::upstream_with(1024, 0, true);
-    let store = format!("{}\nwait_replicas = {wait}", topology.store_toml());
-    let gateways = two_gateways(dir, &store, up.addr, "fo:");
-    let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
-    let all_nodes: Vec<SocketAddr> = topology.nodes().iter().map(|n| n.addr).collect();
-    let errors_before = errorstats(&all_nodes);
-    let failed_before = failed_commands(&all_nodes);
-
-    let live = Live::new();
-    let clients = tokio::spawn(load::run_retrying(
-        addrs,
-        b.prefix("fo-key"),
-        CLIENTS,
-        BACKOFF,
-        live.clone(),
-    ));
-    tokio::time::sleep(if quick {
-        Duration::from_millis(500)
-    } else {
-        Duration::from_secs(3)
-    })
-    .await;
-    let before_kill = live.succeeded.load(Ordering::Relaxed);
-    let supervisor = {
-        let live = live.clone();
-        std::thread::spawn(move || {
-            let t = supervise(&mut topology, &live);
-            (topology, t)
-        })
-    };
-    // The nodes' error replies every 250 ms, to tell when each kind was answered.
-    let sampler = {
-        let (live, nodes, before) = (live.clone(), all_nodes.clone(), errors_before.clone());
-        std::thread::spawn(move || {
-            let mut samples = Vec::new();
-            while !live.stop.load(Ordering::Relaxed) {
-                let at = live.start.elapsed();
-                samples.push((at, since(&before, errorstats(&nodes))));
-                std::thread::sleep(Duration::from_millis(250));
-            }
-            samples
-        })
-    };
-    // Until the supervisor is done, and then no refusal for QUIET; at most CAP after the kill.
-    let quiet_for = if quick { QUIET / 2 } else { QUIET };
-    let started = live.start.elapsed();
-    let capped = loop {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let now = live.start.elapsed();
-        let quiet = now.saturating_sub(Duration::from_millis(
-            live.last_refusal_ms.load(Ordering::Relaxed),
-        ));
-        if supervisor.is_finished() && quiet >= quiet_for {
-            break false;
-        }
-        if now - started > CAP {
-            break true;
-        }
-    };
-    live.stop.store(true, Ordering::Relaxed);
-    let report = clients.await.unwrap();
-    let (topology, t) = tokio::task::spawn_blocking(move || supervisor.join().unwrap())
-        .await
-        .unwrap();
-    let samples = tokio::task::spawn_blocking(move || sampler.join().unwrap())
-        .await
-        .unwrap();
-    let errors = since(&errors_before, errorstats(&all_nodes));
-    let failed = since(&failed_before, failed_commands(&all_nodes));
-    // Each kind of error reply with the window in which its count grew, from the kill.
-    let error_windows: Vec<String> = {
-        let mut kinds: Vec<&String> = errors
-            .iter()
-            .filter(|(_, &n)| n > 0)
-            .map(|(k, _)| k)
-            .collect();
-        kinds.sort();
-        kinds
-            .into_iter()
-            .map(|k| {
-                let mut prev = 0;
-                let (mut first, mut last) = (None, None);
-                for (at, e) in &samples {
-                    let n = e.get(k).copied().unwrap_or(0);
-                    if n > prev {
-                        first.get_or_insert(*at);
-                        last = Some(*at);
-                        prev = n;
-                    }
-                }
-                let rel = |d: Option<Duration>| {
-                    d.map_or("?".into(), |d| {
-                        format!("{:+.2}", d.as_secs_f64() - t.kill.as_secs_f64())
-                    })
-                };
-                format!("{k} {} (seen {} to {} s)", errors[k], rel(first), rel(last))
-            })
-            .collect()
-    };
-    let (keys_executed, executions, twice) = upstream_keys(up.addr).await;
-    drop(gateways);
-    drop(topology);
-
-    let after_kill: Vec<&load::Attempt> =
-        report.attempts.iter().filter(|a| a.end > t.kill).collect();
-    let refused: Vec<&&load::Attempt> = after_kill.iter().filter(|a| a.refused()).collect();
-    let before: usize = report
-        .attempts
-        .iter()
-        .filter(|a| a.end <= t.kill && a.refused())
-        .count();
-    let confirms_refused = refused.iter().filter(|a| a.confirm).count();
-    // Refusals until the failover was seen, until the killed node was restarted, until it was
-    // in sync, and after.
-    let marks = [t.promoted, t.restarted, t.synced];
-    let mut windows = [0u64; 4];
-    for a in &refused {
-        let w = marks
-            .iter()
-            .take_while(|m| m.is_some_and(|m| a.end > m))
-            .count();
-        windows[w] += 1;
-    }
-    let mut by_status: BTreeMap<u16, u64> = BTreeMap::new();
-    for a in &refused {
-        *by_status.entry(a.status).or_default() += 1;
-    }
-    let last_refusal = refused.iter().map(|a| a.end).max();
-    let recovery = last_refusal.map_or(Duration::ZERO, |e| e - t.kill);
-    // The store refusing (503, no answer) apart from keys left in flight (409): a record lost
-    // with its primary keeps its key claimed until the lease ends.
-    let last_of = |conflict: bool| {
-        refused
-            .iter()
-            .filter(|a| (a.status == 409) == conflict)
-            .map(|a| a.end)
-            .max()
-    };
-    let (last_store, last_conflict) = (last_of(false), last_of(true));
-    let longest = after_kill
-        .iter()
-        .map(|a| a.end - a.start)
-        .max()
-        .unwrap_or_default();
-    let secs = |d: Option<Duration>| {
-        d.map_or("never".into(), |d| {
-            format!("{:+.2} s", d.as_secs_f64() - t.kill.as_secs_f64())
-        })
-    };
-    let statuses: Vec<String> = by_status
-        .iter()
-        .map(|(s, n)| {
-            if *s == 0 {
-                format!("no answer {n}")
-            } else {
-                format!("{s} {n}")
-            }
-        })
-        .collect();
-    if let Some(e) = &t.error {
-        b.insane.push(format!("{label}: supervisor: {e}"));
-    }
-    if capped {
-        b.insane.push(format!(
-            "{label}: keyed requests were still refused {} s after the kill",
-            CAP.as_secs()
-        ));
-    }
-    if wait >= 1 && twice > 0 {
-        b.insane.push(format!(
-            "{label}: {twice} keys executed twice by the upstream"
-        ));
-    }
-    if before_kill == 0 {
-        b.insane
-            .push(format!("{label}: no key succeeded before the kill"));
-    }
-    // Refusals per second from the kill, through each gateway (for the eye: where they end).
-    let mut per_second: BTreeMap<u64, [u64; 2]> = BTreeMap::new();
-    for a in &refused {
-        per_second.entry((a.end - t.kill).as_secs()).or_default()[a.replica.min(1)] += 1;
-    }
-    let timeline: Vec<String> = per_second
-        .iter()
-        .map(|(s, [x, y])| format!("{s}s: {x}+{y}"))
-        .collect();
-    eprintln!(
-        "    refusals per second from the kill (gateway 1 + gateway 2): {}",
-        timeline.join(", ")
-    );
-    // And the 2xx answers per quarter second around the failover.
-    let mut ok: BTreeMap<u64, u64> = BTreeMap::new();
-    for a in after_kill.iter().filter(|a| (200..300).contains(&a.status)) {
-        *ok.entry((a.end - t.kill).as_millis() as u64 / 250)
-            .or_default() += 1;
-    }
-    let ok: Vec<String> = (0..16)
-        .map(|q| ok.get(&q).copied().unwrap_or(0).to_string())
-        .collect();
-    eprintln!("    2xx per 250 ms for 4 s from the kill: {}", ok.join(" "));
-    eprintln!(
-        "  {label:<40} recovered {:.2} s after the kill, {} refused, {twice} keys executed twice",
-        recovery.as_secs_f64(),
-        refused.len()
-    );
-    b.notes.push(format!(
-        "{label} (1 KiB, 2 gateways, {CLIENTS} clients each retrying its key every {} ms on 503/409/502/504 until a 2xx, then once more on the other gateway; kill -9 of the primary {} at {:.1} s): failover seen {}, killed node restarted as a replica {}, in sync {}; keyed requests succeed again {:.2} s after the kill (the last refusal; the last 503 or unanswered {}, the last 409 {}); {} attempts refused ({}; {confirms_refused} of them retries after a 2xx; {} until the failover was seen, {} until the restart, {} until in sync, {} after) of {} after the kill, {before} before it (409s: a retry after a 2xx can reach the other gateway before the record is written); longest attempt {} ms; {} keys completed, {} unfinished at the stop, {} given up; upstream: {keys_executed} keys executed {executions} times, {twice} keys executed twice; error replies over the nodes: {}; the commands answered with them: {}",
-        BACKOFF.as_millis(),
-        t.killed.map_or("?".into(), |a| a.to_string()),
-        t.kill.as_secs_f64(),
-        secs(t.promoted),
-        secs(t.restarted),
-        secs(t.synced),
-        recovery.as_secs_f64(),
-        secs(last_store),
-        secs(last_conflict),
-        refused.len(),
-        if statuses.is_empty() { "none".into() } else { statuses.join(", ") },
-        windows[0],
-        windows[1],
-        windows[2],
-        windows[3],
-        after_kill.len(),
-        longest.as_millis(),
-        report.keys,
-        report.unfinished,
-        report.given_up,
-        if error_windows.is_empty() { "none".into() } else { error_windows.join(", ") },
-        errors_text(&failed),
-    ));
-}
-
-/// The upstream's `GET /__keys`: keys executed, executions, keys executed more than once.
-async fn upstream_keys(addr: SocketAddr) -> (u64, u64, u64) {
-    let text = crate::get_text(addr, "/__keys").await;
-    let v: Vec<u64> = text
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    match v[..] {
-        [k, e, t] => (k, e, t),
-        _ => (0, 0, 0),
-    }
 }

@@ -495,3 +495,42 @@ async fn send_once(
         }
     }
 }
+
+/// The `load` subcommand: load on `target` with `keys` (`none`, `unique` or `hot`), the result
+/// printed (for profiling one scenario by hand).
+pub async fn by_hand(
+    target: SocketAddr,
+    keys: &str,
+    secs: Duration,
+    connections: usize,
+    rate: Option<f64>,
+    request_bytes: Option<usize>,
+) {
+    let keys = match keys {
+        "unique" => Keys::Unique(format!("manual-{}", std::process::id())),
+        "hot" => Keys::Hot("manual-hot".into(), 1000),
+        _ => Keys::None,
+    };
+    let body = request_bytes.map_or_else(small_request, json_request);
+    let r = run_with_body(
+        target,
+        "/v1/payments",
+        body,
+        keys,
+        connections,
+        secs,
+        rate.map_or(Pace::Closed, Pace::Rate),
+    )
+    .await;
+    println!(
+        "{} requests, {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms, {} 409s, {} errors",
+        r.requests,
+        r.rps(),
+        r.ms(0.5),
+        r.ms(0.99),
+        r.ms(0.999),
+        r.ms(1.0),
+        r.conflicts,
+        r.errors
+    );
+}

@@ -11,13 +11,15 @@
 //! env.redis().kill();
 //! ```
 //!
-//! The fixtures, by module:
+//! The fixtures, by module (the Redis ones, ports and waiting from `testkit`, which the benchmark
+//! shares):
 //! - [`config`]: [`TestConfig`], the gateway's TOML config built in code
 //!   (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
 //!   `pause()`, `resume()` and `restart()`; [`TlsRedisServer`], one that speaks only TLS.
 //! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
-//!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over.
+//!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over;
+//!   `testkit::Replicated` kills a primary as a failover run does and times each step.
 //! - [`upstream`]: [`CountingUpstream`], an HTTP upstream that counts its calls and answers by
 //!   query string (`?status=503`, `?delay_ms=400`, `/echo`, `/big?bytes=N`).
 //! - [`gateway`]: [`InProcessGateway`], the gateway on a socket of this process;
@@ -36,32 +38,23 @@
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod client;
-pub mod cluster;
 pub mod config;
 pub mod gateway;
-pub mod ports;
 pub mod raw;
-pub mod redis;
 pub mod tls;
 pub mod upstream;
-pub mod wait;
+
+pub use testkit::{cluster, ports, redis, wait};
 
 pub use self::client::{client, send, Seen};
-pub use self::cluster::{RedisCluster, RedisSentinelSet};
 pub use self::config::TestConfig;
 pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
-pub use self::ports::{free_port, ReservedPort};
-pub use self::redis::{RedisServer, TlsRedisServer};
 pub use self::tls::{Issued, TestCa, Validity};
 pub use self::upstream::CountingUpstream;
-pub use self::wait::wait_until;
-
-/// Which store a behavioural test runs against.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Memory,
-    Redis,
-}
+pub use testkit::{
+    free_port, wait_until, Backend, RedisCluster, RedisSentinelSet, RedisServer, ReservedPort,
+    TlsRedisServer,
+};
 
 /// Generate one test per backend for each named `async fn(Backend)`.
 #[macro_export]

@@ -12,18 +12,28 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{free_port, wait_until, Backend};
+use crate::{free_port, wait_until};
+
+/// Which store a behavioural test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The in-process store.
+    Memory,
+    /// A [`RedisServer`].
+    Redis,
+}
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
 /// race with another process, not a failure.
-const ATTEMPTS: usize = 3;
+pub(crate) const ATTEMPTS: usize = 3;
 
 /// How long a redis-server may take to come up (an AOF restart reloads its file first).
 const STARTUP: Duration = Duration::from_secs(10);
 
 /// A redis-server on a loopback port. Its methods take `&self`, so a test can `kill()` it through
-/// a shared [`TestEnv`](super::TestEnv).
+/// a shared handle (the tests' `TestEnv`).
 pub struct RedisServer {
+    /// Its TCP port on 127.0.0.1.
     pub port: u16,
     dir: tempfile::TempDir,
     appendonly: bool,
@@ -112,6 +122,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// The process id, while it runs (for its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     /// SIGKILL the server (no shutdown save).
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
@@ -170,6 +185,7 @@ impl Drop for RedisServer {
 /// 127.0.0.1. Killed on drop.
 pub struct TlsRedisServer {
     child: Mutex<Option<Child>>,
+    /// Its TLS port on 127.0.0.1.
     pub port: u16,
     /// The PEM certificate clients must trust.
     pub ca_file: PathBuf,
@@ -177,6 +193,7 @@ pub struct TlsRedisServer {
 }
 
 impl TlsRedisServer {
+    /// Start it with a fresh certificate, on a free port.
     pub async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let cert = rcgen::generate_simple_self_signed(vec![
@@ -236,7 +253,7 @@ pub(crate) fn socket_in(dir: &Path) -> PathBuf {
 
 /// Wait until the redis-server `child` answers PING on the unix socket in `dir` (`true`), or
 /// exits (`false`, and it is reaped).
-async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
+pub(crate) async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
     let socket = socket_in(dir);
     let mut exited = false;
     wait_until(STARTUP, "redis-server answers PING", async || {
@@ -249,7 +266,7 @@ async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
 }
 
 /// Whether a PING on the unix socket `path` is answered PONG (not, e.g., LOADING).
-pub(crate) async fn pong(path: &Path) -> bool {
+async fn pong(path: &Path) -> bool {
     let Ok(mut s) = tokio::net::UnixStream::connect(path).await else {
         return false;
     };

@@ -11,11 +11,15 @@ use tokio::net::{TcpListener, TcpSocket};
 /// A port nobody listens on at this moment, for a child process to bind. Another process may
 /// take it before the child does: callers start the child again on a new port when it fails.
 pub fn free_port() -> u16 {
+    free_addr().port()
+}
+
+/// `127.0.0.1:PORT` with a [`free_port`].
+pub fn free_addr() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port()
 }
 
 /// A loopback port that is bound but not listened on: connections to it are refused, and no one
@@ -23,10 +27,18 @@ pub fn free_port() -> u16 {
 /// at the address the gateway already points at".
 pub struct ReservedPort {
     socket: TcpSocket,
+    /// The address reserved.
     pub addr: SocketAddr,
 }
 
+impl Default for ReservedPort {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl ReservedPort {
+    /// Bind a free loopback port without listening on it.
     pub fn new() -> Self {
         let socket = TcpSocket::new_v4().unwrap();
         socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();

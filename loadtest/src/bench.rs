@@ -1,0 +1,229 @@
+//! The run's state and the measuring every section shares: warm-up, a closed-loop phase with the
+//! CPU time per request of each process, a fixed-rate phase, and the sanity checks.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use std::collections::HashMap;
+
+use crate::load::{self, CpuPerRequest, Keys, Pace, Report};
+use crate::metrics::{commandstats, round_trips};
+use crate::procs;
+
+/// One row of the results table.
+pub struct Row {
+    pub scenario: String,
+    pub body: usize,
+    // The median (by req/s) of `samples`.
+    pub closed: Report,
+    // One closed-loop report per round.
+    pub samples: Vec<Report>,
+    pub at_rate: Option<Report>,
+}
+
+pub struct Bench {
+    pub secs: Duration,
+    pub warm: Duration,
+    pub connections: usize,
+    pub rows: Vec<Row>,
+    pub notes: Vec<String>,
+    pub insane: Vec<String>,
+    pub run_id: u64,
+    // Closed-loop rounds per scenario (interleaved); the table shows the median.
+    pub rounds: usize,
+    // The response body size of the phases being measured.
+    pub size: usize,
+    // The upstream's and Redis's processes, for the CPU figures.
+    pub upstream_pids: Vec<u32>,
+    pub redis_pids: Vec<u32>,
+    // The body of every request sent (the small payment, but for the fingerprint phases).
+    pub request: bytes::Bytes,
+}
+
+impl Bench {
+    /// A run of `secs` phases after `warm` of warm-up, on `connections` connections, `rounds`
+    /// closed-loop rounds per scenario.
+    pub fn new(secs: Duration, warm: Duration, connections: usize, rounds: usize) -> Bench {
+        Bench {
+            secs,
+            warm,
+            connections,
+            rows: Vec::new(),
+            notes: Vec::new(),
+            insane: Vec::new(),
+            run_id: 0,
+            rounds,
+            size: 1024,
+            upstream_pids: Vec::new(),
+            redis_pids: Vec::new(),
+            request: load::small_request(),
+        }
+    }
+
+    pub fn prefix(&mut self, what: &str) -> String {
+        self.run_id += 1;
+        format!("{what}-{}-{}", std::process::id(), self.run_id)
+    }
+
+    /// Warm up `addrs` with `keys` (pools, caches and, for the replay path, the hot keys' first
+    /// executions); the keys of the measured phase: the same, or for unique keys fresh ones
+    /// named `what`, so that the phase measures misses only.
+    pub async fn warm_up(&mut self, addrs: &[SocketAddr], keys: Keys, what: &str) -> Keys {
+        load::run_spread(
+            addrs,
+            "/v1/payments",
+            self.request.clone(),
+            keys.clone(),
+            self.connections,
+            self.warm,
+            Pace::Closed,
+        )
+        .await;
+        match keys {
+            Keys::Unique(_) => Keys::Unique(self.prefix(what)),
+            k => k,
+        }
+    }
+
+    /// A closed-loop run against `addr`, with the CPU time per request of `proxy` (the processes
+    /// under test), the upstream, Redis and the load generator (this process).
+    pub async fn closed(&self, addr: SocketAddr, keys: Keys, proxy: &[u32]) -> Report {
+        self.closed_spread(&[addr], keys, proxy).await
+    }
+
+    /// [`Bench::closed`] against several replicas, the connections spread over them.
+    pub async fn closed_spread(&self, addrs: &[SocketAddr], keys: Keys, proxy: &[u32]) -> Report {
+        let me = [std::process::id()];
+        let sample = || {
+            [
+                procs::cpu_ns(proxy),
+                procs::cpu_ns(&self.upstream_pids),
+                procs::cpu_ns(&self.redis_pids),
+                procs::cpu_ns(&me),
+            ]
+        };
+        let before = sample();
+        let mut r = load::run_spread(
+            addrs,
+            "/v1/payments",
+            self.request.clone(),
+            keys,
+            self.connections,
+            self.secs,
+            Pace::Closed,
+        )
+        .await;
+        let after = sample();
+        let per =
+            |i: usize| after[i].saturating_sub(before[i]) as f64 / 1e3 / r.requests.max(1) as f64;
+        r.cpu = Some(CpuPerRequest {
+            proxy: per(0),
+            upstream: per(1),
+            redis: per(2),
+            load: per(3),
+        });
+        r
+    }
+
+    pub async fn at_rate(&self, addr: SocketAddr, keys: Keys, rate: f64) -> Report {
+        load::run(addr, "/v1/payments", keys, 32, self.secs, Pace::Rate(rate)).await
+    }
+
+    pub fn check(&mut self, name: &str, r: &Report, expect_conflicts: bool) {
+        if r.requests == 0 {
+            self.insane.push(format!("{name}: no request completed"));
+        } else if r.errors * 100 > r.requests {
+            self.insane.push(format!(
+                "{name}: {} errors in {} requests",
+                r.errors, r.requests
+            ));
+        } else if !expect_conflicts && r.conflicts > 0 {
+            self.insane
+                .push(format!("{name}: {} unexpected 409s", r.conflicts));
+        }
+    }
+}
+
+/// Warm up, then measure one closed-loop phase and record it as a row. With `redis`, the Redis
+/// commands the measured part caused are noted per request.
+pub async fn phase(
+    b: &mut Bench,
+    scenario: &str,
+    addr: SocketAddr,
+    proxy: &[u32],
+    keys: Keys,
+    redis: Option<(&mut redis::aio::MultiplexedConnection, SocketAddr)>,
+) -> Report {
+    let size = b.size;
+    let keys = match keys {
+        Keys::Unique(_) => Keys::Unique(b.prefix("miss")),
+        Keys::Hot(_, n) => Keys::Hot(format!("hot-{size}"), n),
+        k => k,
+    };
+    let keys = b.warm_up(&[addr], keys, "miss").await;
+    let r = match redis {
+        Some((conn, admin)) => {
+            let (before, trips_before) = (commandstats(conn).await, round_trips(admin));
+            let r = b.closed(addr, keys, proxy).await;
+            let (after, trips_after) = (commandstats(conn).await, round_trips(admin));
+            let trips = (trips_after - trips_before) as f64 / r.requests.max(1) as f64;
+            b.notes.push(per_request(
+                scenario, size, trips, &before, &after, r.requests,
+            ));
+            r
+        }
+        None => b.closed(addr, keys, proxy).await,
+    };
+    b.check(scenario, &r, false);
+    eprintln!(
+        "  {scenario:<34} {:>9.0} req/s  p50 {:.2} ms  p99 {:.2} ms",
+        r.rps(),
+        r.ms(0.5),
+        r.ms(0.99)
+    );
+    b.rows.push(Row {
+        scenario: scenario.to_string(),
+        body: size,
+        closed: r.clone(),
+        samples: vec![r.clone()],
+        at_rate: None,
+    });
+    r
+}
+
+/// `1 KiB`, `64 KiB`, or bytes.
+pub fn human(size: usize) -> String {
+    if size >= 1024 && size.is_multiple_of(1024) {
+        format!("{} KiB", size / 1024)
+    } else {
+        format!("{size} B")
+    }
+}
+
+/// The note of a phase on Redis: round trips and commands per request.
+fn per_request(
+    what: &str,
+    size: usize,
+    trips: f64,
+    before: &HashMap<String, u64>,
+    after: &HashMap<String, u64>,
+    requests: u64,
+) -> String {
+    let mut parts: Vec<(String, f64)> = after
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                (*v - before.get(k).copied().unwrap_or(0)) as f64 / requests.max(1) as f64,
+            )
+        })
+        .filter(|(k, v)| *v > 0.001 && k != "info")
+        .collect();
+    parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let detail: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+    format!(
+        "{} body, {what}: {trips:.2} Redis round trips per request (the gateway's store operations not answered by its local cache); Redis commands per request, incl. those run inside the scripts: {}",
+        human(size),
+        detail.join(", ")
+    )
+}

@@ -1,0 +1,118 @@
+//! The printed results: the table, the CPU per request of each row, the ratios and the notes.
+
+use std::collections::HashMap;
+
+use crate::bench::{human, Bench};
+
+/// Print the results of `b`.
+pub fn print(b: &Bench) {
+    println!(
+        "\n| scenario | body | req/s (median of {}) | rounds req/s | p50 ms | p99 ms | p99.9 ms | added p50 ms @rate | added p99 ms @rate | proxy CPU µs/req | all CPU µs/req | 409s + errors |",
+        b.rounds
+    );
+    println!("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut direct_rate: HashMap<usize, (f64, f64)> = HashMap::new();
+    for row in &b.rows {
+        if row.scenario == "direct to upstream" {
+            if let Some(r) = &row.at_rate {
+                direct_rate.insert(row.body, (r.ms(0.5), r.ms(0.99)));
+            }
+        }
+    }
+    for row in &b.rows {
+        let r = &row.closed;
+        let (added50, added99) = match (&row.at_rate, direct_rate.get(&row.body)) {
+            (Some(x), Some((d50, d99))) if row.scenario != "direct to upstream" => (
+                format!("{:+.3}", x.ms(0.5) - d50),
+                format!("{:+.3}", x.ms(0.99) - d99),
+            ),
+            (Some(x), _) => (
+                format!("({:.3})", x.ms(0.5)),
+                format!("({:.3})", x.ms(0.99)),
+            ),
+            _ => ("".into(), "".into()),
+        };
+        let rounds: Vec<String> = row
+            .samples
+            .iter()
+            .map(|x| format!("{:.0}", x.rps()))
+            .collect();
+        let (proxy_cpu, all_cpu) = match r.cpu {
+            Some(c) => (format!("{:.1}", c.proxy), format!("{:.1}", c.all())),
+            None => (String::new(), String::new()),
+        };
+        println!(
+            "| {} | {} | {:.0} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} |",
+            row.scenario,
+            human(row.body),
+            r.rps(),
+            rounds.join(", "),
+            r.ms(0.5),
+            r.ms(0.99),
+            r.ms(0.999),
+            added50,
+            added99,
+            proxy_cpu,
+            all_cpu,
+            r.conflicts + r.errors
+        );
+    }
+    println!(
+        "\nCPU per request, µs (median round; proxy + upstream + Redis + load generator = all):"
+    );
+    for row in &b.rows {
+        if let Some(c) = row.closed.cpu {
+            println!(
+                "- {}, {}: {:.1} + {:.1} + {:.1} + {:.1} = {:.1}",
+                row.scenario,
+                human(row.body),
+                c.proxy,
+                c.upstream,
+                c.redis,
+                c.load,
+                c.all()
+            );
+        }
+    }
+    println!("\nratios (same run; in brackets the same ratio from CPU per request of all processes, which noise moves less):");
+    for &size in &[1024usize, 65536] {
+        let get = |name: &str| {
+            b.rows
+                .iter()
+                .find(|r| r.body == size && r.scenario == name)
+                .map(|r| (r.closed.rps(), r.closed.cpu.map(|c| c.all()).unwrap_or(0.0)))
+        };
+        let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
+        else {
+            continue;
+        };
+        // Throughput ratio a / b, and the one CPU predicts: b's CPU per request / a's.
+        let ratio = |a: (f64, f64), b: (f64, f64)| {
+            let by_cpu = if a.1 > 0.0 { b.1 / a.1 } else { 0.0 };
+            format!("{:.2} [{by_cpu:.2}]", a.0 / b.0)
+        };
+        println!(
+            "- {}: pass-through / nginx = {} (target >= 1.0)",
+            human(size),
+            ratio(pass, nginx)
+        );
+        for store in ["memory", "redis"] {
+            if let Some(replay) = get(&format!("gateway replay, {store}")) {
+                println!(
+                    "- {}: replay ({store}) / nginx = {} (target >= 1.0)",
+                    human(size),
+                    ratio(replay, nginx)
+                );
+            }
+            if let Some(miss) = get(&format!("gateway miss, {store}")) {
+                println!(
+                    "- {}: miss ({store}) / pass-through = {} (target >= 0.6)",
+                    human(size),
+                    ratio(miss, pass)
+                );
+            }
+        }
+    }
+    println!("\nnotes:");
+    b.notes.iter().for_each(|n| println!("- {n}"));
+}

@@ -1,0 +1,35 @@
+//! Fixtures shared by idemgate's integration tests (`tests/`) and its benchmark (`loadtest/`):
+//! real processes on real sockets, each killed when its handle drops.
+//!
+//! ```ignore
+//! let redis = RedisServer::start().await;
+//! redis.kill();
+//! redis.restart().await;
+//!
+//! let cluster = RedisCluster::start().await; // 3 primaries, 1 replica each
+//! let mut failover = Replicated::Cluster(&cluster).kill9_primary(None).await;
+//! failover.wait_for_failover().await; // its replica owns its slots
+//! failover.restart_as_replica().await; // back, and the cluster healthy again
+//! ```
+//!
+//! # Layout
+//! - [`redis`]: [`RedisServer`], a redis-server that can be `kill()`ed, `pause()`d, `resume()`d
+//!   and `restart()`ed; [`TlsRedisServer`], one that speaks only TLS; [`Backend`].
+//! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
+//!   (a primary, a replica, three sentinels), and [`query`], one command to a node.
+//! - [`failover`]: [`Replicated`] and [`Failover`], a primary killed with SIGKILL and the store's
+//!   recovery driven as a supervisor would, each step timed.
+//! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
+//! - [`wait`]: [`wait_until`], which polls a condition instead of sleeping for a guessed time.
+
+pub mod cluster;
+pub mod failover;
+pub mod ports;
+pub mod redis;
+pub mod wait;
+
+pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
+pub use self::failover::{Failover, Replicated};
+pub use self::ports::{free_addr, free_port, ReservedPort};
+pub use self::redis::{Backend, RedisServer, TlsRedisServer};
+pub use self::wait::wait_until;
