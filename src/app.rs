@@ -207,7 +207,7 @@ async fn worker(
     drop(ready);
     let tasks = layer.tasks();
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
-    // figure is in docs/operating.md); keyed requests have a debug span of their own.
+    // figure is in loadtest/README.md); keyed requests have a debug span of their own.
     let stack = layer.layer(Proxy::new(&config, layer.metrics()));
     let worker = Worker {
         listener,

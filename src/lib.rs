@@ -44,23 +44,64 @@
 //! team does not want to change, configured in TOML ([`config::Config`]); see the README.
 //!
 //! # Layout
-//! - [`idempotency`]: the layer and its service, the policy, the key, the fingerprint, the
-//!   stored record, the routes.
-//! - [`store`]: the [`Store`] trait and its backends: [`MemoryStore`] (embedded),
-//!   [`RedisStore`] (Lua scripts in `src/store/lua/`), and [`store::CachedStore`] (a local
-//!   cache of completed records in front of another store), with their settings
-//!   ([`store::RedisSettings`], [`Topology`]).
-//! - [`config`]: the TOML and `IDEMGATE_` environment users write, read into the engine's
-//!   [`Policy`]s and the store's settings, each value checked as it is read.
-//! - [`proxy`]: the upstream as a tower service, with its connection pool.
-//! - [`error`]: the answers the gateway gives itself, as RFC 9457 problem+json.
-//! - [`metrics`]: Prometheus metrics.
-//! - [`admin`]: the admin listener: health, readiness, metrics, key inspection and eviction.
-//! - `listener`: client connections: the accept loop under `max_client_connections`, each
-//!   connection's watchdog (`client_header_timeout`, `client_idle_timeout`), and the service
-//!   that admits a request and adds the forwarding headers.
-//! - [`app`]: the binary's wiring: `app::run(listener, config, shutdown)`.
-//! - [`demo`]: a small example payments upstream for the quick start.
+//!
+//! The one map of the source, floors from the top: the binary and its wiring, then the
+//! configuration, then the client side, the proxy and the admin listener, then the store, then
+//! the engine, then the vocabulary every floor shares. Nothing imports what stands above it.
+//! Paths are under `src/`.
+//!
+//! - `main.rs`: the binary: the command line, logging, signals, `check-config`; `demo.rs`, the
+//!   quick start's example payments API (the binary's own module).
+//! - `app.rs`: the gateway's wiring ([`App`], [`run`]): the store, the layer over the proxy on
+//!   worker threads, the admin listener, graceful shutdown.
+//! - [`config`]: the TOML and `IDEMGATE_` environment users write, read into the engine's and
+//!   the store's own types, each value checked as it is read: `config/mod.rs` (the file, the
+//!   top-level fields, the environment overlay), `config/checked.rs` (a value read through its
+//!   rule, errors naming the field as written), `config/policy.rs` (`[defaults]` and
+//!   `[[routes]]` as checked fields merged over the built-in policy), `config/store.rs`
+//!   (`[store]`, one table per backend), `config/upstream.rs` (`[upstreams.NAME]`, `[tls]`),
+//!   `config/human.rs` (durations and sizes as people write them).
+//! - `listener/`: client connections: `listener/mod.rs` (the accept loop under
+//!   `max_client_connections`, one connection served with HTTP/1.1 or HTTP/2, the service that
+//!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
+//!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients).
+//! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
+//!   its errors), `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
+//!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
+//! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
+//! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),
+//!   `store/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
+//!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
+//!   backend), `store/memory.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
+//!   local cache of completed records in front of another store), and the Redis backend:
+//!   `store/redis/mod.rs` ([`RedisStore`]), `store/redis/codec.rs` (the record's binary
+//!   encoding, whose offsets the scripts in `store/redis/lua/` read), `store/redis/topology.rs`
+//!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
+//!   local caches told of evictions).
+//! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
+//!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
+//!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,
+//!   take back), `idempotency/response.rs` (what is stored and replayed),
+//!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/shared.rs` (what
+//!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
+//!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
+//!   `idempotency/routes.rs` ([`Routes`]), `idempotency/key.rs`, `idempotency/fingerprint.rs`,
+//!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
+//!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
+//!   `idempotency/json/canonical.rs` and `idempotency/json/pointer.rs` (strict JSON, its
+//!   canonical form, RFC 6901 pointers), and `idempotency/tests.rs` (every branch of the
+//!   protocol without sockets).
+//! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
+//!   (`error.rs`: problem+json answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
+//!   (certificates, keys, rustls configurations).
+//! - `lib.rs`: this page.
+//!
+//! Beside `src/`: `tests/` (integration tests over real sockets, real `redis-server`s and
+//! upstreams; fixtures in `tests/common/`), `testkit/` (the Redis fixtures `tests/` and the
+//! benchmark share), `examples/axum_payments.rs` (the layer in an axum app), `loadtest/` (the
+//! benchmark; every measured figure is in its README), `docs/` (the reference, one page per
+//! topic), `config/` (example configurations), `scripts/test` (the test command) and
+//! `.ci/run` (CI, which calls it).
 
 #![warn(missing_docs)]
 
