@@ -175,6 +175,29 @@ where
     }
 }
 
+/// What hyper serves one connection with: the [`Gateway`] over the layer and the proxy.
+trait ConnService:
+    hyper::service::Service<
+        Request<Incoming>,
+        Response = Response<Watched<Body>>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<T> ConnService for T where
+    T: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<Watched<Body>>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
 /// One client connection being served.
 struct Connection {
     http: Arc<auto::Builder<TokioExecutor>>,
@@ -191,13 +214,7 @@ impl Connection {
         stream: TcpStream,
         gateway: Gateway<S>,
     ) where
-        Gateway<S>: hyper::service::Service<
-                Request<Incoming>,
-                Response = Response<Watched<Body>>,
-                Error = Infallible,
-            > + Send
-            + 'static,
-        <Gateway<S> as hyper::service::Service<Request<Incoming>>>::Future: Send + 'static,
+        Gateway<S>: ConnService,
     {
         let limit = TLS_HANDSHAKE_TIMEOUT.min(self.timeouts.header);
         let peer = self.peer;
@@ -216,13 +233,7 @@ impl Connection {
     async fn serve<T, S>(mut self, stream: T, gateway: Gateway<S>)
     where
         T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-        Gateway<S>: hyper::service::Service<
-                Request<Incoming>,
-                Response = Response<Watched<Body>>,
-                Error = Infallible,
-            > + Send
-            + 'static,
-        <Gateway<S> as hyper::service::Service<Request<Incoming>>>::Future: Send + 'static,
+        Gateway<S>: ConnService,
     {
         let open = self.metrics.client_connections().clone();
         open.inc();
