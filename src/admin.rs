@@ -27,7 +27,6 @@ use tower_http::trace::{
 };
 use tracing::Level;
 
-use crate::config::Config;
 use crate::error::Problem;
 use crate::idempotency::key::{hex, IdempotencyKey};
 use crate::idempotency::record::EntryState;
@@ -39,21 +38,22 @@ use crate::store::Inspect;
 pub struct AdminState<S> {
     store: S,
     metrics: Metrics,
-    config: Arc<Config>,
+    // The key API's bearer token; none: the key API is off.
+    admin_token: Option<String>,
     routes: Routes,
 }
 
-/// The admin router over `store`.
+/// The admin router over `store`; the key API answers requests that carry `admin_token`.
 pub fn router<S: Inspect>(
     store: S,
     metrics: Metrics,
-    config: Arc<Config>,
+    admin_token: Option<String>,
     routes: Routes,
 ) -> Router {
     let state = Arc::new(AdminState {
         store,
         metrics,
-        config,
+        admin_token,
         routes,
     });
     Router::new()
@@ -114,7 +114,7 @@ fn problem(status: StatusCode, kind: &'static str, detail: &str) -> Response {
 
 /// `Ok` when the request carries the admin token; the refusal otherwise.
 fn authorize<S>(s: &AdminState<S>, headers: &HeaderMap) -> Result<(), Response> {
-    let Some(expected) = s.config.admin.admin_token.as_deref() else {
+    let Some(expected) = s.admin_token.as_deref() else {
         return Err(problem(
             StatusCode::NOT_FOUND,
             "admin-disabled",

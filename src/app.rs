@@ -80,7 +80,7 @@ impl App {
             let router = admin::router(
                 layer.store().clone(),
                 layer.metrics().clone(),
-                config.clone(),
+                config.admin.admin_token.clone(),
                 layer.routes().clone(),
             );
             tokio::spawn(async move {
@@ -208,7 +208,7 @@ async fn worker(
     let tasks = layer.tasks();
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in loadtest/README.md); keyed requests have a debug span of their own.
-    let stack = layer.layer(Proxy::new(&config, layer.metrics()));
+    let stack = layer.layer(Proxy::new(config.upstreams.values(), layer.metrics()));
     let worker = Worker {
         listener,
         stack,

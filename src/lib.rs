@@ -45,9 +45,11 @@
 //!
 //! # Layout
 //!
-//! The one map of the source, floors from the top: the binary and its wiring, then the
-//! configuration, then the client side, the proxy and the admin listener, then the store, then
-//! the engine, then the vocabulary every floor shares. Nothing imports what stands above it.
+//! The one map of the source, floors from the top: the binary and its wiring; the
+//! configuration, the client side and the admin listener; the proxy and the store, each owning
+//! its settings; the engine, owning its policy; then the vocabulary every floor shares. Nothing
+//! imports what stands above it: the configuration reads TOML into the types of the floors
+//! below.
 //! Paths are under `src/`.
 //!
 //! - `main.rs`: the binary: the command line, logging, signals, `check-config`; `demo.rs`, the
@@ -66,7 +68,8 @@
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
 //!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients).
 //! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
-//!   its errors), `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
+//!   its errors), `proxy/settings.rs` (one upstream's settings, [`proxy::UpstreamConfig`]),
+//!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),

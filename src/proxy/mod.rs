@@ -11,6 +11,7 @@
 //! - `connect.rs`: TCP and TLS connections, and which failures mean "not sent".
 
 mod connect;
+mod settings;
 mod upstream;
 
 use std::future::Future;
@@ -22,11 +23,11 @@ use axum::body::Body;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 
-use crate::config::Config;
 use crate::error::GatewayError;
 use crate::headers::content_length;
 use crate::idempotency::{Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
 use crate::metrics::{Metrics, UpstreamResult};
+pub use settings::{UpstreamConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 use upstream::Upstream;
 
 /// A boxed error, for messages.
@@ -134,13 +135,14 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy to every upstream of `config`, with connection pools of its own, counting into
-    /// `metrics`.
-    pub fn new(config: &Config, metrics: &Metrics) -> Self {
+    /// A proxy to `upstreams`, with connection pools of its own, counting into `metrics`.
+    pub fn new<'a>(
+        upstreams: impl IntoIterator<Item = &'a Arc<UpstreamConfig>>,
+        metrics: &Metrics,
+    ) -> Self {
         Proxy {
-            upstreams: config
-                .upstreams
-                .values()
+            upstreams: upstreams
+                .into_iter()
                 .map(|u| Upstream::new(u, metrics))
                 .collect(),
         }

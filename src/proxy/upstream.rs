@@ -26,7 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::connect::{is_handshake_alert, ConnectError, Connector};
 use super::ProxyError;
-use crate::config::UpstreamConfig;
+use super::UpstreamConfig;
 use crate::headers::{is_final_status, relayable};
 use crate::idempotency::NotSent;
 use crate::metrics::{Metrics, UpstreamCounters, UpstreamResult};
