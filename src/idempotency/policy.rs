@@ -50,7 +50,7 @@ pub enum FingerprintMode {
     #[default]
     Exact,
     /// For a JSON-typed body (`application/json`, `*/*+json`), its canonical form (see
-    /// [`crate::idempotency::json`]); other bodies by their exact bytes.
+    /// docs/behaviour.md, "Canonical JSON"); other bodies by their exact bytes.
     Json,
 }
 

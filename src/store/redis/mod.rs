@@ -8,9 +8,9 @@
 //!
 //! One Redis string per key, `prefix + ScopedKey::store_name()` (in a cluster the name is a hash
 //! tag, `prefix{name}`, so that a record's keys and channel share its slot), holding the entry
-//! encoded by [`crate::idempotency::record`]; its Redis TTL is the lease (in flight) or the
+//! encoded by `codec.rs`; its Redis TTL is the lease (in flight) or the
 //! record's `ttl`. Completing and releasing publish on the key's `done` channel
-//! ([`super::events`]), which wakes requests waiting for it.
+//! (`events.rs`), which wakes requests waiting for it.
 //!
 //! With `wait_replicas = N`, a claim and a completion are followed by `WAIT N timeout` in the
 //! same pipeline (so on the same connection, to the key's primary): fewer acknowledgements are
