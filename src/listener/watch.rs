@@ -57,7 +57,8 @@ pub(crate) struct ConnState {
     head_since: AtomicU64,
     // When the last request in progress ended.
     idle_since: AtomicU64,
-    // Bumped whenever the client takes part of an answer or sends part of a body.
+    // Bumped whenever a request starts or gets its answer, and whenever the client takes part
+    // of an answer or sends part of a body: a stall is a whole check interval without a bump.
     progress: AtomicU64,
     // Bodies waiting on the client: an answer it has not taken, a request body it has not sent.
     waiting: AtomicU32,
@@ -92,6 +93,7 @@ impl ConnState {
     pub(crate) fn request_started(self: &Arc<Self>) -> InProgress {
         self.open.fetch_add(1, Relaxed);
         self.head_since.store(UNSET, Relaxed);
+        self.moved();
         InProgress(self.clone())
     }
 
@@ -136,6 +138,8 @@ impl InProgress {
     /// The response's body, which keeps the request in progress until it is sent whole or
     /// dropped, and waits on the client from the moment it has something to give.
     pub(crate) fn response_body<B>(self, body: B) -> Watched<B> {
+        // Something now waits on the client: the stall clock starts from here.
+        self.0.moved();
         self.0.waiting.fetch_add(1, Relaxed);
         Watched {
             body,
@@ -522,6 +526,56 @@ mod tests {
         ];
         f.resize(9 + len, 0);
         f
+    }
+
+    const TIMEOUTS: Timeouts = Timeouts {
+        header: Duration::from_secs(1),
+        idle: Duration::from_secs(3),
+    };
+
+    /// When the watchdog of `conn` fires, and why, counted from now (time paused).
+    async fn fires(conn: &Arc<ConnState>) -> (Expired, Duration) {
+        let started = Instant::now();
+        let expired = Watchdog::new(conn.clone(), TIMEOUTS).await;
+        (expired, started.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_connection_gets_the_header_timeout_an_idle_one_the_idle_timeout() {
+        let conn = ConnState::new();
+        assert_eq!(fires(&conn).await, (Expired::Header, TIMEOUTS.header));
+        let conn = ConnState::new();
+        drop(conn.request_started());
+        assert_eq!(fires(&conn).await, (Expired::Idle, TIMEOUTS.idle));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_is_a_whole_idle_timeout_without_progress() {
+        let conn = ConnState::new();
+        let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
+        let request = conn.request_started();
+        // The answer comes just before the first look, and the client never takes it.
+        tokio::time::sleep(TIMEOUTS.idle - Duration::from_millis(100)).await;
+        let answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+        let waited = Instant::now();
+        let expired = (&mut watchdog).await;
+        assert_eq!(expired, Expired::Stalled);
+        let stalled_for = waited.elapsed();
+        assert!(
+            stalled_for >= TIMEOUTS.idle && stalled_for <= TIMEOUTS.idle * 2,
+            "{stalled_for:?}"
+        );
+        drop(answer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_upstream_is_no_stall() {
+        let conn = ConnState::new();
+        let request = conn.request_started();
+        // The upstream takes ten idle timeouts to answer: nothing waits on the client meanwhile.
+        let slow = tokio::time::timeout(TIMEOUTS.idle * 10, fires(&conn)).await;
+        assert!(slow.is_err(), "closed while the upstream worked: {slow:?}");
+        drop(request);
     }
 
     #[test]
