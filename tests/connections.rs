@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::raw::RawUpstream;
 use common::{
-    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer,
-    StoreServer, TestConfig, TestEnv,
+    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, StoreServer, TestConfig,
+    TestEnv,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -4,8 +4,8 @@
 mod common;
 
 use common::{
-    send, Backend, CountingUpstream, InProcessGateway, RedisServer, Seen, StoreServer, TestCa,
-    TestConfig, Validity,
+    send, Backend, CountingUpstream, InProcessGateway, Seen, StoreServer, TestCa, TestConfig,
+    Validity,
 };
 use toml::toml;
 
