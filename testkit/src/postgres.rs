@@ -1,5 +1,6 @@
 //! A private PostgreSQL server, never the one a machine may already run on 5432:
-//! `let pg = PostgresServer::start().await; pg.stop(); pg.start_again().await;`.
+//! `let pg = PostgresServer::start().await; pg.stop(); pg.start_again().await;`
+//! (also `kill()`, `pause()`, `resume()`, `restart()`).
 //!
 //! `initdb` runs once per test process into a template directory that each server copies; the
 //! server listens on a free loopback port and on a unix socket in its own directory. Run as root,
@@ -149,14 +150,27 @@ impl PostgresServer {
     /// the WAL).
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap().take() {
-            let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", c.id()))
-                .unwrap_or_default();
+            let backends = children(c.id());
             let _ = c.kill();
             let _ = c.wait();
-            for pid in children.split_whitespace() {
-                signal(pid.parse().unwrap(), "-KILL");
-            }
+            backends.into_iter().for_each(|pid| signal(pid, "-KILL"));
         }
+    }
+
+    /// SIGSTOP the server and its backends: connections stay open, nothing is answered.
+    pub fn pause(&self) {
+        self.signal_all("-STOP");
+    }
+
+    /// SIGCONT after [`PostgresServer::pause`].
+    pub fn resume(&self) {
+        self.signal_all("-CONT");
+    }
+
+    fn signal_all(&self, sig: &str) {
+        let pid = self.child.lock().unwrap().as_ref().expect("running").id();
+        signal(pid, sig);
+        children(pid).into_iter().for_each(|c| signal(c, sig));
     }
 
     /// Start again on the same port and data after [`PostgresServer::stop`] or
@@ -180,6 +194,15 @@ impl Drop for PostgresServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The processes `pid` started (a server's backends and helpers).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
 
 fn signal(pid: u32, sig: &str) {
