@@ -342,3 +342,71 @@ rules! {
         Err(e) => Err(format!("{path}: {e}")),
     };
 }
+
+#[cfg(test)]
+mod postgres_tests {
+    use super::*;
+    use crate::config::Config;
+
+    const BASE: &str = "upstream = \"http://h:1\"\n[store]\nbackend = \"postgres\"\n";
+
+    fn err(fields: &str) -> String {
+        Config::from_toml(&format!("{BASE}{fields}"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn postgres_reads_its_defaults_and_never_shows_the_password() {
+        let c = Config::from_toml(&format!(
+            "{BASE}url = \"postgres://gw:pa55@db:5432/pay?sslmode=verify-full\"\n"
+        ))
+        .unwrap();
+        let StoreConfig::Postgres(p) = &c.store else {
+            panic!("a PostgreSQL store")
+        };
+        assert_eq!(
+            (p.table.as_str(), p.pool_size, p.timeout),
+            ("idemgate_records", 16, std::time::Duration::from_secs(2))
+        );
+        assert_eq!(c.store.backend(), "postgres");
+        let shown = format!("{:?} {:#?} {}", c.store, p, c.store.describe());
+        assert!(!shown.contains("pa55"), "{shown}");
+        assert!(shown.contains("postgres://gw:***@db:5432/pay"), "{shown}");
+    }
+
+    #[test]
+    fn postgres_fields_are_checked_by_name() {
+        assert!(err("").contains("store.url"));
+        assert!(err("url = \"mysql://db/x\"").contains("store.url"));
+        let bad_mode = err("url = \"postgres://gw:pa55@db/x?sslmode=sometimes\"");
+        assert!(
+            bad_mode.contains("store.url") && !bad_mode.contains("pa55"),
+            "{bad_mode}"
+        );
+        let url = "url = \"postgres://db/x\"\n";
+        assert!(err(&format!("{url}table = \"Records\"")).contains("store.table"));
+        assert!(err(&format!("{url}table = \"x; DROP TABLE y\"")).contains("store.table"));
+        assert!(err(&format!("{url}pool_size = 0")).contains("store.pool_size"));
+        assert!(err(&format!("{url}timeout = \"0s\"")).contains("store.timeout"));
+        // A Redis field here names the backends it belongs to, and a PostgreSQL one under Redis.
+        let misplaced = err(&format!("{url}prefix = \"p:\""));
+        assert!(
+            misplaced.contains("store.prefix") && misplaced.contains("redis"),
+            "{misplaced}"
+        );
+        let under_redis = Config::from_toml(
+            "upstream = \"http://h:1\"\n[store]\nbackend = \"redis\"\nurl = \"redis://r\"\ntable = \"t\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            under_redis.contains("store.table") && under_redis.contains("\"postgres\""),
+            "{under_redis}"
+        );
+        let unknown = Config::from_toml("upstream = \"http://h:1\"\n[store]\nbackend = \"mysql\"")
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("\"postgres\""), "{unknown}");
+    }
+}
