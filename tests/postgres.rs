@@ -307,3 +307,38 @@ async fn inspect_and_evict_see_the_table() {
     assert_eq!(rows(&server), 0);
     s.ping().await.unwrap();
 }
+
+/// TLS: with the server's CA the store works; without it (the system's roots) the certificate
+/// is refused, and the binary exits 1 rather than starting as if the server were down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
+    let server = PostgresServer::start_tls().await;
+    let url = server
+        .url()
+        .replace("sslmode=disable", "sslmode=verify-full");
+    let ca = server.ca_file.clone().unwrap();
+    let mut settings = PostgresSettings::new(&url);
+    settings.tls_ca_file = Some(ca.display().to_string());
+    let s = PostgresStore::connect(&settings)
+        .await
+        .expect("TLS with the CA");
+    let (k, fp, t) = (ScopedKey([7; 32]), Fingerprint([7; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    let ssl: String = server.psql("SELECT count(*) FROM pg_stat_ssl WHERE ssl");
+    assert_ne!(ssl, "0", "the store's connection uses TLS");
+    match PostgresStore::connect(&PostgresSettings::new(&url)).await {
+        Err(StoreError::Postgres(e)) => assert!(!e.unreachable(), "{e}"),
+        Ok(_) => panic!("a self-signed certificate was trusted without its CA"),
+        Err(other) => panic!("unexpected {other:?}"),
+    }
+    let config = TestConfig::new()
+        .upstream("http://127.0.0.1:9")
+        .set("store.backend", "postgres")
+        .set("store.url", url.as_str());
+    let (code, logs) = run_binary(&config);
+    assert_eq!(code, Some(1), "{logs}");
+    assert!(logs.contains("TLS"), "{logs}");
+}

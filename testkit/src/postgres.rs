@@ -32,6 +32,8 @@ pub struct PostgresServer {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Mutex<Option<Child>>,
+    /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl PostgresServer {
@@ -44,6 +46,34 @@ impl PostgresServer {
             }
         }
         panic!("postgres did not start on any of {ATTEMPTS} free ports");
+    }
+
+    /// Start a server that also offers TLS, with a fresh self-signed certificate for 127.0.0.1
+    /// ([`PostgresServer::ca_file`]).
+    pub async fn start_tls() -> Self {
+        for _ in 0..ATTEMPTS {
+            let mut server = Self::new(free_port());
+            let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+            let (cert_file, key_file) = (
+                server.dir.path().join("server.crt"),
+                server.dir.path().join("server.key"),
+            );
+            std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+            std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+            std::fs::set_permissions(
+                &key_file,
+                std::os::unix::fs::PermissionsExt::from_mode(0o600),
+            )
+            .unwrap();
+            if let Some((uid, _)) = server_user() {
+                chown(server.dir.path(), uid);
+            }
+            server.ca_file = Some(cert_file);
+            if server.spawn().await {
+                return server;
+            }
+        }
+        panic!("postgres with TLS did not start on any of {ATTEMPTS} free ports");
     }
 
     fn new(port: u16) -> Self {
@@ -63,6 +93,7 @@ impl PostgresServer {
             port,
             dir,
             child: Mutex::new(None),
+            ca_file: None,
         }
     }
 
@@ -94,6 +125,16 @@ impl PostgresServer {
             .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        if let Some(cert) = &self.ca_file {
+            cmd.args(["-c", "ssl=on"])
+                .arg("-c")
+                .arg(format!("ssl_cert_file={}", cert.display()))
+                .arg("-c")
+                .arg(format!(
+                    "ssl_key_file={}",
+                    self.dir.path().join("server.key").display()
+                ));
+        }
         as_server_user(&mut cmd);
         *self.child.lock().unwrap() = Some(cmd.spawn().expect("postgres must be installed"));
         let mut exited = false;
