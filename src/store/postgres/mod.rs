@@ -152,8 +152,12 @@ impl PostgresError {
         match self {
             PostgresError::Timeout(_) | PostgresError::Pool(_) => true,
             PostgresError::Db(e) => {
-                // tokio-postgres has no public error kind: a TLS failure is told by its message.
-                e.as_db_error().is_none() && !e.to_string().contains("TLS")
+                // A socket that failed (refused, reset, timed out, name not found), not a TLS
+                // handshake (tokio-postgres has no public error kind: told by its message).
+                let mut causes =
+                    std::iter::successors(std::error::Error::source(e), |c| c.source());
+                let io = causes.any(|c| c.is::<std::io::Error>());
+                (io || e.is_closed()) && !e.to_string().contains("TLS")
             }
             _ => false,
         }
@@ -203,6 +207,13 @@ fn pool(settings: &PostgresSettings) -> Result<Pool, PostgresError> {
     let mut config = connect_config(&settings.url)
         .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
     config.connect_timeout(settings.timeout);
+    if config.get_options().is_none() {
+        // The server, too, gives up on a statement the gateway stopped waiting for.
+        config.options(format!(
+            "-c statement_timeout={}",
+            settings.timeout.as_millis()
+        ));
+    }
     if config.get_application_name().is_none() {
         config.application_name("idemgate");
     }
@@ -291,11 +302,15 @@ impl Handle<'_> {
             .get_or_try_init(|| async {
                 let deadline = Instant::now() + shared.timeout;
                 let mut client = self.checkout(deadline).await?;
-                let table = shared.table.clone();
-                bounded(deadline, shared.timeout, async {
-                    schema::migrate(&mut client, &table).await
-                })
-                .await
+                let migrated = schema::migrate(&mut client, &shared.table);
+                match tokio::time::timeout_at(deadline, migrated).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        // Not handed back to the pool inside a transaction.
+                        drop(deadpool_postgres::Object::take(client));
+                        Err(PostgresError::Timeout(shared.timeout))
+                    }
+                }
             })
             .await?;
         Ok(())
