@@ -164,13 +164,14 @@ impl PostgresError {
     }
 }
 
-/// A handle to the PostgreSQL store; clones share one pool. The reaper runs while a handle
-/// lives.
+/// A handle to the PostgreSQL store; clones share one pool. The reaper runs on the runtime the
+/// store was made on, while a handle lives.
 #[derive(Clone)]
 pub struct PostgresStore {
     shared: Arc<Shared>,
-    // Stops the reaper when the last handle goes; the task holds only a weak reference.
-    _reaper: Arc<AbortOnDropHandle<()>>,
+    // Stops the reaper when the last handle goes; the task holds only a weak reference. None
+    // when made outside a tokio runtime: expired rows are then only ignored, not deleted.
+    _reaper: Option<Arc<AbortOnDropHandle<()>>>,
 }
 
 struct Shared {
@@ -258,7 +259,7 @@ impl PostgresStore {
             ready: tokio::sync::OnceCell::new(),
         });
         let weak = Arc::downgrade(&shared);
-        let reaper = tokio::spawn(async move {
+        let reaper = tokio::runtime::Handle::try_current().ok().map(|rt| rt.spawn(async move {
             let mut tick = tokio::time::interval(REAP_EVERY);
             loop {
                 tick.tick().await;
@@ -268,10 +269,10 @@ impl PostgresStore {
                     tracing::debug!(error = %e, "the PostgreSQL reaper could not delete expired rows");
                 }
             }
-        });
+        }));
         Ok(PostgresStore {
             shared,
-            _reaper: Arc::new(AbortOnDropHandle::new(reaper)),
+            _reaper: reaper.map(|task| Arc::new(AbortOnDropHandle::new(task))),
         })
     }
 
