@@ -80,7 +80,9 @@
 //!   `store/redis/mod.rs` ([`RedisStore`]), `store/redis/codec.rs` (the record's binary
 //!   encoding, whose offsets the scripts in `store/redis/lua/` read), `store/redis/topology.rs`
 //!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
-//!   local caches told of evictions).
+//!   local caches told of evictions); the PostgreSQL backend: `store/postgres/mod.rs`
+//!   ([`store::PostgresStore`], its settings, pool and reaper), `store/postgres/schema.rs` (the
+//!   table, its version and migration, the statements).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,

@@ -135,6 +135,7 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
     match &config.store {
         StoreConfig::Memory(settings) => println!("[store] {settings:#?}"),
         StoreConfig::Redis(settings) => println!("[store] {settings:#?}"),
+        StoreConfig::Postgres(settings) => println!("[store] {settings:#?}"),
     }
     println!("admin          = {:?}", config.admin);
     match &config.key_secret {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::raw::RawUpstream;
 use common::{
-    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, TestConfig,
+    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, StoreServer, TestConfig,
     TestEnv,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -347,7 +347,7 @@ async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {
         b"HTTP/1.1 600 Beyond\r\ncontent-length: 0\r\n\r\n",
     ] {
         let upstream = RawUpstream::answering(answer).await;
-        let redis = RedisServer::for_backend(b).await;
+        let redis = StoreServer::for_backend(b).await;
         let config = TestConfig::new()
             .upstream(&upstream.url())
             .store(redis.as_ref())

@@ -5,7 +5,7 @@
 mod common;
 
 use common::raw::{RawClient, RawUpstream};
-use common::{Backend, InProcessGateway, RedisServer, TestConfig};
+use common::{Backend, InProcessGateway, StoreServer, TestConfig};
 
 on_both_backends!(
     a_stale_content_length_beside_chunked_never_reaches_the_client,
@@ -18,12 +18,12 @@ on_both_backends!(
 struct Setup {
     upstream: RawUpstream,
     gateway: InProcessGateway,
-    _redis: Option<RedisServer>,
+    _redis: Option<StoreServer>,
 }
 
 async fn setup(b: Backend, upstream_answers: &'static [u8]) -> Setup {
     let upstream = RawUpstream::answering(upstream_answers).await;
-    let redis = RedisServer::for_backend(b).await;
+    let redis = StoreServer::for_backend(b).await;
     let config = TestConfig::new()
         .upstream(&upstream.url())
         .store(redis.as_ref());
@@ -175,7 +175,7 @@ async fn a_truncated_record_is_refused_not_sent() {
         .await
         .unwrap();
     assert_eq!(first.body, b"hello world");
-    let mut conn = s._redis.as_ref().unwrap().connection().await;
+    let mut conn = s._redis.as_ref().unwrap().redis().connection().await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg("test:*")
         .query_async(&mut conn)

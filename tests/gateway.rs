@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::{
     send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, ReservedPort, Seen,
-    TestConfig, TestEnv,
+    StoreServer, TestConfig, TestEnv,
 };
 use toml::toml;
 
@@ -387,7 +387,7 @@ async fn hop_by_hop_headers_are_not_forwarded(b: Backend) {
 async fn unreachable_upstream_releases_the_key(b: Backend) {
     // The upstream's port is reserved but not listened on: connections to it are refused.
     let port = ReservedPort::new();
-    let redis = RedisServer::for_backend(b).await;
+    let redis = StoreServer::for_backend(b).await;
     let config = TestConfig::new()
         .upstream(&port.url())
         .store(redis.as_ref());

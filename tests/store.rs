@@ -1,5 +1,6 @@
 //! The store contract, written once over any `S: Store` and run against the embedded store, a
-//! real redis-server (with native and with scripted claims) and Redis behind the local cache:
+//! real redis-server (with native and with scripted claims), Redis behind the local cache and a
+//! private PostgreSQL server:
 //! atomic claims and token fencing (a holder whose lease ran out can neither overwrite nor delete
 //! a newer claim).
 
@@ -34,6 +35,17 @@ macro_rules! contract {
                 async fn $name() {
                     let server = super::RedisServer::start().await;
                     super::$name(super::redis_store(&server, "t:").await).await
+                }
+            )*
+        }
+        mod on_postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let server = super::common::PostgresServer::start().await;
+                    let settings = idemgate::store::PostgresSettings::new(server.url());
+                    let store = idemgate::store::PostgresStore::connect(&settings).await.unwrap();
+                    super::$name(store).await
                 }
             )*
         }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{
-    send, Backend, CountingUpstream, InProcessGateway, RedisServer, Seen, TestCa, TestConfig,
+    send, Backend, CountingUpstream, InProcessGateway, Seen, StoreServer, TestCa, TestConfig,
     Validity,
 };
 use toml::toml;
@@ -22,8 +22,8 @@ on_both_backends!(
 );
 
 /// A gateway on `backend` with `config` (its store filled in), and the Redis it uses.
-async fn start(b: Backend, config: TestConfig) -> (InProcessGateway, Option<RedisServer>) {
-    let redis = RedisServer::for_backend(b).await;
+async fn start(b: Backend, config: TestConfig) -> (InProcessGateway, Option<StoreServer>) {
+    let redis = StoreServer::for_backend(b).await;
     let gateway = InProcessGateway::start(&config.store(redis.as_ref())).await;
     (gateway, redis)
 }
@@ -108,7 +108,7 @@ async fn mutual_tls_presents_the_client_certificate(b: Backend) {
     let server = ca.server("upstream", &["127.0.0.1"], Validity::Now);
     let client = ca.client("gateway");
     let upstream = CountingUpstream::start_tls(ca.server_config(&server, true)).await;
-    let redis = RedisServer::for_backend(b).await;
+    let redis = StoreServer::for_backend(b).await;
     let base = TestConfig::new()
         .upstream(&upstream.https_url())
         .set("upstreams.default.ca_file", ca.ca())
@@ -126,7 +126,7 @@ async fn mutual_tls_presents_the_client_certificate(b: Backend) {
             .set("upstreams.default.client_key_file", client.key_path()),
     )
     .await;
-    let key = if b == Backend::Redis {
+    let key = if b != Backend::Memory {
         "mtls"
     } else {
         "mtls-2"

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
 pub use crate::store::{
-    redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology,
+    redact_url, Compression, MemorySettings, PostgresSettings, RedisSettings, StoreConfig, Topology,
 };
 
 /// A field refused, named within `[store]`, and why.
@@ -33,11 +33,12 @@ struct Backend {
     read: fn(toml::Table) -> Result<StoreConfig, Refused>,
 }
 
-const BACKENDS: [Backend; 4] = [
+const BACKENDS: [Backend; 5] = [
     Backend::of::<MemoryTable>("memory"),
     Backend::of::<SingleTable>("redis"),
     Backend::of::<ClusterTable>("redis-cluster"),
     Backend::of::<SentinelTable>("redis-sentinel"),
+    Backend::of::<PostgresTable>("postgres"),
 ];
 
 impl Backend {
@@ -65,7 +66,7 @@ fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
     let Some(backend) = BACKENDS.iter().find(|b| b.name == name) else {
         return Err(refused(
             "backend",
-            format!("{name:?} is not a backend; use \"memory\", \"redis\", \"redis-cluster\" or \"redis-sentinel\""),
+            format!("{name:?} is not a backend; use {}", backend_names()),
         ));
     };
     for field in table
@@ -88,6 +89,13 @@ fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
         }
     }
     (backend.read)(table)
+}
+
+/// Every backend's name, quoted, as a list a person reads.
+fn backend_names() -> String {
+    let names: Vec<_> = BACKENDS.iter().map(|b| format!("\"{}\"", b.name)).collect();
+    let (last, rest) = names.split_last().expect("backends");
+    format!("{} or {last}", rest.join(", "))
 }
 
 /// `backend = "memory"`.
@@ -228,6 +236,42 @@ impl Table for SentinelTable {
     }
 }
 
+/// `backend = "postgres"`: a table in a PostgreSQL database.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PostgresTable {
+    url: Option<Checked<PostgresUrl>>,
+    table: Option<Checked<TableName>>,
+    pool_size: Option<Checked<checked::AtLeastOne>>,
+    timeout: Option<Checked<NonZero>>,
+    tls_ca_file: Option<Checked<ExistingFile>>,
+}
+
+impl Table for PostgresTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let url = self
+            .url
+            .ok_or_else(|| refused("url", "is required when store.backend = \"postgres\""))?;
+        let mut settings = PostgresSettings::new(url.into_inner());
+        if let Some(table) = self.table {
+            settings.table = table.into_inner();
+        }
+        if let Some(n) = self.pool_size {
+            settings.pool_size = n.into_inner();
+        }
+        if let Some(timeout) = self.timeout {
+            settings.timeout = timeout.into_inner();
+        }
+        if let Some(path) = self.tls_ca_file {
+            if settings.url.contains("sslmode=disable") {
+                return Err(refused("tls_ca_file", "needs TLS (not sslmode=disable)"));
+            }
+            settings.tls_ca_file = Some(path.into_inner());
+        }
+        Ok(StoreConfig::Postgres(settings))
+    }
+}
+
 /// The nodes of a cluster or the sentinels: at least one.
 fn node_urls(urls: &Option<Checked<NodeUrls>>, backend: &str) -> Result<Vec<String>, Refused> {
     match urls {
@@ -273,9 +317,96 @@ rules! {
             false => Ok(prefix),
         }
     };
+    /// `postgres://` or `postgresql://`, readable as a connection URL (its errors never show
+    /// the URL: it may hold a password).
+    PostgresUrl: String => String = |url: String| {
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err("must start with postgres:// or postgresql://".to_string());
+        }
+        crate::store::postgres::connect_config(&url).map(|_| url)
+    };
+    /// A table name the gateway creates and quotes: lower case, so that it reads the same
+    /// quoted or not, and short enough for its index's name.
+    TableName: String => String = |name: String| {
+        let ok = name.len() <= 48
+            && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        match ok {
+            true => Ok(name),
+            false => Err("must be 1 to 48 of a-z, 0-9 and _, not starting with a digit".to_string()),
+        }
+    };
     /// A file that exists.
     ExistingFile: String => String = |path: String| match std::fs::metadata(&path) {
         Ok(_) => Ok(path),
         Err(e) => Err(format!("{path}: {e}")),
     };
+}
+
+#[cfg(test)]
+mod postgres_tests {
+    use super::*;
+    use crate::config::Config;
+
+    const BASE: &str = "upstream = \"http://h:1\"\n[store]\nbackend = \"postgres\"\n";
+
+    fn err(fields: &str) -> String {
+        Config::from_toml(&format!("{BASE}{fields}"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn postgres_reads_its_defaults_and_never_shows_the_password() {
+        let c = Config::from_toml(&format!(
+            "{BASE}url = \"postgres://gw:pa55@db:5432/pay?sslmode=verify-full\"\n"
+        ))
+        .unwrap();
+        let StoreConfig::Postgres(p) = &c.store else {
+            panic!("a PostgreSQL store")
+        };
+        assert_eq!(
+            (p.table.as_str(), p.pool_size, p.timeout),
+            ("idemgate_records", 16, std::time::Duration::from_secs(2))
+        );
+        assert_eq!(c.store.backend(), "postgres");
+        let shown = format!("{:?} {:#?} {}", c.store, p, c.store.describe());
+        assert!(!shown.contains("pa55"), "{shown}");
+        assert!(shown.contains("postgres://gw:***@db:5432/pay"), "{shown}");
+    }
+
+    #[test]
+    fn postgres_fields_are_checked_by_name() {
+        assert!(err("").contains("store.url"));
+        assert!(err("url = \"mysql://db/x\"").contains("store.url"));
+        let bad_mode = err("url = \"postgres://gw:pa55@db/x?sslmode=sometimes\"");
+        assert!(
+            bad_mode.contains("store.url") && !bad_mode.contains("pa55"),
+            "{bad_mode}"
+        );
+        let url = "url = \"postgres://db/x\"\n";
+        assert!(err(&format!("{url}table = \"Records\"")).contains("store.table"));
+        assert!(err(&format!("{url}table = \"x; DROP TABLE y\"")).contains("store.table"));
+        assert!(err(&format!("{url}pool_size = 0")).contains("store.pool_size"));
+        assert!(err(&format!("{url}timeout = \"0s\"")).contains("store.timeout"));
+        // A Redis field here names the backends it belongs to, and a PostgreSQL one under Redis.
+        let misplaced = err(&format!("{url}prefix = \"p:\""));
+        assert!(
+            misplaced.contains("store.prefix") && misplaced.contains("redis"),
+            "{misplaced}"
+        );
+        let under_redis = Config::from_toml(
+            "upstream = \"http://h:1\"\n[store]\nbackend = \"redis\"\nurl = \"redis://r\"\ntable = \"t\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            under_redis.contains("store.table") && under_redis.contains("\"postgres\""),
+            "{under_redis}"
+        );
+        let unknown = Config::from_toml("upstream = \"http://h:1\"\n[store]\nbackend = \"mysql\"")
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("\"postgres\""), "{unknown}");
+    }
 }

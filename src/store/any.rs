@@ -5,8 +5,8 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::{
-    CachedStore, Claim, Evicted, Inspect, Inspected, LocalCache, MemoryStore, RedisStore, Store,
-    StoreConfig, StoreError, Watch,
+    CachedStore, Claim, Evicted, Inspect, Inspected, LocalCache, MemoryStore, PostgresStore,
+    RedisStore, Store, StoreConfig, StoreError, Watch,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
@@ -20,6 +20,8 @@ pub enum AnyStore {
     Memory(MemoryStore),
     /// Redis, with the process's local cache in front.
     Redis(CachedStore<RedisStore>),
+    /// A PostgreSQL table.
+    Postgres(PostgresStore),
 }
 
 impl AnyStore {
@@ -35,6 +37,7 @@ impl AnyStore {
                 )));
             }
             StoreConfig::Redis(settings) => settings,
+            StoreConfig::Postgres(settings) => return Self::open_postgres(settings).await,
         };
         let redis = match RedisStore::connect(settings).await {
             Ok(store) => store,
@@ -66,12 +69,25 @@ impl AnyStore {
         Ok(AnyStore::Redis(CachedStore::new(redis, cache)))
     }
 
+    /// Connect to PostgreSQL and check its table. Unreachable, as for Redis: start anyway and
+    /// check the table once it answers; refused (password, TLS, schema): fail.
+    async fn open_postgres(settings: &super::PostgresSettings) -> Result<Self, StoreError> {
+        match PostgresStore::connect(settings).await {
+            Ok(store) => Ok(AnyStore::Postgres(store)),
+            Err(StoreError::Postgres(e)) if e.unreachable() => {
+                error!(error = %e, "PostgreSQL is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
+                Ok(AnyStore::Postgres(PostgresStore::lazy(settings)?))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The handle one worker thread uses. With Redis, a connection of its own, so that its
     /// commands stay on its thread; a worker that cannot connect (Redis went away since
     /// start-up) shares the first handle, which reconnects by itself.
     pub async fn for_worker(&self) -> Self {
         match self {
-            AnyStore::Memory(_) => self.clone(),
+            AnyStore::Memory(_) | AnyStore::Postgres(_) => self.clone(),
             AnyStore::Redis(shared) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
                 Err(e) => {
@@ -89,6 +105,7 @@ macro_rules! on_store {
         match $self {
             AnyStore::Memory($s) => $call,
             AnyStore::Redis($s) => $call,
+            AnyStore::Postgres($s) => $call,
         }
     };
 }

@@ -15,12 +15,14 @@ use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 mod any;
 pub mod cached;
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 mod settings;
 
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
 pub use self::memory::MemoryStore;
+pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::RedisStore;
 pub use self::redis::{Evicted, Watch};
 pub use self::settings::{
@@ -89,6 +91,9 @@ pub enum StoreError {
         /// Replicas wanted.
         wanted: u32,
     },
+    /// PostgreSQL refused, failed or did not answer in time.
+    #[error("postgres: {0}")]
+    Postgres(#[from] postgres::PostgresError),
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] DecodeError),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{cached, memory, StoreError};
+use super::{cached, memory, PostgresSettings, StoreError};
 
 /// `backend = "memory"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -257,6 +257,8 @@ pub enum StoreConfig {
     /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
     /// gateway replica and durable as far as Redis is.
     Redis(RedisSettings),
+    /// A table in PostgreSQL: shared by every gateway replica, durable as PostgreSQL is.
+    Postgres(PostgresSettings),
 }
 
 impl Default for StoreConfig {
@@ -280,6 +282,7 @@ impl StoreConfig {
                     .collect::<Vec<_>>()
                     .join(",")
             ),
+            StoreConfig::Postgres(p) => format!("postgres {}", redact_url(&p.url)),
         }
     }
 
@@ -288,6 +291,7 @@ impl StoreConfig {
         match self {
             StoreConfig::Memory(_) => "memory",
             StoreConfig::Redis(r) => r.topology.backend(),
+            StoreConfig::Postgres(_) => "postgres",
         }
     }
 }

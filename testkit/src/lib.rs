@@ -19,17 +19,24 @@
 //!   (a primary, a replica, three sentinels), and [`query`], one command to a node.
 //! - [`failover`]: [`Replicated`] and [`Failover`], a primary killed with SIGKILL and the store's
 //!   recovery driven as a supervisor would, each step timed.
+//! - [`postgres`]: [`PostgresServer`], a private PostgreSQL server (`initdb` on a free port) that
+//!   can be `stop()`ped, `kill()`ed, started again and `restart()`ed.
 //! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
+//! - [`store`]: [`StoreServer`], the server a behavioural test's backend needs.
 //! - [`wait`]: [`wait_until`], which polls a condition instead of sleeping for a guessed time.
 
 pub mod cluster;
 pub mod failover;
 pub mod ports;
+pub mod postgres;
 pub mod redis;
+pub mod store;
 pub mod wait;
 
 pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
 pub use self::failover::{Failover, Replicated};
 pub use self::ports::{free_addr, free_port, ReservedPort};
+pub use self::postgres::PostgresServer;
 pub use self::redis::{Backend, RedisServer, TlsRedisServer};
+pub use self::store::StoreServer;
 pub use self::wait::wait_until;

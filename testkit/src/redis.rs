@@ -21,6 +21,8 @@ pub enum Backend {
     Memory,
     /// A [`RedisServer`].
     Redis,
+    /// A [`PostgresServer`](crate::PostgresServer).
+    Postgres,
 }
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
@@ -55,7 +57,7 @@ impl RedisServer {
     pub async fn for_backend(backend: Backend) -> Option<Self> {
         match backend {
             Backend::Redis => Some(Self::start().await),
-            Backend::Memory => None,
+            Backend::Memory | Backend::Postgres => None,
         }
     }
 

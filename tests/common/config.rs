@@ -12,7 +12,7 @@
 //! A [`TestEnv`](super::TestEnv) fills in the upstream and the store itself: a test hands it
 //! only the settings it cares about.
 
-use super::{RedisCluster, RedisSentinelSet, RedisServer};
+use super::{PostgresServer, RedisCluster, RedisSentinelSet, RedisServer, StoreServer};
 
 /// A gateway config as a TOML table. Paths in [`TestConfig::set`] are the config file's,
 /// dotted: `"workers"`, `"store.timeout"`, `"defaults.ttl"`, `"admin.listen"`.
@@ -73,11 +73,18 @@ impl TestConfig {
             .set("store.prefix", "test:")
     }
 
+    /// Keep records in `server`'s database (`backend = "postgres"`, the default table).
+    pub fn postgres(self, server: &PostgresServer) -> Self {
+        self.set("store.backend", "postgres")
+            .set("store.url", server.url())
+    }
+
     /// Keep records in `server` when there is one, else in memory: for code that runs on
-    /// either backend (see [`RedisServer::for_backend`]).
-    pub fn store(self, server: Option<&RedisServer>) -> Self {
+    /// any backend (see [`StoreServer::for_backend`]).
+    pub fn store(self, server: Option<&StoreServer>) -> Self {
         match server {
-            Some(server) => self.redis(server),
+            Some(StoreServer::Redis(server)) => self.redis(server),
+            Some(StoreServer::Postgres(server)) => self.postgres(server),
             None => self.set("store.backend", "memory"),
         }
     }

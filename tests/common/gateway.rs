@@ -14,7 +14,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use super::{
-    client, free_port, send, wait_until, Backend, CountingUpstream, RedisServer, Seen, TestConfig,
+    client, free_port, send, wait_until, Backend, CountingUpstream, PostgresServer, RedisServer,
+    Seen, StoreServer, TestConfig,
 };
 
 /// The gateway running in this process on a loopback port it bound itself; stopped on drop.
@@ -198,7 +199,7 @@ pub struct TestEnv {
     pub upstream: CountingUpstream,
     pub gateway: InProcessGateway,
     pub client: reqwest::Client,
-    redis: Option<RedisServer>,
+    server: Option<StoreServer>,
     /// The gateway's whole config, to restart it alike or start a sibling.
     config: TestConfig,
 }
@@ -216,15 +217,15 @@ impl TestEnv {
         upstream: CountingUpstream,
         settings: TestConfig,
     ) -> Self {
-        let redis = RedisServer::for_backend(backend).await;
-        let config = settings.upstream(&upstream.url()).store(redis.as_ref());
+        let server = StoreServer::for_backend(backend).await;
+        let config = settings.upstream(&upstream.url()).store(server.as_ref());
         let gateway = InProcessGateway::start(&config).await;
         TestEnv {
             backend,
             upstream,
             gateway,
             client: client(),
-            redis,
+            server,
             config,
         }
     }
@@ -237,9 +238,18 @@ impl TestEnv {
 
     /// The redis-server of a Redis-backend world.
     pub fn redis(&self) -> &RedisServer {
-        self.redis
+        self.server
             .as_ref()
             .expect("a redis-server runs only on the Redis backend")
+            .redis()
+    }
+
+    /// The PostgreSQL server of a Postgres-backend world.
+    pub fn postgres(&self) -> &PostgresServer {
+        self.server
+            .as_ref()
+            .expect("PostgreSQL runs only on the Postgres backend")
+            .postgres()
     }
 
     /// Stop the gateway and start a new one with the same config and store.

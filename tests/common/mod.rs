@@ -44,7 +44,7 @@ pub mod raw;
 pub mod tls;
 pub mod upstream;
 
-pub use testkit::{cluster, ports, redis, wait};
+pub use testkit::{cluster, ports, postgres, redis, wait};
 
 pub use self::client::{client, send, Seen};
 pub use self::config::TestConfig;
@@ -52,8 +52,8 @@ pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
 pub use self::tls::{Issued, TestCa, Validity};
 pub use self::upstream::CountingUpstream;
 pub use testkit::{
-    free_port, wait_until, Backend, RedisCluster, RedisSentinelSet, RedisServer, ReservedPort,
-    TlsRedisServer,
+    free_port, wait_until, Backend, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
+    ReservedPort, StoreServer, TlsRedisServer,
 };
 
 /// Generate one test per backend for each named `async fn(Backend)`.
@@ -73,6 +73,14 @@ macro_rules! on_both_backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name($crate::common::Backend::Redis).await
+                }
+            )*
+        }
+        mod on_postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Backend::Postgres).await
                 }
             )*
         }

@@ -33,39 +33,39 @@ use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Toke
 use crate::store::DecodeError;
 
 /// The encoding version written by this build.
-pub(super) const FORMAT_VERSION: u8 = 3;
+pub(crate) const FORMAT_VERSION: u8 = 3;
 /// Offset of the state byte.
-pub(super) const STATE_AT: usize = 1;
+pub(crate) const STATE_AT: usize = 1;
 /// Offset of the token.
-pub(super) const TOKEN_AT: usize = 34;
+pub(crate) const TOKEN_AT: usize = 34;
 /// Offset of the written-at time.
-pub(super) const WRITTEN_AT: usize = 50;
+pub(crate) const WRITTEN_AT: usize = 50;
 /// Length of the fixed header before the response.
-pub(super) const HEADER_LEN: usize = 58;
+pub(crate) const HEADER_LEN: usize = 58;
 /// State byte: claimed, in flight.
-pub(super) const IN_FLIGHT: u8 = b'P';
+pub(crate) const IN_FLIGHT: u8 = b'P';
 /// State byte: completed, the response follows.
-pub(super) const COMPLETED: u8 = b'C';
+pub(crate) const COMPLETED: u8 = b'C';
 /// State byte: completed, the response follows with an LZ4-compressed body.
-pub(super) const COMPRESSED: u8 = b'Z';
+pub(crate) const COMPRESSED: u8 = b'Z';
 /// State byte: completed, not replayable.
-pub(super) const NOT_REPLAYABLE: u8 = b'N';
+pub(crate) const NOT_REPLAYABLE: u8 = b'N';
 
 /// Bodies from this size on are worth trying to compress.
-pub(super) const COMPRESS_FROM: usize = 1024;
+pub(crate) const COMPRESS_FROM: usize = 1024;
 
 /// The most a compressed body may claim to expand to (a corrupt length must not allocate more).
 const MAX_EXPANDED: usize = 1 << 30;
 
 /// Encode an entry (with its token) for the store, bodies as they are.
-pub(super) fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
+pub(crate) fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
     encode_with(fingerprint, token, state, false)
 }
 
 /// Encode an entry; with `compress`, a body of [`COMPRESS_FROM`] bytes or more that the
 /// upstream did not encode itself (no `Content-Encoding`) is stored LZ4-compressed when that
 /// saves at least an eighth of it.
-pub(super) fn encode_with(
+pub(crate) fn encode_with(
     fingerprint: &Fingerprint,
     token: &Token,
     state: &EntryState,
@@ -76,21 +76,21 @@ pub(super) fn encode_with(
 
 /// An encoded entry in two parts, everything before the body and the body as stored, so that
 /// a large body can be written where it goes (a Redis command) without being copied first.
-pub(super) struct Encoded<'a> {
+pub(crate) struct Encoded<'a> {
     /// The fixed fields, status, headers and traceparent.
-    pub(super) head: BytesMut,
+    pub(crate) head: BytesMut,
     /// The body as stored: the response's own bytes, or compressed.
-    pub(super) body: std::borrow::Cow<'a, [u8]>,
+    pub(crate) body: std::borrow::Cow<'a, [u8]>,
 }
 
 impl Encoded<'_> {
     /// The length of the whole encoding.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.head.len() + self.body.len()
     }
 
     /// The whole encoding in one buffer.
-    pub(super) fn into_bytes(self) -> Bytes {
+    pub(crate) fn into_bytes(self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.len());
         out.put_slice(&self.head);
         out.put_slice(&self.body);
@@ -99,7 +99,7 @@ impl Encoded<'_> {
 }
 
 /// [`encode_with`], in two parts.
-pub(super) fn encode_parts<'a>(
+pub(crate) fn encode_parts<'a>(
     fingerprint: &Fingerprint,
     token: &Token,
     state: &'a EntryState,
@@ -176,7 +176,7 @@ pub(super) fn encode_parts<'a>(
 }
 
 /// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
-pub(super) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
+pub(crate) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
     // Version 1 (the first release) is still read: no written-at time, no traceparent.
     let (header_len, v1) = match raw.first() {
         Some(1) => (WRITTEN_AT, true),

@@ -23,7 +23,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use redis::Script;
 
-mod codec;
+pub(crate) mod codec;
 mod events;
 mod topology;
 

@@ -1,0 +1,530 @@
+//! The PostgreSQL store: one row per key in a table of the user's database, shared by every
+//! gateway that points at it, durable as far as PostgreSQL is (a claim or a record counts once
+//! its statement has committed).
+//!
+//! Each step is one statement (`schema.rs`): a claim is one `INSERT ... ON CONFLICT ...
+//! RETURNING` that also takes over an expired claim; completing, releasing and renewing are one
+//! `UPDATE`/`DELETE ... WHERE key = $1 AND token = $2`. Expired rows are ignored by every
+//! statement and deleted in the background by a reaper, in bounded batches, every
+//! [`REAP_EVERY`]. Every operation (pool checkout, connecting when needed, the statement) is
+//! bounded by `timeout`.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::time::Instant;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+use tokio_util::task::AbortOnDropHandle;
+
+use super::redis::codec;
+use super::settings::redact_url;
+use super::{Claim, Inspect, Inspected, Store, StoreError};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::ScopedKey;
+use crate::idempotency::record::{EntryState, Token};
+
+mod schema;
+
+use self::schema::Sql;
+
+/// How often each gateway deletes expired rows: an expired row is gone at most this long (plus
+/// the time to delete its batch) after it expired.
+pub const REAP_EVERY: Duration = Duration::from_secs(2);
+
+/// Rows one reaper statement deletes at most; it goes on while batches come back full.
+pub const REAP_BATCH: u32 = 1000;
+
+/// Table used when none is given.
+pub const DEFAULT_TABLE: &str = "idemgate_records";
+
+/// Connections each gateway keeps when no pool size is given.
+pub const DEFAULT_POOL_SIZE: usize = 16;
+
+/// How to reach PostgreSQL and where to keep the records (`backend = "postgres"`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PostgresSettings {
+    /// `postgres://user:password@host:port/db?sslmode=...`; its password is never printed.
+    pub url: String,
+    /// The records table (created with its index when missing).
+    pub table: String,
+    /// Most connections this gateway opens.
+    pub pool_size: usize,
+    /// How long one operation (checkout, connect, statement) may take before the store counts
+    /// as down for that request.
+    pub timeout: Duration,
+    /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
+    /// CA(s) to trust instead of the system's.
+    pub tls_ca_file: Option<String>,
+}
+
+impl PostgresSettings {
+    /// PostgreSQL at `url`, every other setting at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresSettings {
+            url: url.into(),
+            table: DEFAULT_TABLE.to_string(),
+            pool_size: DEFAULT_POOL_SIZE,
+            timeout: super::settings::DEFAULT_TIMEOUT,
+            tls_ca_file: None,
+        }
+    }
+
+    /// Keep the records in `table`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Past `timeout` without a connection or an answer, the store counts as down.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+impl fmt::Debug for PostgresSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL's password is never printed.
+        f.debug_struct("PostgresSettings")
+            .field("url", &redact_url(&self.url))
+            .field("table", &self.table)
+            .field("pool_size", &self.pool_size)
+            .field(
+                "timeout",
+                &format_args!("{}", humantime::format_duration(self.timeout)),
+            )
+            .field("tls_ca_file", &self.tls_ca_file)
+            .finish()
+    }
+}
+
+/// Why PostgreSQL could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum PostgresError {
+    /// The server answered with an error, or the connection failed.
+    #[error("{}", describe(.0))]
+    Db(#[from] tokio_postgres::Error),
+    /// No connection within the timeout, or the pool could not make one.
+    #[error("no connection: {0}")]
+    Pool(String),
+    /// No answer within `store.timeout`.
+    #[error("no answer within {0:?} (store.timeout)")]
+    Timeout(Duration),
+    /// The URL or the TLS setup cannot work.
+    #[error("{0}")]
+    Config(String),
+    /// The table was written by a newer idemgate.
+    #[error("table {table:?} has schema version {found}, newer than the {known} this idemgate knows: upgrade idemgate, or use another store.table", known = schema::VERSION)]
+    SchemaTooNew {
+        /// The table.
+        table: String,
+        /// Its version.
+        found: u32,
+    },
+    /// The table exists and is not an idemgate records table.
+    #[error("table {table:?} exists and is not an idemgate records table (no \"idemgate schema N\" comment): choose another store.table")]
+    NotOurs {
+        /// The table.
+        table: String,
+    },
+}
+
+/// An error with its causes: the server's message, the I/O error or the TLS alert.
+fn describe(e: &tokio_postgres::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
+impl PostgresError {
+    /// Whether the server could not be reached (or answered too late), as opposed to refusing
+    /// what was asked: a wrong password, a TLS setup that cannot work, a table that is not ours.
+    pub fn unreachable(&self) -> bool {
+        match self {
+            PostgresError::Timeout(_) | PostgresError::Pool(_) => true,
+            PostgresError::Db(e) => {
+                // A socket that failed (refused, reset, timed out, name not found), not a TLS
+                // handshake (tokio-postgres has no public error kind: told by its message).
+                let mut causes =
+                    std::iter::successors(std::error::Error::source(e), |c| c.source());
+                let io = causes.any(|c| c.is::<std::io::Error>());
+                (io || e.is_closed()) && !e.to_string().contains("TLS")
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A handle to the PostgreSQL store; clones share one pool. The reaper runs on the runtime the
+/// store was made on, while a handle lives.
+#[derive(Clone)]
+pub struct PostgresStore {
+    shared: Arc<Shared>,
+    // Stops the reaper when the last handle goes; the task holds only a weak reference. None
+    // when made outside a tokio runtime: expired rows are then only ignored, not deleted.
+    _reaper: Option<Arc<AbortOnDropHandle<()>>>,
+}
+
+struct Shared {
+    pool: Pool,
+    sql: Sql,
+    table: String,
+    timeout: Duration,
+    // Set once the table is known to be there at our version; until then each operation checks
+    // first (a store opened while PostgreSQL was down).
+    ready: tokio::sync::OnceCell<()>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.shared.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The connection settings of `url`. Errors never show the URL (it may hold a password).
+pub(crate) fn connect_config(url: &str) -> Result<tokio_postgres::Config, String> {
+    // tokio-postgres knows disable, prefer and require; the certificate is always verified
+    // (rustls), so verify-ca and verify-full are require.
+    let url = url
+        .replace("sslmode=verify-full", "sslmode=require")
+        .replace("sslmode=verify-ca", "sslmode=require");
+    url.parse::<tokio_postgres::Config>()
+        .map_err(|e| format!("not a PostgreSQL connection URL: {}", describe(&e)))
+}
+
+/// The pool `settings` describe; nothing is connected yet.
+fn pool(settings: &PostgresSettings) -> Result<Pool, PostgresError> {
+    let mut config = connect_config(&settings.url)
+        .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
+    config.connect_timeout(settings.timeout);
+    if config.get_options().is_none() {
+        // The server, too, gives up on a statement the gateway stopped waiting for.
+        config.options(format!(
+            "-c statement_timeout={}",
+            settings.timeout.as_millis()
+        ));
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("idemgate");
+    }
+    let manager_config = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
+        Manager::from_config(config, tokio_postgres::NoTls, manager_config)
+    } else {
+        let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
+            .map_err(|(_, why)| PostgresError::Config(format!("store.tls_ca_file: {why}")))?;
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls);
+        Manager::from_config(config, tls, manager_config)
+    };
+    Pool::builder(manager)
+        .max_size(settings.pool_size.max(1))
+        .wait_timeout(Some(settings.timeout))
+        .create_timeout(Some(settings.timeout))
+        .recycle_timeout(Some(settings.timeout))
+        .runtime(Runtime::Tokio1)
+        .build()
+        .map_err(|e| PostgresError::Config(e.to_string()))
+}
+
+impl PostgresStore {
+    /// Connect, create the table when it is missing (or check its version), and start the
+    /// reaper. Fails when PostgreSQL cannot be reached or refuses.
+    pub async fn connect(settings: &PostgresSettings) -> Result<Self, StoreError> {
+        let store = Self::lazy(settings)?;
+        store.ready().await?;
+        Ok(store)
+    }
+
+    /// The store without connecting: the table is checked by the first operation that reaches
+    /// PostgreSQL. For a server that is down at start-up.
+    pub fn lazy(settings: &PostgresSettings) -> Result<Self, StoreError> {
+        let shared = Arc::new(Shared {
+            pool: pool(settings)?,
+            sql: Sql::for_table(&settings.table, REAP_BATCH),
+            table: settings.table.clone(),
+            timeout: settings.timeout,
+            ready: tokio::sync::OnceCell::new(),
+        });
+        let weak = Arc::downgrade(&shared);
+        let reaper = tokio::runtime::Handle::try_current().ok().map(|rt| rt.spawn(async move {
+            let mut tick = tokio::time::interval(REAP_EVERY);
+            loop {
+                tick.tick().await;
+                let Some(shared) = weak.upgrade() else { return };
+                let store = Handle(&shared);
+                if let Err(e) = store.reap().await {
+                    tracing::debug!(error = %e, "the PostgreSQL reaper could not delete expired rows");
+                }
+            }
+        }));
+        Ok(PostgresStore {
+            shared,
+            _reaper: reaper.map(|task| Arc::new(AbortOnDropHandle::new(task))),
+        })
+    }
+
+    /// The table exists at our version (checked once per store, then remembered).
+    async fn ready(&self) -> Result<(), StoreError> {
+        Handle(&self.shared).ready().await
+    }
+
+    /// Delete expired rows, a batch at a time; how many (the reaper's step, public for tests).
+    pub async fn reap(&self) -> Result<u64, StoreError> {
+        Handle(&self.shared).reap().await
+    }
+
+    /// The table the records are in.
+    pub fn table(&self) -> &str {
+        &self.shared.table
+    }
+}
+
+/// The shared state, borrowed: what the reaper task and the handles run statements with.
+struct Handle<'a>(&'a Shared);
+
+impl Handle<'_> {
+    async fn ready(&self) -> Result<(), StoreError> {
+        let shared = self.0;
+        shared
+            .ready
+            .get_or_try_init(|| async {
+                let deadline = Instant::now() + shared.timeout;
+                let mut client = self.checkout(deadline).await?;
+                let migrated = schema::migrate(&mut client, &shared.table);
+                match tokio::time::timeout_at(deadline, migrated).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        // Not handed back to the pool inside a transaction.
+                        drop(deadpool_postgres::Object::take(client));
+                        Err(PostgresError::Timeout(shared.timeout))
+                    }
+                }
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn checkout(
+        &self,
+        deadline: Instant,
+    ) -> Result<deadpool_postgres::Client, PostgresError> {
+        let timeout = self.0.timeout;
+        bounded(deadline, timeout, async {
+            self.0.pool.get().await.map_err(|e| match e {
+                deadpool_postgres::PoolError::Backend(e) => PostgresError::Db(e),
+                deadpool_postgres::PoolError::Timeout(_) => PostgresError::Timeout(timeout),
+                other => PostgresError::Pool(other.to_string()),
+            })
+        })
+        .await
+    }
+
+    /// The rows `statement` returns with `params`.
+    async fn query(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        match self.run(statement, params, true).await? {
+            Answer::Rows(rows) => Ok(rows),
+            Answer::Count(_) => unreachable!("asked for rows"),
+        }
+    }
+
+    /// How many rows `statement` touched with `params`.
+    async fn execute(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        match self.run(statement, params, false).await? {
+            Answer::Count(n) => Ok(n),
+            Answer::Rows(_) => unreachable!("asked for a count"),
+        }
+    }
+
+    /// Run `statement` on a pooled connection (prepared once per connection), within the
+    /// timeout. A connection whose statement timed out is dropped, not handed to the next
+    /// caller behind a late answer.
+    async fn run(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+        rows: bool,
+    ) -> Result<Answer, StoreError> {
+        self.ready().await?;
+        let deadline = Instant::now() + self.0.timeout;
+        let client = self.checkout(deadline).await?;
+        let run = async {
+            let prepared = client.prepare_cached(statement).await?;
+            Ok::<_, tokio_postgres::Error>(match rows {
+                true => Answer::Rows(client.query(&prepared, params).await?),
+                false => Answer::Count(client.execute(&prepared, params).await?),
+            })
+        };
+        match tokio::time::timeout_at(deadline, run).await {
+            Ok(answer) => Ok(answer.map_err(PostgresError::Db)?),
+            Err(_) => {
+                drop(deadpool_postgres::Object::take(client));
+                Err(PostgresError::Timeout(self.0.timeout).into())
+            }
+        }
+    }
+
+    async fn reap(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let n = self.execute(&self.0.sql.reap, &[]).await?;
+            total += n;
+            if n < u64::from(REAP_BATCH) {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// What a statement gave back.
+enum Answer {
+    Rows(Vec<Row>),
+    Count(u64),
+}
+
+/// `work` within `deadline`, or [`PostgresError::Timeout`].
+async fn bounded<T>(
+    deadline: Instant,
+    timeout: Duration,
+    work: impl std::future::Future<Output = Result<T, PostgresError>>,
+) -> Result<T, PostgresError> {
+    tokio::time::timeout_at(deadline, work)
+        .await
+        .unwrap_or(Err(PostgresError::Timeout(timeout)))
+}
+
+/// Milliseconds for a statement's interval parameter.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The entry a returned row holds (`record`, milliseconds left).
+fn entry_of(row: &Row) -> Result<(crate::idempotency::record::Entry, Token), StoreError> {
+    let raw: Vec<u8> = row.get(0);
+    let left: i64 = row.get(1);
+    let (mut entry, holder) = codec::decode(Bytes::from(raw))?;
+    entry.expires_in = Some(Duration::from_millis(left.max(0) as u64));
+    Ok((entry, holder))
+}
+
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let record = codec::encode(fingerprint, token, &EntryState::InFlight);
+        let s = Handle(&self.shared);
+        let rows = s
+            .query(
+                &self.shared.sql.claim,
+                &[&&key.0[..], &&token.0[..], &&record[..], &millis(lease)],
+            )
+            .await?;
+        let row = rows
+            .first()
+            .ok_or(super::DecodeError("the claim returned no row"))?;
+        let (held, holder) = entry_of(row)?;
+        Ok(Claim::decide(held, &holder, fingerprint, token))
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let record = codec::encode(fingerprint, token, state);
+        let s = Handle(&self.shared);
+        let n = s
+            .execute(
+                &self.shared.sql.complete,
+                &[&&key.0[..], &&token.0[..], &&record[..], &millis(ttl)],
+            )
+            .await?;
+        Ok(n == 1)
+    }
+
+    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+        let s = Handle(&self.shared);
+        let n = s
+            .execute(&self.shared.sql.release, &[&&key.0[..], &&token.0[..]])
+            .await?;
+        Ok(n == 1)
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let s = Handle(&self.shared);
+        let n = s
+            .execute(
+                &self.shared.sql.renew,
+                &[&&key.0[..], &&token.0[..], &millis(lease)],
+            )
+            .await?;
+        Ok(n == 1)
+    }
+}
+
+impl Inspect for PostgresStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        Handle(&self.shared).query("SELECT 1", &[]).await.map(drop)
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+        let rows = Handle(&self.shared)
+            .query(&self.shared.sql.inspect, &[&&key.0[..]])
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let stored_bytes = row.get::<_, &[u8]>(0).len();
+        let (entry, _) = entry_of(row)?;
+        Ok(Some(Inspected {
+            expires_in: entry.expires_in,
+            entry,
+            stored_bytes,
+        }))
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let rows = Handle(&self.shared)
+            .query(&self.shared.sql.evict, &[&&key.0[..]])
+            .await?;
+        Ok(rows.iter().any(|r| r.get::<_, bool>(0)))
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        Handle(&self.shared)
+            .execute(&self.shared.sql.evict_all, &[])
+            .await
+    }
+}

@@ -1,0 +1,182 @@
+//! The records table: its shape, the version it carries, and the statements run on it.
+//!
+//! One row per key. The record itself is the Redis store's encoding (`store/redis/codec.rs`),
+//! so both stores keep the same bytes and a replay is decoded by one function; the columns
+//! beside it are what the statements' conditions read:
+//!
+//! ```sql
+//! CREATE TABLE idemgate_records (
+//!     key        bytea PRIMARY KEY,     -- the scoped key (32 bytes)
+//!     token      bytea NOT NULL,        -- the claim's fencing token
+//!     in_flight  boolean NOT NULL,      -- claimed, not yet completed
+//!     record     bytea NOT NULL,        -- the encoded entry
+//!     expires_at timestamptz NOT NULL   -- lease end for a claim, TTL end for a record
+//! ) WITH (fillfactor = 80);
+//! CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at);
+//! COMMENT ON TABLE idemgate_records IS 'idemgate schema 1';
+//! ```
+//!
+//! Time is the server's (`now()`), so gateways whose clocks disagree still agree on expiry.
+
+use deadpool_postgres::Client;
+
+use super::PostgresError;
+
+/// The schema version this build writes and reads.
+pub(crate) const VERSION: u32 = 1;
+
+/// What the table's comment says before its version number.
+const MARK: &str = "idemgate schema ";
+
+/// The statements, with the table's name filled in.
+#[derive(Debug)]
+pub(super) struct Sql {
+    pub(super) claim: String,
+    pub(super) complete: String,
+    pub(super) release: String,
+    pub(super) renew: String,
+    pub(super) inspect: String,
+    pub(super) evict: String,
+    pub(super) evict_all: String,
+    pub(super) reap: String,
+}
+
+/// Milliseconds left until `expires_at`, as the statements return them.
+const LEFT_MS: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
+
+/// An interval of `$n` milliseconds.
+fn ms(n: u8) -> String {
+    format!("(${n}::bigint * interval '1 millisecond')")
+}
+
+impl Sql {
+    pub(super) fn for_table(t: &str, reap_batch: u32) -> Self {
+        // The claim: insert, or on a key already there take it over only when it has expired;
+        // the row is rewritten as it was otherwise, so that RETURNING always gives what the key
+        // holds now (under the row's lock, not an older snapshot): enough to decide.
+        let expired = "r.expires_at <= now()";
+        let take =
+            |col: &str| format!("{col} = CASE WHEN {expired} THEN excluded.{col} ELSE r.{col} END");
+        let claim = format!(
+            "INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+             VALUES ($1, $2, true, $3, now() + {lease}) \
+             ON CONFLICT (key) DO UPDATE SET {token}, {in_flight}, {record}, {expires_at} \
+             RETURNING record, {LEFT_MS}",
+            lease = ms(4),
+            token = take("token"),
+            in_flight = take("in_flight"),
+            record = take("record"),
+            expires_at = take("expires_at"),
+        );
+        // Our live claim becomes the record; our own completion already there (a retried call
+        // whose answer was lost) is left as it is and counts as done.
+        let complete = format!(
+            "UPDATE \"{t}\" SET record = CASE WHEN in_flight THEN $3 ELSE record END, \
+             expires_at = CASE WHEN in_flight THEN now() + {ttl} ELSE expires_at END, \
+             in_flight = false \
+             WHERE key = $1 AND token = $2 AND expires_at > now()",
+            ttl = ms(4),
+        );
+        let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";
+        Sql {
+            claim,
+            complete,
+            release: format!("DELETE FROM \"{t}\" WHERE {ours}"),
+            renew: format!(
+                "UPDATE \"{t}\" SET expires_at = now() + {} WHERE {ours}",
+                ms(3)
+            ),
+            inspect: format!(
+                "SELECT record, {LEFT_MS} FROM \"{t}\" WHERE key = $1 AND expires_at > now()"
+            ),
+            evict: format!("DELETE FROM \"{t}\" WHERE key = $1 RETURNING expires_at > now()"),
+            evict_all: format!("DELETE FROM \"{t}\""),
+            // A batch of expired rows, skipping any a statement holds: row locks only, never
+            // the table's.
+            reap: format!(
+                "DELETE FROM \"{t}\" WHERE key IN (SELECT key FROM \"{t}\" \
+                 WHERE expires_at <= now() LIMIT {reap_batch} FOR UPDATE SKIP LOCKED)"
+            ),
+        }
+    }
+}
+
+/// Create the table (and its index) when it is missing; check its version when it is there.
+/// Gateways starting together take turns (an advisory lock for the transaction).
+pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), PostgresError> {
+    let tx = client.transaction().await?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('idemgate schema ' || $1::text))",
+        &[&table],
+    )
+    .await?;
+    let row = tx
+        .query_one(
+            "SELECT to_regclass($1::text) IS NOT NULL, obj_description(to_regclass($1::text), 'pg_class')",
+            &[&table],
+        )
+        .await?;
+    let (exists, comment): (bool, Option<String>) = (row.get(0), row.get(1));
+    if exists {
+        return check_version(table, comment.as_deref());
+    }
+    tx.batch_execute(&format!(
+        "CREATE TABLE \"{table}\" (\
+             key bytea PRIMARY KEY, \
+             token bytea NOT NULL, \
+             in_flight boolean NOT NULL, \
+             record bytea NOT NULL, \
+             expires_at timestamptz NOT NULL\
+         ) WITH (fillfactor = 80); \
+         CREATE INDEX \"{table}_expires_at\" ON \"{table}\" (expires_at); \
+         COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}';"
+    ))
+    .await?;
+    tx.commit().await?;
+    tracing::info!(
+        table,
+        version = VERSION,
+        "created the PostgreSQL records table"
+    );
+    Ok(())
+}
+
+/// Whether a table whose comment is `comment` is one this build can use.
+fn check_version(table: &str, comment: Option<&str>) -> Result<(), PostgresError> {
+    let found = comment
+        .and_then(|c| c.strip_prefix(MARK))
+        .and_then(|v| v.trim().parse::<u32>().ok());
+    match found {
+        Some(VERSION) => Ok(()),
+        Some(found) if found > VERSION => Err(PostgresError::SchemaTooNew {
+            table: table.to_string(),
+            found,
+        }),
+        // Version 1 is the first: anything else is not a table of ours.
+        _ => Err(PostgresError::NotOurs {
+            table: table.to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_from_the_comment() {
+        assert!(check_version("t", Some("idemgate schema 1")).is_ok());
+        assert!(matches!(
+            check_version("t", Some("idemgate schema 2")),
+            Err(PostgresError::SchemaTooNew { found: 2, .. })
+        ));
+        assert!(matches!(
+            check_version("t", Some("payments ledger")),
+            Err(PostgresError::NotOurs { .. })
+        ));
+        assert!(matches!(
+            check_version("t", None),
+            Err(PostgresError::NotOurs { .. })
+        ));
+    }
+}

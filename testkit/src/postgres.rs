@@ -1,0 +1,383 @@
+//! A private PostgreSQL server, never the one a machine may already run on 5432:
+//! `let pg = PostgresServer::start().await; pg.stop(); pg.start_again().await;`
+//! (also `kill()`, `pause()`, `resume()`, `restart()`).
+//!
+//! `initdb` runs once per test process into a template directory that each server copies; the
+//! server listens on a free loopback port and on a unix socket in its own directory. Run as root,
+//! the server runs as the `postgres` user (PostgreSQL refuses root), its directory chowned to it.
+//! The gateway logs in as `idemgate` (password `s3cret`, scram-sha-256 over TCP), owner of the
+//! database `idemgate`; [`PostgresServer::psql`] runs SQL as the superuser over the socket.
+
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use crate::redis::ATTEMPTS;
+use crate::{free_port, wait_until};
+
+/// The role the gateway logs in as, and its password.
+pub const USER: &str = "idemgate";
+/// The password of [`USER`].
+pub const PASSWORD: &str = "s3cret";
+
+/// How long a server may take to come up (recovery after a kill replays its WAL first).
+const STARTUP: Duration = Duration::from_secs(30);
+
+/// A PostgreSQL server on a loopback port, in its own temporary directory. Stopped on drop.
+pub struct PostgresServer {
+    /// Its TCP port on 127.0.0.1.
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Mutex<Option<Child>>,
+    /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1).
+    pub ca_file: Option<PathBuf>,
+}
+
+impl PostgresServer {
+    /// Start a server with the database `idemgate` owned by the role `idemgate`.
+    pub async fn start() -> Self {
+        for _ in 0..ATTEMPTS {
+            let server = Self::new(free_port());
+            if server.spawn().await {
+                return server;
+            }
+        }
+        panic!("postgres did not start on any of {ATTEMPTS} free ports");
+    }
+
+    /// Start a server that also offers TLS, with a fresh self-signed certificate for 127.0.0.1
+    /// ([`PostgresServer::ca_file`]).
+    pub async fn start_tls() -> Self {
+        for _ in 0..ATTEMPTS {
+            let mut server = Self::new(free_port());
+            let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+            let (cert_file, key_file) = (
+                server.dir.path().join("server.crt"),
+                server.dir.path().join("server.key"),
+            );
+            std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+            std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+            std::fs::set_permissions(
+                &key_file,
+                std::os::unix::fs::PermissionsExt::from_mode(0o600),
+            )
+            .unwrap();
+            if let Some((uid, _)) = server_user() {
+                chown(server.dir.path(), uid);
+            }
+            server.ca_file = Some(cert_file);
+            if server.spawn().await {
+                return server;
+            }
+        }
+        panic!("postgres with TLS did not start on any of {ATTEMPTS} free ports");
+    }
+
+    fn new(port: u16) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let copied = Command::new("cp")
+            .arg("-a")
+            .arg(template())
+            .arg(&data)
+            .status()
+            .unwrap();
+        assert!(copied.success(), "copying the initdb template");
+        if let Some((uid, _)) = server_user() {
+            chown(dir.path(), uid);
+        }
+        PostgresServer {
+            port,
+            dir,
+            child: Mutex::new(None),
+            ca_file: None,
+        }
+    }
+
+    /// `postgres://idemgate:s3cret@127.0.0.1:PORT/idemgate?sslmode=disable`
+    pub fn url(&self) -> String {
+        self.url_with(USER, PASSWORD)
+    }
+
+    /// The URL as `user` with `password`.
+    pub fn url_with(&self, user: &str, password: &str) -> String {
+        format!(
+            "postgres://{user}:{password}@127.0.0.1:{}/idemgate?sslmode=disable",
+            self.port
+        )
+    }
+
+    /// Start the process and wait until it answers; `false` when it exited first (its port was
+    /// taken).
+    async fn spawn(&self) -> bool {
+        let mut cmd = Command::new(bin("postgres"));
+        cmd.arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-p", &self.port.to_string()])
+            .arg("-k")
+            .arg(self.dir.path())
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            // Tests need no durability against power loss: a killed process's writes are in
+            // the page cache still.
+            .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(cert) = &self.ca_file {
+            cmd.args(["-c", "ssl=on"])
+                .arg("-c")
+                .arg(format!("ssl_cert_file={}", cert.display()))
+                .arg("-c")
+                .arg(format!(
+                    "ssl_key_file={}",
+                    self.dir.path().join("server.key").display()
+                ));
+        }
+        as_server_user(&mut cmd);
+        *self.child.lock().unwrap() = Some(cmd.spawn().expect("postgres must be installed"));
+        let mut exited = false;
+        wait_until(STARTUP, "postgres answers", async || {
+            let status = self.child.lock().unwrap().as_mut().unwrap().try_wait();
+            exited = status.unwrap().is_some();
+            exited || self.try_psql("SELECT 1").is_some()
+        })
+        .await;
+        if exited {
+            self.child.lock().unwrap().take();
+        }
+        !exited
+    }
+
+    /// Run `sql` as the superuser in the database `idemgate`; its output (`-At`).
+    pub fn psql(&self, sql: &str) -> String {
+        self.try_psql(sql)
+            .unwrap_or_else(|| panic!("psql failed: {sql}"))
+    }
+
+    fn try_psql(&self, sql: &str) -> Option<String> {
+        let mut cmd = Command::new(bin("psql"));
+        cmd.arg("-h")
+            .arg(self.dir.path())
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "idemgate",
+            ])
+            .args(["-v", "ON_ERROR_STOP=1", "-At", "-c", sql])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null());
+        as_server_user(&mut cmd);
+        let out = cmd.output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// A fast shutdown: connections closed, committed work on disk. The port stays free for
+    /// [`PostgresServer::start_again`].
+    pub fn stop(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            signal(c.id(), "-INT");
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGKILL the server and its backends: no shutdown at all (the next start recovers from
+    /// the WAL).
+    pub fn kill(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            let backends = children(c.id());
+            let _ = c.kill();
+            let _ = c.wait();
+            backends.into_iter().for_each(|pid| signal(pid, "-KILL"));
+        }
+    }
+
+    /// SIGSTOP the server and its backends: connections stay open, nothing is answered.
+    pub fn pause(&self) {
+        self.signal_all("-STOP");
+    }
+
+    /// SIGCONT after [`PostgresServer::pause`].
+    pub fn resume(&self) {
+        self.signal_all("-CONT");
+    }
+
+    fn signal_all(&self, sig: &str) {
+        let pid = self.child.lock().unwrap().as_ref().expect("running").id();
+        signal(pid, sig);
+        children(pid).into_iter().for_each(|c| signal(c, sig));
+    }
+
+    /// Start again on the same port and data after [`PostgresServer::stop`] or
+    /// [`PostgresServer::kill`].
+    pub async fn start_again(&self) {
+        assert!(
+            self.spawn().await,
+            "postgres did not come back on port {}",
+            self.port
+        );
+    }
+
+    /// Stop and start again on the same port and data.
+    pub async fn restart(&self) {
+        self.stop();
+        self.start_again().await;
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The processes `pid` started (a server's backends and helpers).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// A PostgreSQL program: from the newest /usr/lib/postgresql/*/bin (Debian's packages), else
+/// from the PATH.
+fn bin(name: &str) -> PathBuf {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().join("bin"))
+            .filter(|d| d.join("initdb").exists())
+            .collect();
+        dirs.sort_by_key(|d| {
+            d.parent()
+                .and_then(|v| v.file_name()?.to_str()?.parse::<u32>().ok())
+                .unwrap_or(0)
+        });
+        dirs.pop()
+    });
+    dir.as_ref()
+        .map_or_else(|| PathBuf::from(name), |d| d.join(name))
+}
+
+/// The `postgres` user's uid and gid when this process is root (PostgreSQL will not run as
+/// root); `None` otherwise.
+fn server_user() -> Option<(u32, u32)> {
+    if std::fs::metadata("/proc/self").ok()?.uid() != 0 {
+        return None;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    let line = passwd.lines().find(|l| l.starts_with("postgres:"))?;
+    let fields: Vec<&str> = line.split(':').collect();
+    Some((fields.get(2)?.parse().ok()?, fields.get(3)?.parse().ok()?))
+}
+
+fn as_server_user(cmd: &mut Command) {
+    if let Some((uid, gid)) = server_user() {
+        cmd.uid(uid).gid(gid);
+    }
+}
+
+fn chown(path: &Path, uid: u32) {
+    let ok = Command::new("chown")
+        .arg("-R")
+        .arg(uid.to_string())
+        .arg(path)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "chown {}", path.display());
+}
+
+/// A data directory made by `initdb`, with the role and database the gateway uses; each
+/// server copies it. Kept in the temporary directory for the next test process (one per
+/// PostgreSQL version and user), made under another name and renamed into place, so processes
+/// starting together never see half of one.
+fn template() -> PathBuf {
+    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
+    TEMPLATE
+        .get_or_init(|| {
+            let version = bin("initdb")
+                .parent()
+                .and_then(|b| b.parent())
+                .and_then(|v| v.file_name())
+                .map(|v| v.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let owner = server_user().map_or(String::new(), |(uid, _)| uid.to_string());
+            let dir = std::env::temp_dir().join(format!("idemgate-pg-template-{version}-{owner}"));
+            if dir.join("PG_VERSION").exists() {
+                return dir;
+            }
+            let fresh = tempfile::tempdir().unwrap().keep();
+            if let Some((uid, _)) = server_user() {
+                chown(&fresh, uid);
+            }
+            let data = fresh.join("data");
+            initdb(&data);
+            if std::fs::rename(&data, &dir).is_err() {
+                // Another process put its template there first.
+                assert!(
+                    dir.join("PG_VERSION").exists(),
+                    "template at {}",
+                    dir.display()
+                );
+            }
+            let _ = std::fs::remove_dir_all(&fresh);
+            dir
+        })
+        .clone()
+}
+
+/// `initdb` into `data`, then the role and the database the gateway uses.
+fn initdb(data: &Path) {
+    let mut initdb = Command::new(bin("initdb"));
+    initdb
+        .arg("-D")
+        .arg(data)
+        .args(["-U", "postgres", "-E", "UTF8", "--locale=C", "--no-sync"])
+        .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    as_server_user(&mut initdb);
+    let status = initdb.status();
+    assert!(
+        status
+            .expect("initdb must be installed (scripts/test installs it)")
+            .success(),
+        "initdb failed"
+    );
+    let mut single = Command::new(bin("postgres"));
+    single
+        .args(["--single", "-D"])
+        .arg(data)
+        .arg("postgres")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    as_server_user(&mut single);
+    let mut child = single.spawn().unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'").unwrap();
+        writeln!(stdin, "CREATE DATABASE idemgate OWNER {USER}").unwrap();
+    }
+    assert!(child.wait().unwrap().success(), "setting up the template");
+}

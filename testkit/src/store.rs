@@ -1,0 +1,39 @@
+//! The server a behavioural test's store runs on, whichever backend it is:
+//! `let server = StoreServer::for_backend(backend).await;` (none for the memory store).
+
+use crate::{Backend, PostgresServer, RedisServer};
+
+/// A redis-server or a PostgreSQL server, stopped on drop.
+pub enum StoreServer {
+    /// For [`Backend::Redis`].
+    Redis(RedisServer),
+    /// For [`Backend::Postgres`].
+    Postgres(PostgresServer),
+}
+
+impl StoreServer {
+    /// The server `backend` needs; none for the memory store.
+    pub async fn for_backend(backend: Backend) -> Option<Self> {
+        match backend {
+            Backend::Memory => None,
+            Backend::Redis => Some(StoreServer::Redis(RedisServer::start().await)),
+            Backend::Postgres => Some(StoreServer::Postgres(PostgresServer::start().await)),
+        }
+    }
+
+    /// The redis-server; panics on another backend.
+    pub fn redis(&self) -> &RedisServer {
+        match self {
+            StoreServer::Redis(r) => r,
+            StoreServer::Postgres(_) => panic!("a redis-server runs only on the Redis backend"),
+        }
+    }
+
+    /// The PostgreSQL server; panics on another backend.
+    pub fn postgres(&self) -> &PostgresServer {
+        match self {
+            StoreServer::Postgres(p) => p,
+            StoreServer::Redis(_) => panic!("PostgreSQL runs only on the Postgres backend"),
+        }
+    }
+}
