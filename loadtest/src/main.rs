@@ -2,7 +2,7 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `storm`, `soak`, `cluster`, `failover`), on `bench` (the measuring they share),
+//! `fingerprint`, `storm`, `soak`, `cluster`, `postgres`, `failover`), on `bench` (the measuring they share),
 //! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
 //! `metrics`, and `table` (the printed results). `upstream` and `app` are the subcommands the
 //! harness runs as child processes.
@@ -17,6 +17,7 @@ mod https;
 mod library;
 mod load;
 mod metrics;
+mod postgres;
 mod procs;
 mod proxy;
 mod soak;
@@ -56,8 +57,8 @@ struct Cli {
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, storm, soak, cluster (2 gateways on a Redis Cluster against one
-    /// Redis, and wait_replicas), failover (Redis Cluster and Sentinel; cluster only with
-    /// --quick).
+    /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
+    /// store's statements), failover (Redis Cluster and Sentinel; cluster only with --quick).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The failover section's runs, as backend:wait_replicas (comma-separated), e.g.
@@ -222,6 +223,9 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("cluster") {
         cluster::run(&mut b, dir.path(), cli.quick).await;
+    }
+    if run("postgres") {
+        postgres::run(&mut b, dir.path()).await;
     }
     if run("failover") {
         failover::run(&mut b, dir.path(), cli.quick, &cli.failover).await;

@@ -23,24 +23,28 @@ impl Proc {
 
     /// This process and its direct children (nginx's workers).
     pub fn pids(&self) -> Vec<u32> {
-        let pid = self.pid();
-        let mut pids = vec![pid];
-        match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-            Ok(children) => pids.extend(
-                children
-                    .split_whitespace()
-                    .filter_map(|c| c.parse::<u32>().ok()),
-            ),
-            // A kernel without CONFIG_PROC_CHILDREN: find them by their parent.
-            Err(_) => pids.extend(children_by_ppid(pid)),
-        }
-        pids
+        with_children(self.pid())
     }
 
     /// Resident set size in KiB (the main process only).
     pub fn rss_kib(&self) -> u64 {
         rss_kib(self.pid())
     }
+}
+
+/// `pid` and its direct children (nginx's workers, PostgreSQL's backends).
+pub fn with_children(pid: u32) -> Vec<u32> {
+    let mut pids = vec![pid];
+    match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+        Ok(children) => pids.extend(
+            children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        ),
+        // A kernel without CONFIG_PROC_CHILDREN: find them by their parent.
+        Err(_) => pids.extend(children_by_ppid(pid)),
+    }
+    pids
 }
 
 impl Drop for Proc {
@@ -323,9 +327,12 @@ pub fn gateway_with_prefix(
 
 fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: &str) -> Proc {
     let addr = free_addr();
-    // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first).
+    // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first;
+    // PostgreSQL's has no key prefix).
     let store_toml = if store == "memory" {
         "backend = \"memory\"".to_string()
+    } else if store.starts_with("backend = \"postgres\"") {
+        store.to_string()
     } else if store.starts_with("backend") {
         format!("{store}\nprefix = \"{prefix}\"")
     } else {
@@ -339,6 +346,8 @@ fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: 
     std::fs::write(&path, conf).unwrap();
     let name = if store == "memory" {
         "gateway (memory)"
+    } else if store.starts_with("backend = \"postgres\"") {
+        "gateway (postgres)"
     } else {
         "gateway (redis)"
     };

@@ -97,6 +97,11 @@ impl PostgresServer {
         }
     }
 
+    /// The server's main process (the postmaster; its backends are its children), while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     /// `postgres://idemgate:s3cret@127.0.0.1:PORT/idemgate?sslmode=disable`
     pub fn url(&self) -> String {
         self.url_with(USER, PASSWORD)

@@ -1,0 +1,338 @@
+//! Section `postgres`: the gateway on `backend = "postgres"` against PostgreSQL's own limit,
+//! pgbench running the store's two statements of a miss on the same private server at the same
+//! concurrency; and replays against nginx. Rounds interleaved, as in the main table.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hdrhistogram::Histogram;
+use testkit::PostgresServer;
+
+use crate::bench::{human, phase, Bench, Row};
+use crate::cluster::started;
+use crate::load::{CpuPerRequest, Keys, Report};
+use crate::procs::{self, Proc};
+
+/// One miss as the store runs it (`src/store/postgres/schema.rs`, the default table): the claim's
+/// `INSERT ... ON CONFLICT ... RETURNING` and the completion's `UPDATE`, their parameters as
+/// pgbench variables: a random key (32 bytes, as the gateway's scoped key) and token (16
+/// bytes), the records (`-D claimrec=`, `-D rec=`), the lease and the TTL in ms.
+const SCRIPT: &str = r#"\set k random(1, 9223372036854775806)
+\set t random(1, 9223372036854775806)
+INSERT INTO "idemgate_records" AS r (key, token, in_flight, record, expires_at) VALUES (sha256(int8send(:k)), int8send(:t) || int8send(:t), true, :claimrec, now() + (:lease::bigint * interval '1 millisecond')) ON CONFLICT (key) DO UPDATE SET token = CASE WHEN r.expires_at <= now() THEN excluded.token ELSE r.token END, in_flight = CASE WHEN r.expires_at <= now() THEN excluded.in_flight ELSE r.in_flight END, record = CASE WHEN r.expires_at <= now() THEN excluded.record ELSE r.record END, expires_at = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END RETURNING record, (extract(epoch FROM expires_at - now()) * 1000)::bigint;
+UPDATE "idemgate_records" SET record = CASE WHEN in_flight THEN :rec ELSE record END, expires_at = CASE WHEN in_flight THEN now() + (:ttl::bigint * interval '1 millisecond') ELSE expires_at END, in_flight = false WHERE key = sha256(int8send(:k)) AND token = int8send(:t) || int8send(:t) AND expires_at > now();
+"#;
+
+/// The length of an in-flight record: the codec's fixed header (`store/redis/codec.rs`).
+const CLAIM_RECORD: usize = 58;
+
+/// What one scenario measures each round.
+#[derive(Clone, Copy)]
+enum What {
+    Http(usize, bool),
+    PgBench,
+}
+
+/// Section `postgres`: nginx, the gateway's miss (pool of `connections`, and the default 16)
+/// and replay on a private PostgreSQL, and pgbench with the miss's two statements at
+/// `connections` clients; the ratios miss / pgbench and replay / nginx, with CPU per request.
+pub async fn run(b: &mut Bench, dir: &Path) {
+    let pg = match started(PostgresServer::start()).await {
+        Ok(pg) => pg,
+        Err(e) => {
+            b.insane.push(format!("postgres: {e}"));
+            return;
+        }
+    };
+    let redis_pids = std::mem::take(&mut b.redis_pids);
+    b.size = 1024;
+    b.request = crate::load::small_request();
+    let up = procs::upstream(b.size, 0);
+    b.upstream_pids = up.pids();
+    let nginx = procs::nginx(dir, up.addr);
+    let store = |pool: usize| {
+        format!(
+            "backend = \"postgres\"\nurl = \"{}\"\npool_size = {pool}",
+            pg.url()
+        )
+    };
+    let gws: Vec<Proc> = [b.connections, 16]
+        .iter()
+        .map(|&pool| procs::gateway(dir, &store(pool), up.addr, ""))
+        .collect();
+    let procs_of: Vec<&Proc> = vec![&nginx, &gws[0], &gws[1]];
+    let c = b.connections;
+    let scenarios: Vec<(String, What)> = vec![
+        ("nginx proxy, beside postgres".into(), What::Http(0, false)),
+        (
+            format!("gateway miss, postgres (pool_size {c})"),
+            What::Http(1, true),
+        ),
+        (
+            "gateway miss, postgres (pool_size 16, the default)".into(),
+            What::Http(2, true),
+        ),
+        ("gateway replay, postgres".into(), What::Http(1, false)),
+        (
+            format!("pgbench, the miss's 2 statements ({c} clients)"),
+            What::PgBench,
+        ),
+    ];
+    let mut rows = Vec::new();
+    let mut script = None;
+    'rounds: for round in 0..b.rounds {
+        for (i, (scenario, what)) in scenarios.iter().enumerate() {
+            b.redis_pids = pg.pid().map(procs::with_children).unwrap_or_default();
+            let r = match *what {
+                What::Http(p, miss) => {
+                    let gw = procs_of[p];
+                    let keys = match (miss, p) {
+                        (true, _) => Keys::Unique(b.prefix("pg-miss")),
+                        (false, 0) => Keys::None,
+                        // The hot keys `phase` warmed up (a fresh store: first executed there).
+                        (false, _) => Keys::Hot(format!("hot-{}", b.size), 1000),
+                    };
+                    if round == 0 {
+                        rows.push(b.rows.len());
+                        phase(b, scenario, gw.addr, &gw.pids(), keys, None).await;
+                        continue;
+                    }
+                    b.closed(gw.addr, keys, &gw.pids()).await
+                }
+                What::PgBench => {
+                    let script = &*script.get_or_insert_with(|| write_script(&pg, dir));
+                    let r = match pgbench(b, &pg, script, round == 0).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            b.insane.push(format!("{scenario}: {e}"));
+                            break 'rounds;
+                        }
+                    };
+                    if round == 0 {
+                        rows.push(b.rows.len());
+                        b.check(scenario, &r, false);
+                        b.rows.push(Row {
+                            scenario: scenario.clone(),
+                            body: b.size,
+                            closed: r.clone(),
+                            samples: vec![r.clone()],
+                            at_rate: None,
+                        });
+                        eprintln!(
+                            "  {scenario:<34} {:>9.0} tx/s  p50 {:.2} ms  p99 {:.2} ms",
+                            r.rps(),
+                            r.ms(0.5),
+                            r.ms(0.99)
+                        );
+                        continue;
+                    }
+                    r
+                }
+            };
+            b.check(&format!("{scenario} (round {})", round + 1), &r, false);
+            eprintln!(
+                "  {scenario:<34} {:>9.0} req/s  (round {})",
+                r.rps(),
+                round + 1
+            );
+            b.rows[rows[i]].samples.push(r);
+        }
+    }
+    for &i in &rows {
+        let mut samples = b.rows[i].samples.clone();
+        samples.sort_by(|x, y| x.rps().total_cmp(&y.rps()));
+        b.rows[i].closed = samples[samples.len() / 2].clone();
+    }
+    if rows.len() == scenarios.len() {
+        b.notes.push(ratios(b, &rows, script.as_ref()));
+    }
+    b.notes.push(format!(
+        "postgres: gateway RSS after the phases: pool_size {c} {} MiB, pool_size 16 {} MiB; rows in the table at the end: {}",
+        gws[0].rss_kib() / 1024,
+        gws[1].rss_kib() / 1024,
+        pg.psql("SELECT count(*) FROM idemgate_records"),
+    ));
+    drop((gws, nginx, up, pg));
+    b.redis_pids = redis_pids;
+}
+
+/// The pgbench script, with the record lengths the gateway's misses wrote.
+struct Script {
+    path: PathBuf,
+    port: u16,
+    record: usize,
+}
+
+/// Write the script beside the run's files, the completed record as long as those the gateway
+/// wrote (its first miss phase has run by now).
+fn write_script(pg: &PostgresServer, dir: &Path) -> Script {
+    let path = dir.join("pgbench-miss.sql");
+    std::fs::write(&path, SCRIPT).unwrap();
+    let record = pg
+        .psql("SELECT coalesce(max(length(record)), 0) FROM idemgate_records WHERE NOT in_flight")
+        .parse()
+        .unwrap_or(0);
+    Script {
+        path,
+        port: pg.port,
+        record,
+    }
+}
+
+/// `\x` and `n` random bytes in hex: a bytea value as text.
+fn random_bytea(n: usize) -> String {
+    let mut x = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    let mut s = String::from("\\x");
+    for _ in 0..n {
+        // xorshift64: the bytes only need to be incompressible, not secret.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(&format!("{:02x}", x as u8));
+    }
+    s
+}
+
+/// One pgbench run at `b.connections` clients (`-M prepared`, as the store prepares its
+/// statements): after a settling time (connections made, `b.warm`; longer with `warm`), a window
+/// of `b.secs` in which its transactions (from its per-transaction log) and the CPU time of the
+/// server's processes and of pgbench are counted.
+async fn pgbench(
+    b: &Bench,
+    pg: &PostgresServer,
+    script: &Script,
+    warm: bool,
+) -> Result<Report, String> {
+    let settle = b.warm.max(Duration::from_millis(300)) * if warm { 2 } else { 1 };
+    let total = (settle + b.secs).as_secs_f64() + 0.5;
+    let logs = tempfile::tempdir().unwrap();
+    let child = tokio::process::Command::new("pgbench")
+        .args(["-n", "-M", "prepared", "-j", "2", "-l"])
+        .args(["-c", &b.connections.to_string()])
+        .args(["-T", &format!("{}", total.ceil() as u64)])
+        .arg(format!("--log-prefix={}", logs.path().join("tx").display()))
+        .arg("-f")
+        .arg(&script.path)
+        .args(["-h", "127.0.0.1", "-p", &script.port.to_string()])
+        .args(["-U", testkit::postgres::USER])
+        .arg("-D")
+        .arg(format!("claimrec={}", random_bytea(CLAIM_RECORD)))
+        .arg("-D")
+        .arg(format!("rec={}", random_bytea(script.record)))
+        .args(["-D", "lease=30000", "-D", "ttl=86400000", "idemgate"])
+        .env("PGPASSWORD", testkit::postgres::PASSWORD)
+        .current_dir(logs.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start pgbench: {e}"))?;
+    let client = [child.id().unwrap_or(0)];
+    tokio::time::sleep(settle).await;
+    let server = pg.pid().map(procs::with_children).unwrap_or_default();
+    let (pg0, cl0, t0) = (
+        procs::cpu_ns(&server),
+        procs::cpu_ns(&client),
+        SystemTime::now(),
+    );
+    tokio::time::sleep(b.secs).await;
+    let (pg1, cl1, t1) = (
+        procs::cpu_ns(&server),
+        procs::cpu_ns(&client),
+        SystemTime::now(),
+    );
+    let out = child.wait_with_output().await.unwrap();
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(3).collect();
+        return Err(format!(
+            "pgbench failed ({}): {}",
+            out.status,
+            tail.join(" / ")
+        ));
+    }
+    let mut r = window(logs.path(), t0, t1);
+    let per = |ns: u64| ns as f64 / 1e3 / r.requests.max(1) as f64;
+    r.cpu = Some(CpuPerRequest {
+        proxy: 0.0,
+        upstream: 0.0,
+        redis: per(pg1.saturating_sub(pg0)),
+        load: per(cl1.saturating_sub(cl0)),
+    });
+    Ok(r)
+}
+
+/// The transactions of pgbench's logs (`tx.*` in `dir`) that ended between `t0` and `t1`: a
+/// report of them, latencies in the histogram, failed ones as errors.
+fn window(dir: &Path, t0: SystemTime, t1: SystemTime) -> Report {
+    let us = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_micros() as u64;
+    let (from, to) = (us(t0), us(t1));
+    let mut r = Report {
+        requests: 0,
+        ok: 0,
+        conflicts: 0,
+        errors: 0,
+        elapsed: t1.duration_since(t0).unwrap_or_default(),
+        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+        cpu: None,
+    };
+    for file in std::fs::read_dir(dir).unwrap().flatten() {
+        let text = std::fs::read_to_string(file.path()).unwrap_or_default();
+        // client_id transaction_no time script_no time_epoch time_us [...]: `time` is the
+        // latency in µs, or `failed`/`skipped`.
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let end = match (
+                f.get(4).and_then(|s| s.parse::<u64>().ok()),
+                f.get(5).and_then(|s| s.parse::<u64>().ok()),
+            ) {
+                (Some(s), Some(u)) => s * 1_000_000 + u,
+                _ => continue,
+            };
+            if end < from || end > to {
+                continue;
+            }
+            r.requests += 1;
+            match f[2].parse::<u64>() {
+                Ok(latency) => {
+                    r.ok += 1;
+                    let _ = r.hist.record(latency.max(1));
+                }
+                Err(_) => r.errors += 1,
+            }
+        }
+    }
+    r
+}
+
+/// The note of the ratios, each with the one the CPU per request of all processes predicts
+/// in brackets, and where the CPU goes.
+fn ratios(b: &Bench, rows: &[usize], script: Option<&Script>) -> String {
+    let r = |i: usize| &b.rows[rows[i]].closed;
+    let cpu = |i: usize| r(i).cpu.unwrap_or_default();
+    let ratio = |a: usize, z: usize| {
+        format!(
+            "{:.2} [CPU {:.2}]",
+            r(a).rps() / r(z).rps().max(f64::MIN_POSITIVE),
+            cpu(z).all() / cpu(a).all().max(f64::MIN_POSITIVE)
+        )
+    };
+    let c = b.connections;
+    format!(
+        "postgres ({} body, {c} connections / clients, {} rounds; PostgreSQL with fsync=off and full_page_writes=off as testkit starts it; in the CPU lines the \"Redis\" share is PostgreSQL's processes, the load generator's is pgbench on its row): gateway miss / pgbench = {} with pool_size {c} (goal >= 0.7), {} with pool_size 16; replay / nginx = {} (goal >= 1.0); CPU µs per miss with pool_size {c}: gateway {:.1}, PostgreSQL {:.1}; per pgbench transaction: PostgreSQL {:.1}, pgbench {:.1}; pgbench's completed record {} bytes, the claim's {CLAIM_RECORD}",
+        human(b.size),
+        b.rounds,
+        ratio(1, 4),
+        ratio(2, 4),
+        ratio(3, 0),
+        cpu(1).proxy,
+        cpu(1).redis,
+        cpu(4).redis,
+        cpu(4).load,
+        script.map_or(0, |s| s.record),
+    )
+}
