@@ -2,13 +2,14 @@
 //! pgbench running the store's two statements of a miss on the same private server at the same
 //! concurrency; and replays against nginx. Rounds interleaved, as in the main table.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hdrhistogram::Histogram;
 use testkit::PostgresServer;
 
-use crate::bench::{human, phase, Bench, Row};
+use crate::bench::{human, Bench, Row};
 use crate::cluster::started;
 use crate::load::{CpuPerRequest, Keys, Report};
 use crate::procs::{self, Proc};
@@ -82,60 +83,47 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     let mut script = None;
     'rounds: for round in 0..b.rounds {
         for (i, (scenario, what)) in scenarios.iter().enumerate() {
-            b.redis_pids = pg.pid().map(procs::with_children).unwrap_or_default();
             let r = match *what {
                 What::Http(p, miss) => {
-                    let gw = procs_of[p];
                     let keys = match (miss, p) {
                         (true, _) => Keys::Unique(b.prefix("pg-miss")),
                         (false, 0) => Keys::None,
-                        // The hot keys `phase` warmed up (a fresh store: first executed there).
-                        (false, _) => Keys::Hot(format!("hot-{}", b.size), 1000),
+                        // 1000 keys, executed once by the first warm-up, replayed after.
+                        (false, _) => Keys::Hot(format!("hot-pg-{}", b.size), 1000),
                     };
-                    if round == 0 {
-                        rows.push(b.rows.len());
-                        phase(b, scenario, gw.addr, &gw.pids(), keys, None).await;
-                        continue;
-                    }
-                    b.closed(gw.addr, keys, &gw.pids()).await
+                    http(b, &pg, procs_of[p], keys, round == 0).await
                 }
                 What::PgBench => {
                     let script = &*script.get_or_insert_with(|| write_script(&pg, dir));
-                    let r = match pgbench(b, &pg, script, round == 0).await {
+                    match pgbench(b, &pg, script, round == 0).await {
                         Ok(r) => r,
                         Err(e) => {
                             b.insane.push(format!("{scenario}: {e}"));
                             break 'rounds;
                         }
-                    };
-                    if round == 0 {
-                        rows.push(b.rows.len());
-                        b.check(scenario, &r, false);
-                        b.rows.push(Row {
-                            scenario: scenario.clone(),
-                            body: b.size,
-                            closed: r.clone(),
-                            samples: vec![r.clone()],
-                            at_rate: None,
-                        });
-                        eprintln!(
-                            "  {scenario:<34} {:>9.0} tx/s  p50 {:.2} ms  p99 {:.2} ms",
-                            r.rps(),
-                            r.ms(0.5),
-                            r.ms(0.99)
-                        );
-                        continue;
                     }
-                    r
                 }
             };
             b.check(&format!("{scenario} (round {})", round + 1), &r, false);
             eprintln!(
-                "  {scenario:<34} {:>9.0} req/s  (round {})",
+                "  {scenario:<52} {:>9.0} /s  p50 {:.2} ms  p99 {:.2} ms  (round {})",
                 r.rps(),
+                r.ms(0.5),
+                r.ms(0.99),
                 round + 1
             );
-            b.rows[rows[i]].samples.push(r);
+            if round == 0 {
+                rows.push(b.rows.len());
+                b.rows.push(Row {
+                    scenario: scenario.clone(),
+                    body: b.size,
+                    closed: r.clone(),
+                    samples: vec![r],
+                    at_rate: None,
+                });
+            } else {
+                b.rows[rows[i]].samples.push(r);
+            }
         }
     }
     for &i in &rows {
@@ -154,6 +142,43 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     ));
     drop((gws, nginx, up, pg));
     b.redis_pids = redis_pids;
+}
+
+/// One closed-loop phase through `gw` (warmed up first with `warm`), with the CPU per request of
+/// PostgreSQL's processes as [`server_cpu`] counts it.
+async fn http(b: &mut Bench, pg: &PostgresServer, gw: &Proc, keys: Keys, warm: bool) -> Report {
+    let keys = match warm {
+        true => b.warm_up(&[gw.addr], keys, "pg-miss").await,
+        false => keys,
+    };
+    b.redis_pids = Vec::new();
+    let before = server_cpu(pg);
+    let mut r = b.closed(gw.addr, keys, &gw.pids()).await;
+    let ns = since(&before, &server_cpu(pg));
+    if let Some(c) = r.cpu.as_mut() {
+        c.redis = ns as f64 / 1e3 / r.requests.max(1) as f64;
+    }
+    r
+}
+
+/// CPU time in ns of each of PostgreSQL's processes (the postmaster and its children: the
+/// backends of every connection, made as the gateways' pools grow, and the helpers).
+fn server_cpu(pg: &PostgresServer) -> HashMap<u32, u64> {
+    pg.pid()
+        .map(procs::with_children)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|pid| (pid, procs::cpu_ns(&[pid])))
+        .collect()
+}
+
+/// The CPU time spent between two [`server_cpu`]s by the processes alive at the second (a process
+/// that started in between counts from 0).
+fn since(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> u64 {
+    after
+        .iter()
+        .map(|(pid, ns)| ns.saturating_sub(before.get(pid).copied().unwrap_or(0)))
+        .sum()
 }
 
 /// The pgbench script, with the record lengths the gateway's misses wrote.
@@ -233,18 +258,9 @@ async fn pgbench(
         .map_err(|e| format!("cannot start pgbench: {e}"))?;
     let client = [child.id().unwrap_or(0)];
     tokio::time::sleep(settle).await;
-    let server = pg.pid().map(procs::with_children).unwrap_or_default();
-    let (pg0, cl0, t0) = (
-        procs::cpu_ns(&server),
-        procs::cpu_ns(&client),
-        SystemTime::now(),
-    );
+    let (pg0, cl0, t0) = (server_cpu(pg), procs::cpu_ns(&client), SystemTime::now());
     tokio::time::sleep(b.secs).await;
-    let (pg1, cl1, t1) = (
-        procs::cpu_ns(&server),
-        procs::cpu_ns(&client),
-        SystemTime::now(),
-    );
+    let (pg1, cl1, t1) = (server_cpu(pg), procs::cpu_ns(&client), SystemTime::now());
     let out = child.wait_with_output().await.unwrap();
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
@@ -260,7 +276,7 @@ async fn pgbench(
     r.cpu = Some(CpuPerRequest {
         proxy: 0.0,
         upstream: 0.0,
-        redis: per(pg1.saturating_sub(pg0)),
+        redis: per(since(&pg0, &pg1)),
         load: per(cl1.saturating_sub(cl0)),
     });
     Ok(r)
