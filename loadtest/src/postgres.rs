@@ -45,6 +45,9 @@ pub async fn run(b: &mut Bench, dir: &Path) {
             return;
         }
     };
+    // The gateways' pools and pgbench's clients side by side: more than the default 100.
+    pg.psql("ALTER SYSTEM SET max_connections = 400");
+    pg.restart().await;
     let redis_pids = std::mem::take(&mut b.redis_pids);
     b.size = 1024;
     b.request = crate::load::small_request();
