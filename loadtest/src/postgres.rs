@@ -31,7 +31,8 @@ const CLAIM_RECORD: usize = 58;
 #[derive(Clone, Copy)]
 enum What {
     Http(usize, bool),
-    PgBench,
+    /// pgbench at this many clients.
+    PgBench(usize),
 }
 
 /// Section `postgres`: nginx, the gateway's miss (pool of `connections`, and the default 16)
@@ -79,7 +80,11 @@ pub async fn run(b: &mut Bench, dir: &Path) {
         ("gateway replay, postgres".into(), What::Http(1, false)),
         (
             format!("pgbench, the miss's 2 statements ({c} clients)"),
-            What::PgBench,
+            What::PgBench(c),
+        ),
+        (
+            "pgbench, the miss's 2 statements (16 clients)".into(),
+            What::PgBench(16),
         ),
     ];
     let mut rows = Vec::new();
@@ -96,9 +101,9 @@ pub async fn run(b: &mut Bench, dir: &Path) {
                     };
                     http(b, &pg, procs_of[p], keys, round == 0).await
                 }
-                What::PgBench => {
+                What::PgBench(clients) => {
                     let script = &*script.get_or_insert_with(|| write_script(&pg, dir));
-                    match pgbench(b, &pg, script, round == 0).await {
+                    match pgbench(b, &pg, script, (clients, round == 0)).await {
                         Ok(r) => r,
                         Err(e) => {
                             b.insane.push(format!("{scenario}: {e}"));
@@ -225,7 +230,7 @@ fn random_bytea(n: usize) -> String {
     s
 }
 
-/// One pgbench run at `b.connections` clients (`-M prepared`, as the store prepares its
+/// One pgbench run at `clients` clients (`-M prepared`, as the store prepares its
 /// statements): after a settling time (connections made, `b.warm`; longer with `warm`), a window
 /// of `b.secs` in which its transactions (from its per-transaction log) and the CPU time of the
 /// server's processes and of pgbench are counted.
@@ -233,14 +238,14 @@ async fn pgbench(
     b: &Bench,
     pg: &PostgresServer,
     script: &Script,
-    warm: bool,
+    (clients, warm): (usize, bool),
 ) -> Result<Report, String> {
     let settle = b.warm.max(Duration::from_millis(300)) * if warm { 2 } else { 1 };
     let total = (settle + b.secs).as_secs_f64() + 0.5;
     let logs = tempfile::tempdir().unwrap();
     let child = tokio::process::Command::new("pgbench")
         .args(["-n", "-M", "prepared", "-j", "2", "-l"])
-        .args(["-c", &b.connections.to_string()])
+        .args(["-c", &clients.to_string()])
         .args(["-T", &format!("{}", total.ceil() as u64)])
         .arg(format!("--log-prefix={}", logs.path().join("tx").display()))
         .arg("-f")
@@ -342,16 +347,20 @@ fn ratios(b: &Bench, rows: &[usize], script: Option<&Script>) -> String {
     };
     let c = b.connections;
     format!(
-        "postgres ({} body, {c} connections / clients, {} rounds; PostgreSQL with fsync=off and full_page_writes=off as testkit starts it; in the CPU lines the \"Redis\" share is PostgreSQL's processes, the load generator's is pgbench on its row): gateway miss / pgbench = {} with pool_size {c} (goal >= 0.7), {} with pool_size 16; replay / nginx = {} (goal >= 1.0); CPU µs per miss with pool_size {c}: gateway {:.1}, PostgreSQL {:.1}; per pgbench transaction: PostgreSQL {:.1}, pgbench {:.1}; pgbench's completed record {} bytes, the claim's {CLAIM_RECORD}",
+        "postgres ({} body, {c} connections / clients, {} rounds; PostgreSQL with fsync=off and full_page_writes=off as testkit starts it; in the CPU lines the \"Redis\" share is PostgreSQL's processes, the load generator's is pgbench on its row): gateway miss / pgbench = {} with pool_size {c} against {c} clients (goal >= 0.7), {} with pool_size 16 against 16 clients; replay / nginx = {} (goal >= 1.0); CPU µs per miss: gateway {:.1} and PostgreSQL {:.1} with pool_size {c}, {:.1} and {:.1} with 16; per pgbench transaction, PostgreSQL and pgbench: {:.1} and {:.1} at {c} clients, {:.1} and {:.1} at 16; pgbench's completed record {} bytes, the claim's {CLAIM_RECORD}",
         human(b.size),
         b.rounds,
         ratio(1, 4),
-        ratio(2, 4),
+        ratio(2, 5),
         ratio(3, 0),
         cpu(1).proxy,
         cpu(1).redis,
+        cpu(2).proxy,
+        cpu(2).redis,
         cpu(4).redis,
         cpu(4).load,
+        cpu(5).redis,
+        cpu(5).load,
         script.map_or(0, |s| s.record),
     )
 }
