@@ -364,3 +364,38 @@ fn ratios(b: &Bench, rows: &[usize], script: Option<&Script>) -> String {
         script.map_or(0, |s| s.record),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_the_transactions_that_ended_inside_the_window() {
+        let dir = tempfile::tempdir().unwrap();
+        // client transaction latency_us script epoch_s epoch_us; one thread's file each.
+        std::fs::write(
+            dir.path().join("tx.1"),
+            "0 1 900 0 100 999999\n0 2 1500 0 101 0\n1 1 2500 0 101 500000\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("tx.1.1"),
+            "2 1 failed 0 101 700000\n2 2 800 0 102 1\n",
+        )
+        .unwrap();
+        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        let r = window(dir.path(), at(101), at(102));
+        assert_eq!((r.requests, r.ok, r.errors), (3, 2, 1));
+        assert_eq!(r.elapsed, Duration::from_secs(1));
+        assert_eq!(r.hist.len(), 2);
+        assert!((r.ms(1.0) - 2.5).abs() < 0.01, "{}", r.ms(1.0));
+    }
+
+    #[test]
+    fn random_bytea_is_hex_of_the_given_length() {
+        let v = random_bytea(58);
+        assert!(v.starts_with("\\x"));
+        assert_eq!(v.len(), 2 + 2 * 58);
+        assert!(v[2..].chars().all(|c| c.is_ascii_hexdigit()));
+    }
+}
