@@ -67,26 +67,7 @@ pub async fn run(b: &mut Bench, dir: &Path) {
         .collect();
     let procs_of: Vec<&Proc> = vec![&nginx, &gws[0], &gws[1]];
     let c = b.connections;
-    let scenarios: Vec<(String, What)> = vec![
-        ("nginx proxy, beside postgres".into(), What::Http(0, false)),
-        (
-            format!("gateway miss, postgres (pool_size {c})"),
-            What::Http(1, true),
-        ),
-        (
-            "gateway miss, postgres (pool_size 16, the default)".into(),
-            What::Http(2, true),
-        ),
-        ("gateway replay, postgres".into(), What::Http(1, false)),
-        (
-            format!("pgbench, the miss's 2 statements ({c} clients)"),
-            What::PgBench(c),
-        ),
-        (
-            "pgbench, the miss's 2 statements (16 clients)".into(),
-            What::PgBench(16),
-        ),
-    ];
+    let scenarios = scenarios(c);
     let mut rows = Vec::new();
     let mut script = None;
     'rounds: for round in 0..b.rounds {
@@ -112,26 +93,7 @@ pub async fn run(b: &mut Bench, dir: &Path) {
                     }
                 }
             };
-            b.check(&format!("{scenario} (round {})", round + 1), &r, false);
-            eprintln!(
-                "  {scenario:<52} {:>9.0} /s  p50 {:.2} ms  p99 {:.2} ms  (round {})",
-                r.rps(),
-                r.ms(0.5),
-                r.ms(0.99),
-                round + 1
-            );
-            if round == 0 {
-                rows.push(b.rows.len());
-                b.rows.push(Row {
-                    scenario: scenario.clone(),
-                    body: b.size,
-                    closed: r.clone(),
-                    samples: vec![r],
-                    at_rate: None,
-                });
-            } else {
-                b.rows[rows[i]].samples.push(r);
-            }
+            record(b, &mut rows, (i, scenario, round), r);
         }
     }
     for &i in &rows {
@@ -150,6 +112,60 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     ));
     drop((gws, nginx, up, pg));
     b.redis_pids = redis_pids;
+}
+
+/// The scenarios, in the order each round runs them; `c` is the run's connections.
+fn scenarios(c: usize) -> Vec<(String, What)> {
+    vec![
+        ("nginx proxy, beside postgres".into(), What::Http(0, false)),
+        (
+            format!("gateway miss, postgres (pool_size {c})"),
+            What::Http(1, true),
+        ),
+        (
+            "gateway miss, postgres (pool_size 16, the default)".into(),
+            What::Http(2, true),
+        ),
+        ("gateway replay, postgres".into(), What::Http(1, false)),
+        (
+            format!("pgbench, the miss's 2 statements ({c} clients)"),
+            What::PgBench(c),
+        ),
+        (
+            "pgbench, the miss's 2 statements (16 clients)".into(),
+            What::PgBench(16),
+        ),
+    ]
+}
+
+/// Check round `round` of scenario `i` and keep it: a new row in the first round, a sample of
+/// its row after.
+fn record(
+    b: &mut Bench,
+    rows: &mut Vec<usize>,
+    (i, scenario, round): (usize, &str, usize),
+    r: Report,
+) {
+    b.check(&format!("{scenario} (round {})", round + 1), &r, false);
+    eprintln!(
+        "  {scenario:<52} {:>9.0} /s  p50 {:.2} ms  p99 {:.2} ms  (round {})",
+        r.rps(),
+        r.ms(0.5),
+        r.ms(0.99),
+        round + 1
+    );
+    if round == 0 {
+        rows.push(b.rows.len());
+        b.rows.push(Row {
+            scenario: scenario.to_string(),
+            body: b.size,
+            closed: r.clone(),
+            samples: vec![r],
+            at_rate: None,
+        });
+    } else {
+        b.rows[rows[i]].samples.push(r);
+    }
 }
 
 /// One closed-loop phase through `gw` (warmed up first with `warm`), with the CPU per request of
