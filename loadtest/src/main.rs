@@ -38,7 +38,7 @@ use testkit::RedisServer;
 #[derive(Parser)]
 #[command(about = "Benchmark idemgate against a direct upstream and nginx")]
 struct Cli {
-    /// A short run (about a minute) for CI: 1 KiB bodies only, 1.2 s phases, no soak, the
+    /// A short run (about two minutes) for CI: 1 KiB bodies only, 1.2 s phases, no soak, the
     /// cluster section in 0.5 s phases and one failover (cluster, wait_replicas 1).
     #[arg(long)]
     quick: bool,
