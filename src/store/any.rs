@@ -5,8 +5,8 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::{
-    CachedStore, Claim, Evicted, Inspect, Inspected, LocalCache, MemoryStore, RedisStore, Store,
-    StoreConfig, StoreError, Watch,
+    CachedStore, Claim, EmbeddedStore, Evicted, Inspect, Inspected, LocalCache, MemoryStore,
+    RedisStore, Store, StoreConfig, StoreError, Watch,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
@@ -20,6 +20,8 @@ pub enum AnyStore {
     Memory(MemoryStore),
     /// Redis, with the process's local cache in front.
     Redis(CachedStore<RedisStore>),
+    /// The durable embedded store.
+    Embedded(EmbeddedStore),
 }
 
 impl AnyStore {
@@ -34,6 +36,7 @@ impl AnyStore {
                     m.max_bytes,
                 )));
             }
+            StoreConfig::Embedded(e) => return Ok(AnyStore::Embedded(EmbeddedStore::open(e)?)),
             StoreConfig::Redis(settings) => settings,
         };
         let redis = match RedisStore::connect(settings).await {
@@ -71,7 +74,7 @@ impl AnyStore {
     /// start-up) shares the first handle, which reconnects by itself.
     pub async fn for_worker(&self) -> Self {
         match self {
-            AnyStore::Memory(_) => self.clone(),
+            AnyStore::Memory(_) | AnyStore::Embedded(_) => self.clone(),
             AnyStore::Redis(shared) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
                 Err(e) => {
@@ -89,6 +92,7 @@ macro_rules! on_store {
         match $self {
             AnyStore::Memory($s) => $call,
             AnyStore::Redis($s) => $call,
+            AnyStore::Embedded($s) => $call,
         }
     };
 }
