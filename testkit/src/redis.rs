@@ -21,6 +21,8 @@ pub enum Backend {
     Memory,
     /// A [`RedisServer`].
     Redis,
+    /// The durable embedded store, in a temporary directory of the test's own.
+    Embedded,
 }
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
@@ -51,11 +53,11 @@ impl RedisServer {
         Self::start_with(true).await
     }
 
-    /// A redis-server for the Redis backend; none for the memory backend.
+    /// A redis-server for the Redis backend; none for the others.
     pub async fn for_backend(backend: Backend) -> Option<Self> {
         match backend {
             Backend::Redis => Some(Self::start().await),
-            Backend::Memory => None,
+            Backend::Memory | Backend::Embedded => None,
         }
     }
 
