@@ -8,8 +8,7 @@ use serde::Deserialize;
 use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
 pub use crate::store::{
-    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig,
-    Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
 };
 
 /// A field refused, named within `[store]`, and why.
@@ -126,15 +125,14 @@ struct EmbeddedTable {
 
 impl Table for EmbeddedTable {
     fn settings(self) -> Result<StoreConfig, Refused> {
-        let path = match self.path {
-            Some(path) if !path.is_empty() => path,
-            _ => {
-                return Err(refused(
+        let path =
+            match self.path {
+                Some(path) if !path.is_empty() => path,
+                _ => return Err(refused(
                     "path",
                     "is required when store.backend = \"embedded\" (a directory the gateway owns)",
-                ))
-            }
-        };
+                )),
+            };
         let mut settings = EmbeddedSettings::new(path);
         if let Some(fsync) = self.fsync {
             settings.fsync = fsync;

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
@@ -188,7 +190,9 @@ impl EmbeddedStore {
         let txn = self.db.begin_read().map_err(|e| failed("read", e))?;
         let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
         let value = table.get(&key.0).map_err(|e| failed("read", e))?;
-        Ok(value.and_then(|v| split(v.value())).filter(|(at, _)| *at > now_ms()))
+        Ok(value
+            .and_then(|v| split(v.value()))
+            .filter(|(at, _)| *at > now_ms()))
     }
 
     /// Purge expired entries now (the background task does it every [`PURGE_EVERY`]); how
@@ -248,7 +252,14 @@ async fn purge_loop(writer: mpsc::WeakSender<Op>) {
                 return;
             };
             let (reply, answer) = oneshot::channel();
-            if writer.send(Op { what: Write::Purge, reply }).await.is_err() {
+            if writer
+                .send(Op {
+                    what: Write::Purge,
+                    reply,
+                })
+                .await
+                .is_err()
+            {
                 return;
             }
             drop(writer);
@@ -323,7 +334,10 @@ fn apply_batch(
         let mut t = Tables::open(&txn).map_err(|e| fail("write", &e))?;
         let now = now_ms();
         for op in batch {
-            outcomes.push(t.apply(&op.what, now, limits).map_err(|e| fail("write", &e))?);
+            outcomes.push(
+                t.apply(&op.what, now, limits)
+                    .map_err(|e| fail("write", &e))?,
+            );
         }
         t.save().map_err(|e| fail("write", &e))?;
     }
@@ -363,7 +377,12 @@ impl<'txn> Tables<'txn> {
     }
 
     /// One operation; a refused one (a full store) is its own answer, not the batch's failure.
-    fn apply(&mut self, what: &Write, now: u64, limits: Limits) -> Result2<Result<Done, StoreError>> {
+    fn apply(
+        &mut self,
+        what: &Write,
+        now: u64,
+        limits: Limits,
+    ) -> Result2<Result<Done, StoreError>> {
         Ok(Ok(match what {
             Write::Claim {
                 key,
@@ -457,8 +476,7 @@ impl<'txn> Tables<'txn> {
 
     /// Delete `key`'s entry and index row; whether there was one.
     fn remove(&mut self, key: &ScopedKey) -> Result2<bool> {
-        let Some((at, value)) = self.entries.remove(&key.0)?.and_then(|v| split(v.value()))
-        else {
+        let Some((at, value)) = self.entries.remove(&key.0)?.and_then(|v| split(v.value())) else {
             return Ok(false);
         };
         self.index(&value).remove(&index_key(at, &key.0))?;
@@ -483,7 +501,9 @@ impl<'txn> Tables<'txn> {
     }
 
     /// The first row of an index: its expiry and key.
-    fn first(index: &redb::Table<'txn, &'static [u8; 40], ()>) -> Result2<Option<(u64, ScopedKey)>> {
+    fn first(
+        index: &redb::Table<'txn, &'static [u8; 40], ()>,
+    ) -> Result2<Option<(u64, ScopedKey)>> {
         Ok(index.first()?.map(|(row, _)| {
             let row = row.value();
             let at = u64::from_be_bytes(row[..8].try_into().expect("8 bytes"));
@@ -511,9 +531,15 @@ impl<'txn> Tables<'txn> {
 
     /// Bring the store under both bounds (leaving room for one more entry when `adding`):
     /// expired entries first, then the completed records closest to expiry.
-    fn make_room(&mut self, limits: Limits, adding: bool, now: u64) -> Result2<Result<(), StoreError>> {
+    fn make_room(
+        &mut self,
+        limits: Limits,
+        adding: bool,
+        now: u64,
+    ) -> Result2<Result<(), StoreError>> {
         let over = |t: &Self| -> Result2<bool> {
-            Ok(t.entries.len()? + u64::from(adding) > limits.max_entries || t.bytes > limits.max_bytes)
+            Ok(t.entries.len()? + u64::from(adding) > limits.max_entries
+                || t.bytes > limits.max_bytes)
         };
         if !over(self)? {
             return Ok(Ok(()));
@@ -528,7 +554,10 @@ impl<'txn> Tables<'txn> {
             evicted += 1;
         }
         if evicted > 0 {
-            tracing::debug!(evicted, "embedded store at its bounds; evicted completed records");
+            tracing::debug!(
+                evicted,
+                "embedded store at its bounds; evicted completed records"
+            );
         }
         if adding && self.entries.len()? >= limits.max_entries {
             return Ok(Err(StoreError::Full));
@@ -631,7 +660,10 @@ impl Store for EmbeddedStore {
 
 impl super::Inspect for EmbeddedStore {
     async fn ping(&self) -> Result<(), StoreError> {
-        self.db.begin_read().map(drop).map_err(|e| failed("read", e))
+        self.db
+            .begin_read()
+            .map(drop)
+            .map_err(|e| failed("read", e))
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {

@@ -27,8 +27,7 @@ pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
 pub use self::redis::{Evicted, Watch};
 pub use self::settings::{
-    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig,
-    Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
 };
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from

@@ -276,10 +276,14 @@ impl TestEnv {
         let dummy = InProcessGateway::stopped();
         std::mem::replace(&mut self.gateway, dummy).stop().await;
         let mut started = None;
-        wait_until(Duration::from_secs(10), "the store's file let go", async || {
-            started = InProcessGateway::try_start(&self.config).await.ok();
-            started.is_some()
-        })
+        wait_until(
+            Duration::from_secs(10),
+            "the store's file let go",
+            async || {
+                started = InProcessGateway::try_start(&self.config).await.ok();
+                started.is_some()
+            },
+        )
         .await;
         self.gateway = started.unwrap();
     }
