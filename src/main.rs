@@ -96,6 +96,9 @@ async fn run(file: Option<&str>) -> Result<(), String> {
     let shutdown = shutdown_signal();
     let config = load(file)?;
     tracing::info!(store = %config.store.describe(), "configuration loaded");
+    if let Some(warning) = config.store.durability_warning() {
+        tracing::warn!("{warning}");
+    }
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -136,6 +139,7 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         StoreConfig::Memory(settings) => println!("[store] {settings:#?}"),
         StoreConfig::Redis(settings) => println!("[store] {settings:#?}"),
         StoreConfig::Postgres(settings) => println!("[store] {settings:#?}"),
+        StoreConfig::Embedded(settings) => println!("[store] {settings:#?}"),
     }
     println!("admin          = {:?}", config.admin);
     match &config.key_secret {

@@ -1,6 +1,6 @@
-//! The store contract, written once over any `S: Store` and run against the embedded store, a
-//! real redis-server (with native and with scripted claims), Redis behind the local cache and a
-//! private PostgreSQL server:
+//! The store contract, written once over any `S: Store` and run against the in-memory store, the
+//! durable embedded store (a redb file in a temporary directory), a real redis-server (with
+//! native and with scripted claims), Redis behind the local cache and a private PostgreSQL server:
 //! atomic claims and token fencing (a holder whose lease ran out can neither overwrite nor delete
 //! a newer claim).
 
@@ -26,6 +26,17 @@ macro_rules! contract {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(idemgate::store::MemoryStore::new()).await
+                }
+            )*
+        }
+        /// The durable embedded store, in a directory of its own.
+        mod on_embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let dir = tempfile::tempdir().unwrap();
+                    let settings = idemgate::store::EmbeddedSettings::new(dir.path());
+                    super::$name(idemgate::store::EmbeddedStore::open(&settings).unwrap()).await
                 }
             )*
         }

@@ -8,7 +8,8 @@ use serde::Deserialize;
 use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
 pub use crate::store::{
-    redact_url, Compression, MemorySettings, PostgresSettings, RedisSettings, StoreConfig, Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings,
+    StoreConfig, Topology,
 };
 
 /// A field refused, named within `[store]`, and why.
@@ -33,8 +34,9 @@ struct Backend {
     read: fn(toml::Table) -> Result<StoreConfig, Refused>,
 }
 
-const BACKENDS: [Backend; 5] = [
+const BACKENDS: [Backend; 6] = [
     Backend::of::<MemoryTable>("memory"),
+    Backend::of::<EmbeddedTable>("embedded"),
     Backend::of::<SingleTable>("redis"),
     Backend::of::<ClusterTable>("redis-cluster"),
     Backend::of::<SentinelTable>("redis-sentinel"),
@@ -116,6 +118,44 @@ impl Table for MemoryTable {
             settings.max_bytes = n.into_inner();
         }
         Ok(StoreConfig::Memory(settings))
+    }
+}
+
+/// `backend = "embedded"`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EmbeddedTable {
+    path: Option<String>,
+    fsync: Option<bool>,
+    max_entries: Option<Checked<checked::AtLeastOne>>,
+    max_bytes: Option<Checked<checked::NonZeroSize>>,
+    timeout: Option<Checked<NonZero>>,
+}
+
+impl Table for EmbeddedTable {
+    fn settings(self) -> Result<StoreConfig, Refused> {
+        let path =
+            match self.path {
+                Some(path) if !path.is_empty() => path,
+                _ => return Err(refused(
+                    "path",
+                    "is required when store.backend = \"embedded\" (a directory the gateway owns)",
+                )),
+            };
+        let mut settings = EmbeddedSettings::new(path);
+        if let Some(fsync) = self.fsync {
+            settings.fsync = fsync;
+        }
+        if let Some(n) = self.max_entries {
+            settings.max_entries = n.into_inner();
+        }
+        if let Some(n) = self.max_bytes {
+            settings.max_bytes = n.into_inner();
+        }
+        if let Some(timeout) = self.timeout {
+            settings.timeout = timeout.into_inner();
+        }
+        Ok(StoreConfig::Embedded(settings))
     }
 }
 

@@ -1,5 +1,5 @@
 //! What the store keeps per key: the claim's token, the recorded response, the entry's state.
-//! Each backend stores them its own way (the Redis one in `store/redis/codec.rs`).
+//! Each backend stores them its own way (the Redis one in `store/codec.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,8 +5,8 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::{
-    CachedStore, Claim, Evicted, Inspect, Inspected, LocalCache, MemoryStore, PostgresStore,
-    RedisStore, Store, StoreConfig, StoreError, Watch,
+    CachedStore, Claim, EmbeddedStore, Evicted, Inspect, Inspected, LocalCache, MemoryStore,
+    PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
@@ -22,6 +22,8 @@ pub enum AnyStore {
     Redis(CachedStore<RedisStore>),
     /// A PostgreSQL table.
     Postgres(PostgresStore),
+    /// The durable embedded store.
+    Embedded(EmbeddedStore),
 }
 
 impl AnyStore {
@@ -36,6 +38,7 @@ impl AnyStore {
                     m.max_bytes,
                 )));
             }
+            StoreConfig::Embedded(e) => return Ok(AnyStore::Embedded(EmbeddedStore::open(e)?)),
             StoreConfig::Redis(settings) => settings,
             StoreConfig::Postgres(settings) => return Self::open_postgres(settings).await,
         };
@@ -87,7 +90,7 @@ impl AnyStore {
     /// start-up) shares the first handle, which reconnects by itself.
     pub async fn for_worker(&self) -> Self {
         match self {
-            AnyStore::Memory(_) | AnyStore::Postgres(_) => self.clone(),
+            AnyStore::Memory(_) | AnyStore::Postgres(_) | AnyStore::Embedded(_) => self.clone(),
             AnyStore::Redis(shared) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
                 Err(e) => {
@@ -106,6 +109,7 @@ macro_rules! on_store {
             AnyStore::Memory($s) => $call,
             AnyStore::Redis($s) => $call,
             AnyStore::Postgres($s) => $call,
+            AnyStore::Embedded($s) => $call,
         }
     };
 }

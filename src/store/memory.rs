@@ -1,4 +1,4 @@
-//! The embedded store: a map in this process. Zero setup; lost when the process exits.
+//! The in-memory store: a map in this process. Zero setup; lost when the process exits.
 //!
 //! Bounded twice: by `max_entries` and by `max_bytes` of stored responses. Past either bound the
 //! completed records closest to expiry are evicted, one by one as room is needed (an index by

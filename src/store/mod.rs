@@ -14,6 +14,8 @@ use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 
 mod any;
 pub mod cached;
+mod codec;
+pub mod embedded;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
@@ -21,12 +23,13 @@ mod settings;
 
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
+pub use self::embedded::EmbeddedStore;
 pub use self::memory::MemoryStore;
 pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::RedisStore;
 pub use self::redis::{Evicted, Watch};
 pub use self::settings::{
-    redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
 };
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from
@@ -79,9 +82,13 @@ pub enum StoreError {
     /// Redis answered with an error or the connection failed.
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
-    /// The embedded store is at `max_entries` and every entry is an in-flight claim.
-    #[error("the embedded store is full of in-flight claims (store.max_entries)")]
+    /// The in-process store is at `max_entries` and every entry is an in-flight claim.
+    #[error("the store is full of in-flight claims (store.max_entries)")]
     Full,
+    /// The embedded store's file could not be opened, read or written (locked by another
+    /// process, disk full), or no commit came within `store.timeout`.
+    #[error("embedded store: {0}")]
+    Embedded(String),
     /// Fewer replicas than `wait_replicas` acknowledged a write within the timeout: a failover
     /// now could lose it.
     #[error("{acked} of {wanted} replicas acknowledged the write in time (store.wait_replicas)")]

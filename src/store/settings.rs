@@ -2,6 +2,7 @@
 //! nodes and how it writes there. The configuration reads `[store]` into these.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -22,6 +23,35 @@ impl Default for MemorySettings {
         MemorySettings {
             max_entries: memory::DEFAULT_MAX_ENTRIES,
             max_bytes: memory::DEFAULT_MAX_BYTES,
+        }
+    }
+}
+
+/// `backend = "embedded"`: where the file is and how it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmbeddedSettings {
+    /// The directory the gateway owns (created if missing); the file is [`FILE_NAME`](super::embedded::FILE_NAME) in it.
+    pub path: PathBuf,
+    /// Commit each batch to disk (fsync) before it counts. Off: a crash of the machine (not of
+    /// the process) may lose the last second of writes.
+    pub fsync: bool,
+    /// Most entries kept; past it completed records are evicted (never in-flight claims).
+    pub max_entries: usize,
+    /// Most bytes of entries kept, evicting likewise.
+    pub max_bytes: u64,
+    /// How long one operation may wait for its batch before the store counts as down.
+    pub timeout: Duration,
+}
+
+impl EmbeddedSettings {
+    /// The store in `path`, every other setting at its default.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        EmbeddedSettings {
+            path: path.into(),
+            fsync: true,
+            max_entries: memory::DEFAULT_MAX_ENTRIES,
+            max_bytes: memory::DEFAULT_MAX_BYTES,
+            timeout: DEFAULT_TIMEOUT,
         }
     }
 }
@@ -259,6 +289,8 @@ pub enum StoreConfig {
     Redis(RedisSettings),
     /// A table in PostgreSQL: shared by every gateway replica, durable as PostgreSQL is.
     Postgres(PostgresSettings),
+    /// The durable embedded store: a file in a directory this gateway owns.
+    Embedded(EmbeddedSettings),
 }
 
 impl Default for StoreConfig {
@@ -272,6 +304,7 @@ impl StoreConfig {
     pub fn describe(&self) -> String {
         match self {
             StoreConfig::Memory(_) => "memory".into(),
+            StoreConfig::Embedded(e) => format!("embedded {}", e.path.display()),
             StoreConfig::Redis(r) => format!(
                 "{} {}",
                 r.topology.backend(),
@@ -286,12 +319,21 @@ impl StoreConfig {
         }
     }
 
+    /// What a gateway (other than the demo) logs at start about this store's durability.
+    pub fn durability_warning(&self) -> Option<&'static str> {
+        match self {
+            StoreConfig::Memory(_) => Some("store.backend = \"memory\": every record dies with this process, so a retry after a restart runs again; use \"embedded\" or Redis in production"),
+            _ => None,
+        }
+    }
+
     /// The backend's name, as `backend` is written.
     pub fn backend(&self) -> &'static str {
         match self {
             StoreConfig::Memory(_) => "memory",
             StoreConfig::Redis(r) => r.topology.backend(),
             StoreConfig::Postgres(_) => "postgres",
+            StoreConfig::Embedded(_) => "embedded",
         }
     }
 }

@@ -23,6 +23,8 @@ pub enum Backend {
     Redis,
     /// A [`PostgresServer`](crate::PostgresServer).
     Postgres,
+    /// The durable embedded store, in a temporary directory of the test's own.
+    Embedded,
 }
 
 /// How many ports a start tries: a port taken between [`free_port`] and the server's bind is a
@@ -53,11 +55,11 @@ impl RedisServer {
         Self::start_with(true).await
     }
 
-    /// A redis-server for the Redis backend; none for the memory backend.
+    /// A redis-server for the Redis backend; none for the others.
     pub async fn for_backend(backend: Backend) -> Option<Self> {
         match backend {
             Backend::Redis => Some(Self::start().await),
-            Backend::Memory | Backend::Postgres => None,
+            Backend::Memory | Backend::Postgres | Backend::Embedded => None,
         }
     }
 

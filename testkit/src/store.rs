@@ -1,5 +1,5 @@
 //! The server a behavioural test's store runs on, whichever backend it is:
-//! `let server = StoreServer::for_backend(backend).await;` (none for the memory store).
+//! `let server = StoreServer::for_backend(backend).await;` (none for the memory and embedded stores).
 
 use crate::{Backend, PostgresServer, RedisServer};
 
@@ -12,10 +12,10 @@ pub enum StoreServer {
 }
 
 impl StoreServer {
-    /// The server `backend` needs; none for the memory store.
+    /// The server `backend` needs; none for the memory and embedded stores.
     pub async fn for_backend(backend: Backend) -> Option<Self> {
         match backend {
-            Backend::Memory => None,
+            Backend::Memory | Backend::Embedded => None,
             Backend::Redis => Some(StoreServer::Redis(RedisServer::start().await)),
             Backend::Postgres => Some(StoreServer::Postgres(PostgresServer::start().await)),
         }

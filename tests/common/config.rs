@@ -89,6 +89,12 @@ impl TestConfig {
         }
     }
 
+    /// Keep records in the embedded store in `dir`.
+    pub fn embedded(self, dir: &std::path::Path) -> Self {
+        self.set("store.backend", "embedded")
+            .set("store.path", dir.display().to_string())
+    }
+
     /// Give the gateway `secret` as `IDEMGATE_KEY_SECRET` (derived keys are made with it).
     pub fn key_secret(mut self, secret: &str) -> Self {
         self.key_secret = Some(secret.to_string());

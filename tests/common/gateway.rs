@@ -31,12 +31,17 @@ impl InProcessGateway {
     /// Start the gateway with `config` (its `listen` is ignored: a free port is used). Returns
     /// once the store is connected, so the gateway is ready when the test goes on.
     pub async fn start(config: &TestConfig) -> Self {
+        Self::try_start(config)
+            .await
+            .expect("gateway failed to start")
+    }
+
+    /// [`start`](Self::start), or why the gateway would not.
+    pub async fn try_start(config: &TestConfig) -> Result<Self, idemgate::AppError> {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = idemgate::App::new(config.parse())
-            .await
-            .expect("gateway failed to start");
+        let app = idemgate::App::new(config.parse()).await?;
         let admin = app.admin_addr();
         let task = tokio::spawn(async move {
             app.serve(listener, async {
@@ -45,11 +50,21 @@ impl InProcessGateway {
             .await
             .expect("gateway failed");
         });
-        InProcessGateway {
+        Ok(InProcessGateway {
             addr,
             admin,
             shutdown: Some(tx),
             task: Some(task),
+        })
+    }
+
+    /// A gateway that is not running (a placeholder while another starts).
+    fn stopped() -> Self {
+        InProcessGateway {
+            addr: ([127, 0, 0, 1], 0).into(),
+            admin: None,
+            shutdown: None,
+            task: None,
         }
     }
 
@@ -200,6 +215,8 @@ pub struct TestEnv {
     pub gateway: InProcessGateway,
     pub client: reqwest::Client,
     server: Option<StoreServer>,
+    /// The embedded store's directory, on that backend (removed when the world goes).
+    dir: Option<tempfile::TempDir>,
     /// The gateway's whole config, to restart it alike or start a sibling.
     config: TestConfig,
 }
@@ -218,7 +235,11 @@ impl TestEnv {
         settings: TestConfig,
     ) -> Self {
         let server = StoreServer::for_backend(backend).await;
-        let config = settings.upstream(&upstream.url()).store(server.as_ref());
+        let dir = (backend == Backend::Embedded).then(|| tempfile::tempdir().unwrap());
+        let config = match &dir {
+            Some(dir) => settings.upstream(&upstream.url()).embedded(dir.path()),
+            None => settings.upstream(&upstream.url()).store(server.as_ref()),
+        };
         let gateway = InProcessGateway::start(&config).await;
         TestEnv {
             backend,
@@ -226,6 +247,7 @@ impl TestEnv {
             gateway,
             client: client(),
             server,
+            dir,
             config,
         }
     }
@@ -254,8 +276,26 @@ impl TestEnv {
 
     /// Stop the gateway and start a new one with the same config and store.
     pub async fn restart_gateway(&mut self) {
-        let new = InProcessGateway::start(&self.config).await;
-        std::mem::replace(&mut self.gateway, new).stop().await;
+        if self.backend != Backend::Embedded {
+            let new = InProcessGateway::start(&self.config).await;
+            std::mem::replace(&mut self.gateway, new).stop().await;
+            return;
+        }
+        // One gateway per directory: the old one lets go of the file before the new one opens it
+        // (its writer closes the file once the last handle is gone).
+        let dummy = InProcessGateway::stopped();
+        std::mem::replace(&mut self.gateway, dummy).stop().await;
+        let mut started = None;
+        wait_until(
+            Duration::from_secs(10),
+            "the store's file let go",
+            async || {
+                started = InProcessGateway::try_start(&self.config).await.ok();
+                started.is_some()
+            },
+        )
+        .await;
+        self.gateway = started.unwrap();
     }
 
     /// `http://GATEWAY/path`

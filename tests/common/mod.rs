@@ -32,7 +32,7 @@
 //!   condition instead of sleeping for a guessed time.
 //!
 //! A behavioural test is an `async fn(Backend)` listed in [`on_both_backends!`], which makes one
-//! test per store.
+//! test per store (memory, Redis, embedded).
 
 // Every test binary compiles this module and uses only part of it (and of its re-exports).
 #![allow(dead_code, unreachable_pub, unused_imports)]
@@ -56,7 +56,7 @@ pub use testkit::{
     ReservedPort, StoreServer, TlsRedisServer,
 };
 
-/// Generate one test per backend for each named `async fn(Backend)`.
+/// Generate one test per backend (memory, Redis, embedded) for each named `async fn(Backend)`.
 #[macro_export]
 macro_rules! on_both_backends {
     ($($name:ident),* $(,)?) => {
@@ -81,6 +81,14 @@ macro_rules! on_both_backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name($crate::common::Backend::Postgres).await
+                }
+            )*
+        }
+        mod on_embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Backend::Embedded).await
                 }
             )*
         }

@@ -20,7 +20,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::redis::codec;
+use super::codec;
 use super::settings::redact_url;
 use super::{Claim, Inspect, Inspected, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;

@@ -23,7 +23,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use redis::Script;
 
-pub(crate) mod codec;
+use super::codec;
+
 mod events;
 mod topology;
 

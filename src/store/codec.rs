@@ -1,4 +1,5 @@
-//! The Redis record: an entry's compact binary encoding.
+//! The stored record: an entry's compact binary encoding, shared by the Redis and the embedded
+//! store.
 //!
 //! Layout of an encoded entry (all integers big-endian), version 3 (still read: version 2, without
 //! the key source byte, and version 1, without the written-at time and the traceparent):
@@ -18,7 +19,7 @@
 //! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
 //! ```
 //!
-//! The Lua scripts beside this file read the state byte and the token directly; the offsets and
+//! The Redis Lua scripts (`redis/lua/`) read the state byte and the token directly; the offsets and
 //! state bytes are defined once here, and filled into the scripts when they load. A later version
 //! keeps byte 0 as the version so that old records stay readable.
 

@@ -1,0 +1,692 @@
+//! The durable embedded store: records in a [redb](https://docs.rs/redb) file in a directory the
+//! gateway owns, kept across restarts and crashes.
+//!
+//! Every write goes through one writer thread (redb allows one write transaction at a time):
+//! it takes every operation waiting on its queue, applies them in one transaction and commits
+//! once, with one fsync when `fsync` is on (group commit), and only then answers each. A request
+//! proceeds once its batch is durable. Reads that change nothing (a claim that finds a record or
+//! another's claim, inspect) read a snapshot without queueing.
+//!
+//! Each entry is the record codec's encoding (`codec.rs`) behind its expiry time (ms since the
+//! Unix epoch, big-endian). Two indexes by expiry, claims and completed records apart, let the
+//! background purge and the bounds (`max_entries`, `max_bytes`, as in the memory store: the
+//! completed records closest to expiry go first, claims never) find entries without a scan.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::task::AbortOnDropHandle;
+
+use super::{codec, Claim, EmbeddedSettings, Inspected, Store, StoreError};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::ScopedKey;
+use crate::idempotency::record::{now_ms, EntryState, Token};
+
+/// Entries by key: expiry (u64 big-endian ms) then the encoded entry.
+const ENTRIES: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("entries");
+/// In-flight claims by expiry: expiry (big-endian) then key.
+const CLAIMS: TableDefinition<&[u8; 40], ()> = TableDefinition::new("claims_by_expiry");
+/// Completed records by expiry: expiry (big-endian) then key.
+const RECORDS: TableDefinition<&[u8; 40], ()> = TableDefinition::new("records_by_expiry");
+/// Counters kept in step with the entries: the bytes they weigh.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// The file in the store's directory.
+pub const FILE_NAME: &str = "idemgate.redb";
+
+/// How often expired entries are purged.
+pub const PURGE_EVERY: Duration = Duration::from_secs(1);
+
+/// Most expired entries one purge transaction deletes (more follow at once when there are).
+const PURGE_BATCH: usize = 1000;
+
+/// Most operations one transaction takes from the queue.
+const MAX_BATCH: usize = 4096;
+
+/// Operations waiting for the writer at most; past it, callers wait for room.
+const QUEUE: usize = 8192;
+
+/// What an entry weighs besides its encoding: its key, its index row and B-tree overhead.
+const ENTRY_OVERHEAD: u64 = 128;
+
+/// Commits of every embedded store in this process (each one fsync when `fsync` is on).
+static COMMITS: AtomicU64 = AtomicU64::new(0);
+
+/// Write transactions committed by the embedded stores of this process so far: with `fsync`, the
+/// fsyncs. Read beside the claims served, it gives fsyncs per claim.
+pub fn commits() -> u64 {
+    COMMITS.load(Ordering::Relaxed)
+}
+
+/// A handle to the embedded store; clones share one file and one writer. The writer thread and
+/// the purge task stop when the last handle goes, and the file's lock with them.
+#[derive(Debug, Clone)]
+pub struct EmbeddedStore {
+    db: Arc<Database>,
+    // The writer's queue; the thread ends when every sender is gone.
+    writer: mpsc::Sender<Op>,
+    // How long an operation waits for its batch.
+    timeout: Duration,
+    // Aborts the purge task when the last handle is dropped; it holds only a weak sender.
+    _purger: Option<Arc<AbortOnDropHandle<()>>>,
+}
+
+/// A write for the writer, with where its answer goes.
+#[derive(Debug)]
+struct Op {
+    what: Write,
+    reply: oneshot::Sender<Result<Done, StoreError>>,
+}
+
+#[derive(Debug)]
+enum Write {
+    Claim {
+        key: ScopedKey,
+        fingerprint: Fingerprint,
+        token: Token,
+        lease: Duration,
+    },
+    Complete {
+        key: ScopedKey,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    },
+    Release {
+        key: ScopedKey,
+        token: Token,
+    },
+    Renew {
+        key: ScopedKey,
+        token: Token,
+        lease: Duration,
+    },
+    Evict(ScopedKey),
+    EvictAll,
+    Purge,
+}
+
+/// A write's answer.
+#[derive(Debug)]
+enum Done {
+    Claim(Claim),
+    Yes(bool),
+    Count(u64),
+}
+
+/// A storage failure as the store's error.
+fn failed(what: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Embedded(format!("{what}: {e}"))
+}
+
+impl EmbeddedStore {
+    /// Open (or create) the store in `settings.path`. Fails when the directory cannot be made,
+    /// the file is unreadable, or another process holds it.
+    pub fn open(settings: &EmbeddedSettings) -> Result<Self, StoreError> {
+        let dir = &settings.path;
+        std::fs::create_dir_all(dir).map_err(|e| failed(&dir.display().to_string(), e))?;
+        let file = dir.join(FILE_NAME);
+        let db = Database::create(&file).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Embedded(format!(
+                "{} is held by another process (one gateway per store.path)",
+                file.display()
+            )),
+            e => failed(&file.display().to_string(), e),
+        })?;
+        let db = Arc::new(db);
+        init(&db)?;
+        let (writer, queue) = mpsc::channel(QUEUE);
+        let limits = Limits {
+            max_entries: settings.max_entries.max(1) as u64,
+            max_bytes: settings.max_bytes.max(1),
+            fsync: settings.fsync,
+        };
+        let for_writer = db.clone();
+        std::thread::Builder::new()
+            .name("idemgate-store".into())
+            .spawn(move || write_loop(&for_writer, queue, limits))
+            .map_err(|e| failed("writer thread", e))?;
+        let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            let weak = writer.downgrade();
+            Arc::new(AbortOnDropHandle::new(rt.spawn(purge_loop(weak))))
+        });
+        Ok(EmbeddedStore {
+            db,
+            writer,
+            timeout: settings.timeout,
+            _purger: purger,
+        })
+    }
+
+    /// Queue `what` for the writer and wait until its batch is committed.
+    async fn write(&self, what: Write) -> Result<Done, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let queued = async {
+            self.writer
+                .send(Op { what, reply })
+                .await
+                .map_err(|_| StoreError::Embedded("the writer has stopped".into()))?;
+            answer
+                .await
+                .map_err(|_| StoreError::Embedded("the writer has stopped".into()))?
+        };
+        match tokio::time::timeout(self.timeout, queued).await {
+            Ok(done) => done,
+            Err(_) => Err(StoreError::Embedded(format!(
+                "no commit within {} (store.timeout)",
+                humantime::format_duration(self.timeout)
+            ))),
+        }
+    }
+
+    /// What `key` holds now, unexpired: its expiry (ms) and encoding, from a snapshot.
+    fn read(&self, key: &ScopedKey) -> Result<Option<(u64, Bytes)>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| failed("read", e))?;
+        let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
+        let value = table.get(&key.0).map_err(|e| failed("read", e))?;
+        Ok(value
+            .and_then(|v| split(v.value()))
+            .filter(|(at, _)| *at > now_ms()))
+    }
+
+    /// Purge expired entries now (the background task does it every [`PURGE_EVERY`]); how
+    /// many went.
+    pub async fn purge_expired(&self) -> Result<u64, StoreError> {
+        match self.write(Write::Purge).await? {
+            Done::Count(n) => Ok(n),
+            other => unreachable!("purge answered {other:?}"),
+        }
+    }
+
+    async fn yes(&self, what: Write) -> Result<bool, StoreError> {
+        match self.write(what).await? {
+            Done::Yes(b) => Ok(b),
+            other => unreachable!("a fenced write answered {other:?}"),
+        }
+    }
+}
+
+/// Create the tables when they are missing, so that reads find them.
+fn init(db: &Database) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(|e| failed("init", e))?;
+    {
+        txn.open_table(ENTRIES).map_err(|e| failed("init", e))?;
+        txn.open_table(CLAIMS).map_err(|e| failed("init", e))?;
+        txn.open_table(RECORDS).map_err(|e| failed("init", e))?;
+        txn.open_table(META).map_err(|e| failed("init", e))?;
+    }
+    txn.commit().map_err(|e| failed("init", e))
+}
+
+/// An entry's expiry and encoding.
+fn split(value: &[u8]) -> Option<(u64, Bytes)> {
+    let at = u64::from_be_bytes(value.get(..8)?.try_into().ok()?);
+    Some((at, Bytes::copy_from_slice(&value[8..])))
+}
+
+/// An index row: expiry then key, so rows sort by expiry.
+fn index_key(at: u64, key: &[u8; 32]) -> [u8; 40] {
+    let mut row = [0u8; 40];
+    row[..8].copy_from_slice(&at.to_be_bytes());
+    row[8..].copy_from_slice(key);
+    row
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Purge expired entries every [`PURGE_EVERY`] while the store lives.
+async fn purge_loop(writer: mpsc::WeakSender<Op>) {
+    let mut tick = tokio::time::interval(PURGE_EVERY);
+    loop {
+        tick.tick().await;
+        loop {
+            let Some(writer) = writer.upgrade() else {
+                return;
+            };
+            let (reply, answer) = oneshot::channel();
+            if writer
+                .send(Op {
+                    what: Write::Purge,
+                    reply,
+                })
+                .await
+                .is_err()
+            {
+                return;
+            }
+            drop(writer);
+            match answer.await {
+                // A full batch: more may be waiting.
+                Ok(Ok(Done::Count(n))) if n as usize >= PURGE_BATCH => continue,
+                Ok(Err(e)) => tracing::warn!(error = %e, "embedded store: purge failed"),
+                _ => {}
+            }
+            break;
+        }
+    }
+}
+
+/// The writer's fixed settings.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_entries: u64,
+    max_bytes: u64,
+    // Commit batches of requests with an fsync.
+    fsync: bool,
+}
+
+/// The writer thread: one transaction per batch of waiting operations, answered once committed.
+fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    while let Some(op) = queue.blocking_recv() {
+        batch.push(op);
+        while batch.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(op) => batch.push(op),
+                Err(_) => break,
+            }
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        match apply_batch(db, &batch, limits, &mut outcomes) {
+            Ok(()) => {
+                for (op, answer) in batch.drain(..).zip(outcomes) {
+                    let _ = op.reply.send(answer);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "embedded store: a write failed; nothing of its batch was written");
+                for op in batch.drain(..) {
+                    let _ = op.reply.send(Err(StoreError::Embedded(e.clone())));
+                }
+            }
+        }
+    }
+}
+
+/// Apply `batch` in one transaction and commit it; each operation's answer in `outcomes`.
+/// On a failure nothing is written and the error is every operation's.
+fn apply_batch(
+    db: &Database,
+    batch: &[Op],
+    limits: Limits,
+    outcomes: &mut Vec<Result<Done, StoreError>>,
+) -> Result<(), String> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
+    let mut txn = db.begin_write().map_err(|e| fail("write", &e))?;
+    // With fsync, purges alone need no fsync of their own: the next batch's carries them.
+    // Without, the purge's commit (once a second) is the one that reaches the disk.
+    let only_purges = batch.iter().all(|op| matches!(op.what, Write::Purge));
+    let durability = match limits.fsync != only_purges {
+        true => Durability::Immediate,
+        false => Durability::None,
+    };
+    txn.set_durability(durability)
+        .map_err(|e| fail("write", &e))?;
+    {
+        let mut t = Tables::open(&txn).map_err(|e| fail("write", &e))?;
+        let now = now_ms();
+        for op in batch {
+            outcomes.push(
+                t.apply(&op.what, now, limits)
+                    .map_err(|e| fail("write", &e))?,
+            );
+        }
+        t.save().map_err(|e| fail("write", &e))?;
+    }
+    txn.commit().map_err(|e| fail("commit", &e))?;
+    COMMITS.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The tables of one write transaction, and the byte count kept in step with them.
+struct Tables<'txn> {
+    entries: redb::Table<'txn, &'static [u8; 32], &'static [u8]>,
+    claims: redb::Table<'txn, &'static [u8; 40], ()>,
+    records: redb::Table<'txn, &'static [u8; 40], ()>,
+    meta: redb::Table<'txn, &'static str, u64>,
+    bytes: u64,
+}
+
+/// A storage failure inside a transaction.
+type Result2<T> = Result<T, redb::Error>;
+
+impl<'txn> Tables<'txn> {
+    fn open(txn: &'txn redb::WriteTransaction) -> Result2<Self> {
+        let meta = txn.open_table(META)?;
+        let bytes = meta.get("bytes")?.map_or(0, |v| v.value());
+        Ok(Tables {
+            entries: txn.open_table(ENTRIES)?,
+            claims: txn.open_table(CLAIMS)?,
+            records: txn.open_table(RECORDS)?,
+            meta,
+            bytes,
+        })
+    }
+
+    fn save(&mut self) -> Result2<()> {
+        self.meta.insert("bytes", self.bytes)?;
+        Ok(())
+    }
+
+    /// One operation; a refused one (a full store) is its own answer, not the batch's failure.
+    fn apply(
+        &mut self,
+        what: &Write,
+        now: u64,
+        limits: Limits,
+    ) -> Result2<Result<Done, StoreError>> {
+        Ok(Ok(match what {
+            Write::Claim {
+                key,
+                fingerprint,
+                token,
+                lease,
+            } => match self.claim(key, fingerprint, token, now + ms(*lease), now, limits)? {
+                Ok(claim) => Done::Claim(claim),
+                Err(e) => return Ok(Err(e)),
+            },
+            Write::Complete {
+                key,
+                token,
+                value,
+                ttl,
+            } => {
+                let ours = self.claimed_by(key, token, now)?;
+                if ours {
+                    self.put(key, now.saturating_add(ms(*ttl)), value)?;
+                    // Never refused: nothing is added.
+                    let _ = self.make_room(limits, false, now)?;
+                }
+                Done::Yes(ours)
+            }
+            Write::Release { key, token } => {
+                let ours = self.held(key)?.is_some_and(|(_, v)| holds(&v, token));
+                if ours {
+                    self.remove(key)?;
+                }
+                Done::Yes(ours)
+            }
+            Write::Renew { key, token, lease } => {
+                let ours = self.claimed_by(key, token, now)?;
+                if let (true, Some((_, value))) = (ours, self.held(key)?) {
+                    self.put(key, now + ms(*lease), &value)?;
+                }
+                Done::Yes(ours)
+            }
+            Write::Evict(key) => Done::Yes(self.remove(key)?),
+            Write::EvictAll => Done::Count(self.remove_all()?),
+            Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
+        }))
+    }
+
+    fn claim(
+        &mut self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        expires: u64,
+        now: u64,
+        limits: Limits,
+    ) -> Result2<Result<Claim, StoreError>> {
+        if let Some((at, value)) = self.held(key)? {
+            if at > now {
+                return Ok(decided(at, value, fingerprint, token, now));
+            }
+            self.remove(key)?;
+        }
+        if let Err(e) = self.make_room(limits, true, now)? {
+            return Ok(Err(e));
+        }
+        let value = codec::encode(fingerprint, token, &EntryState::InFlight);
+        self.put(key, expires, &value)?;
+        Ok(Ok(Claim::Claimed))
+    }
+
+    /// The entry of `key`, expired or not.
+    fn held(&self, key: &ScopedKey) -> Result2<Option<(u64, Bytes)>> {
+        Ok(self.entries.get(&key.0)?.and_then(|v| split(v.value())))
+    }
+
+    /// Whether `key` is an unexpired in-flight claim made with `token`.
+    fn claimed_by(&self, key: &ScopedKey, token: &Token, now: u64) -> Result2<bool> {
+        Ok(self
+            .held(key)?
+            .is_some_and(|(at, v)| at > now && holds(&v, token)))
+    }
+
+    /// Write `key`'s entry (replacing any), its index row and its weight.
+    fn put(&mut self, key: &ScopedKey, at: u64, value: &[u8]) -> Result2<()> {
+        self.remove(key)?;
+        let mut stored = Vec::with_capacity(8 + value.len());
+        stored.extend_from_slice(&at.to_be_bytes());
+        stored.extend_from_slice(value);
+        self.entries.insert(&key.0, stored.as_slice())?;
+        self.index(value).insert(&index_key(at, &key.0), ())?;
+        self.bytes += weight(value);
+        Ok(())
+    }
+
+    /// Delete `key`'s entry and index row; whether there was one.
+    fn remove(&mut self, key: &ScopedKey) -> Result2<bool> {
+        let Some((at, value)) = self.entries.remove(&key.0)?.and_then(|v| split(v.value())) else {
+            return Ok(false);
+        };
+        self.index(&value).remove(&index_key(at, &key.0))?;
+        self.bytes = self.bytes.saturating_sub(weight(&value));
+        Ok(true)
+    }
+
+    fn index(&mut self, value: &[u8]) -> &mut redb::Table<'txn, &'static [u8; 40], ()> {
+        match value.get(codec::STATE_AT) {
+            Some(&codec::IN_FLIGHT) => &mut self.claims,
+            _ => &mut self.records,
+        }
+    }
+
+    fn remove_all(&mut self) -> Result2<u64> {
+        let n = self.entries.len()?;
+        self.entries.retain(|_, _| false)?;
+        self.claims.retain(|_, _| false)?;
+        self.records.retain(|_, _| false)?;
+        self.bytes = 0;
+        Ok(n)
+    }
+
+    /// The first row of an index: its expiry and key.
+    fn first(
+        index: &redb::Table<'txn, &'static [u8; 40], ()>,
+    ) -> Result2<Option<(u64, ScopedKey)>> {
+        Ok(index.first()?.map(|(row, _)| {
+            let row = row.value();
+            let at = u64::from_be_bytes(row[..8].try_into().expect("8 bytes"));
+            (at, ScopedKey(row[8..].try_into().expect("32 bytes")))
+        }))
+    }
+
+    /// Delete up to `most` expired entries, claims and records; how many.
+    fn purge(&mut self, now: u64, most: usize) -> Result2<u64> {
+        let mut n = 0;
+        for claims in [true, false] {
+            while (n as usize) < most {
+                let index = if claims { &self.claims } else { &self.records };
+                match Self::first(index)? {
+                    Some((at, key)) if at <= now => {
+                        self.remove(&key)?;
+                        n += 1;
+                    }
+                    _ => break,
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// Bring the store under both bounds (leaving room for one more entry when `adding`):
+    /// expired entries first, then the completed records closest to expiry.
+    fn make_room(
+        &mut self,
+        limits: Limits,
+        adding: bool,
+        now: u64,
+    ) -> Result2<Result<(), StoreError>> {
+        let over = |t: &Self| -> Result2<bool> {
+            Ok(t.entries.len()? + u64::from(adding) > limits.max_entries
+                || t.bytes > limits.max_bytes)
+        };
+        if !over(self)? {
+            return Ok(Ok(()));
+        }
+        self.purge(now, usize::MAX)?;
+        let mut evicted = 0;
+        while over(self)? {
+            let Some((_, key)) = Self::first(&self.records)? else {
+                break;
+            };
+            self.remove(&key)?;
+            evicted += 1;
+        }
+        if evicted > 0 {
+            tracing::debug!(
+                evicted,
+                "embedded store at its bounds; evicted completed records"
+            );
+        }
+        if adding && self.entries.len()? >= limits.max_entries {
+            return Ok(Err(StoreError::Full));
+        }
+        Ok(Ok(()))
+    }
+}
+
+/// Whether an encoded entry is an in-flight claim made with `token`.
+fn holds(value: &[u8], token: &Token) -> bool {
+    value.get(codec::STATE_AT) == Some(&codec::IN_FLIGHT)
+        && value.get(codec::TOKEN_AT..codec::WRITTEN_AT) == Some(&token.0[..])
+}
+
+/// What an entry costs: its encoding and a fixed overhead.
+fn weight(value: &[u8]) -> u64 {
+    ENTRY_OVERHEAD + value.len() as u64
+}
+
+/// The claim's answer from a live entry expiring at `at`.
+fn decided(
+    at: u64,
+    value: Bytes,
+    fingerprint: &Fingerprint,
+    token: &Token,
+    now: u64,
+) -> Result<Claim, StoreError> {
+    let (mut entry, holder) = codec::decode(value)?;
+    entry.expires_in = Some(Duration::from_millis(at - now));
+    Ok(Claim::decide(entry, &holder, fingerprint, token))
+}
+
+impl Store for EmbeddedStore {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        // A live entry that is not our own claim decides without a write (a replay, a claim in
+        // flight, a mismatch); the writer checks again before it claims.
+        if let Some((at, value)) = self.read(key)? {
+            if !holds(&value, token) {
+                return decided(at, value, fingerprint, token, now_ms());
+            }
+        }
+        let what = Write::Claim {
+            key: *key,
+            fingerprint: *fingerprint,
+            token: *token,
+            lease,
+        };
+        match self.write(what).await? {
+            Done::Claim(claim) => Ok(claim),
+            other => unreachable!("a claim answered {other:?}"),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &EntryState,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let value = codec::encode(fingerprint, token, state);
+        self.yes(Write::Complete {
+            key: *key,
+            token: *token,
+            value,
+            ttl,
+        })
+        .await
+    }
+
+    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+        self.yes(Write::Release {
+            key: *key,
+            token: *token,
+        })
+        .await
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.yes(Write::Renew {
+            key: *key,
+            token: *token,
+            lease,
+        })
+        .await
+    }
+}
+
+impl super::Inspect for EmbeddedStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.db
+            .begin_read()
+            .map(drop)
+            .map_err(|e| failed("read", e))
+    }
+
+    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+        let Some((at, value)) = self.read(key)? else {
+            return Ok(None);
+        };
+        let stored_bytes = value.len();
+        let (entry, _) = codec::decode(value)?;
+        Ok(Some(Inspected {
+            entry,
+            expires_in: Some(Duration::from_millis(at.saturating_sub(now_ms()))),
+            stored_bytes,
+        }))
+    }
+
+    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        self.yes(Write::Evict(*key)).await
+    }
+
+    async fn evict_all(&self) -> Result<u64, StoreError> {
+        match self.write(Write::EvictAll).await? {
+            Done::Count(n) => Ok(n),
+            other => unreachable!("evict-all answered {other:?}"),
+        }
+    }
+}

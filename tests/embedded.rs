@@ -1,0 +1,275 @@
+//! The durable embedded store on real files: what survives a `kill -9` of the gateway binary, one
+//! process per directory, group commit, bounds and the purge.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::{client, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
+use idemgate::idempotency::fingerprint::Fingerprint;
+use idemgate::idempotency::key::ScopedKey;
+use idemgate::idempotency::record::{EntryState, Token};
+use idemgate::store::{embedded, Claim, EmbeddedSettings, EmbeddedStore, Inspect, Store};
+use idemgate::StoreError;
+
+fn key(i: u32) -> ScopedKey {
+    let mut k = [0u8; 32];
+    k[..4].copy_from_slice(&i.to_be_bytes());
+    ScopedKey(k)
+}
+
+const FP: Fingerprint = Fingerprint([7; 32]);
+
+/// The binary run to its exit with `config` (written to a file) through `sh -c "PREFIX exec
+/// idemgate --config FILE"`, for a start that is expected to fail.
+fn run_binary(config: &TestConfig, prefix: &str) -> Output {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), config.to_toml()).unwrap();
+    let script = format!(
+        "{prefix} exec '{}' --config '{}'",
+        env!("CARGO_BIN_EXE_idemgate"),
+        file.path().display()
+    );
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap()
+}
+
+/// A gateway config on the embedded store in `dir` in front of `upstream`.
+fn config(upstream: &CountingUpstream, dir: &std::path::Path) -> TestConfig {
+    TestConfig::new()
+        .upstream(&upstream.url())
+        .embedded(dir)
+        .set("defaults.lock_ttl", "30s")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_acknowledged_request_survives_a_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path());
+    let mut gateway = GatewayBinary::start(&config).await;
+    // Claims acknowledged and still running upstream when the process dies: each reached the
+    // upstream, which the gateway does only once its claim is on disk.
+    let slow: Vec<String> = (0..16).map(|i| format!("slow-{i}")).collect();
+    for key in &slow {
+        let request = keyed(&gateway.url("/v1/pay?delay_ms=20000"), key);
+        tokio::spawn(request.send());
+    }
+    upstream.wait_for_calls(slow.len()).await;
+    // A stream of keyed requests, cut by the kill.
+    let mut lanes = Vec::new();
+    for lane in 0..8 {
+        let url = gateway.url("/v1/pay");
+        lanes.push(tokio::spawn(async move {
+            let mut completed = Vec::new();
+            for i in 0.. {
+                let key = format!("k-{lane}-{i}");
+                match keyed(&url, &key).send().await {
+                    Ok(r) if r.status().is_success() => completed.push(key),
+                    other => {
+                        eprintln!("lane {lane} ends on {other:?}");
+                        return completed;
+                    }
+                }
+            }
+            completed
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    gateway.kill9();
+    let mut completed = Vec::new();
+    for lane in lanes {
+        completed.extend(lane.await.unwrap());
+    }
+    assert!(completed.len() >= 20, "only {} completed", completed.len());
+    let calls = upstream.calls();
+
+    let gateway = GatewayBinary::start(&config).await;
+    for key in &completed {
+        let seen = send(keyed(&gateway.url("/v1/pay"), key)).await;
+        assert!(
+            seen.replayed(),
+            "{key}: completed before the kill, not replayed: {seen:?}"
+        );
+    }
+    for key in &slow {
+        let seen = send(keyed(&gateway.url("/v1/pay?delay_ms=20000"), key)).await;
+        assert_eq!(
+            seen.status, 409,
+            "{key}: in flight at the kill, not refused: {seen:?}"
+        );
+        assert_eq!(seen.problem_type(), "urn:idemgate:problem:in-flight");
+    }
+    assert_eq!(
+        upstream.calls(),
+        calls,
+        "a request ran again after the restart"
+    );
+    eprintln!(
+        "kill -9: {} completed records replayed, {} in-flight claims refused",
+        completed.len(),
+        slow.len()
+    );
+}
+
+/// `POST url` with `key` as its Idempotency-Key and its body.
+fn keyed(url: &str, key: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(url)
+        .header("idempotency-key", key)
+        .body(key.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_on_the_directory_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path());
+    let _first = GatewayBinary::start(&config).await;
+    let second = run_binary(&config.clone().set("listen", "127.0.0.1:0"), "");
+    assert_eq!(second.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    let file = dir.path().join(embedded::FILE_NAME);
+    assert!(
+        stderr.contains(&file.display().to_string()) && stderr.contains("another process"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_share_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&EmbeddedSettings::new(dir.path())).unwrap();
+    let before = embedded::commits();
+    let lease = Duration::from_secs(60);
+    let claims: Vec<_> = (0..256)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&key(i), &FP, &Token([1; 16]), lease).await })
+        })
+        .collect();
+    for c in claims {
+        assert!(matches!(c.await.unwrap().unwrap(), Claim::Claimed));
+    }
+    let commits = embedded::commits() - before;
+    assert!(commits < 128, "{commits} commits for 256 concurrent claims");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = EmbeddedSettings::new(dir.path());
+    let lease = Duration::from_secs(60);
+    let store = EmbeddedStore::open(&settings).unwrap();
+    store
+        .claim(&key(1), &FP, &Token([1; 16]), lease)
+        .await
+        .unwrap();
+    store
+        .claim(&key(2), &FP, &Token([2; 16]), lease)
+        .await
+        .unwrap();
+    assert!(store
+        .complete(
+            &key(2),
+            &FP,
+            &Token([2; 16]),
+            &EntryState::NotReplayable,
+            lease
+        )
+        .await
+        .unwrap());
+    drop(store);
+    let mut reopened = None;
+    wait_until(Duration::from_secs(5), "the file is let go", async || {
+        reopened = EmbeddedStore::open(&settings).ok();
+        reopened.is_some()
+    })
+    .await;
+    let store = reopened.unwrap();
+    let again = store
+        .claim(&key(1), &FP, &Token([9; 16]), lease)
+        .await
+        .unwrap();
+    assert!(matches!(again, Claim::InFlight), "{again:?}");
+    let again = store
+        .claim(&key(2), &FP, &Token([9; 16]), lease)
+        .await
+        .unwrap();
+    assert!(matches!(again, Claim::NotReplayable), "{again:?}");
+    // The original holder still completes its claim after the restart.
+    assert!(store
+        .complete(
+            &key(1),
+            &FP,
+            &Token([1; 16]),
+            &EntryState::NotReplayable,
+            lease
+        )
+        .await
+        .unwrap());
+    assert_eq!(store.evict_all().await.unwrap(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_like_the_memory_store_and_purged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = EmbeddedSettings::new(dir.path());
+    settings.max_entries = 10;
+    let store = EmbeddedStore::open(&settings).unwrap();
+    let lease = Duration::from_secs(60);
+    for i in 0..10 {
+        let t = Token([i as u8; 16]);
+        store.claim(&key(i), &FP, &t, lease).await.unwrap();
+        if i >= 5 {
+            store
+                .complete(&key(i), &FP, &t, &EntryState::NotReplayable, lease)
+                .await
+                .unwrap();
+        }
+    }
+    for i in 10..15 {
+        let claimed = store
+            .claim(&key(i), &FP, &Token([i as u8; 16]), lease)
+            .await
+            .unwrap();
+        assert!(matches!(claimed, Claim::Claimed));
+    }
+    for i in 0..5 {
+        let again = store
+            .claim(&key(i), &FP, &Token([99; 16]), lease)
+            .await
+            .unwrap();
+        assert!(matches!(again, Claim::InFlight), "claim {i} was evicted");
+        assert!(
+            store.inspect(&key(i + 5)).await.unwrap().is_none(),
+            "record {} kept",
+            i + 5
+        );
+    }
+    assert!(matches!(
+        store.claim(&key(100), &FP, &Token([1; 16]), lease).await,
+        Err(StoreError::Full)
+    ));
+    // Short leases run out and the background purge removes them.
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&EmbeddedSettings::new(dir.path())).unwrap();
+    for i in 0..3 {
+        let short = Duration::from_millis(100);
+        store
+            .claim(&key(i), &FP, &Token([1; 16]), short)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(embedded::PURGE_EVERY * 2 + Duration::from_millis(500)).await;
+    assert_eq!(
+        store.evict_all().await.unwrap(),
+        0,
+        "expired claims not purged"
+    );
+}
