@@ -145,7 +145,7 @@ async fn a_second_process_on_the_directory_is_refused_at_start() {
 async fn concurrent_claims_share_commits() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&EmbeddedSettings::new(dir.path())).unwrap();
-    let before = embedded::commits();
+    let before = store.commits();
     let lease = Duration::from_secs(60);
     let claims: Vec<_> = (0..256)
         .map(|i| {
@@ -156,7 +156,7 @@ async fn concurrent_claims_share_commits() {
     for c in claims {
         assert!(matches!(c.await.unwrap().unwrap(), Claim::Claimed));
     }
-    let commits = embedded::commits() - before;
+    let commits = store.commits() - before;
     assert!(commits < 128, "{commits} commits for 256 concurrent claims");
 }
 

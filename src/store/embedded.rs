@@ -56,14 +56,6 @@ const QUEUE: usize = 8192;
 const ENTRY_OVERHEAD: u64 = 128;
 
 /// Commits of every embedded store in this process (each one fsync when `fsync` is on).
-static COMMITS: AtomicU64 = AtomicU64::new(0);
-
-/// Write transactions committed by the embedded stores of this process so far: with `fsync`, the
-/// fsyncs. Read beside the claims served, it gives fsyncs per claim.
-pub fn commits() -> u64 {
-    COMMITS.load(Ordering::Relaxed)
-}
-
 /// A handle to the embedded store; clones share one file and one writer. The writer thread and
 /// the purge task stop when the last handle goes, and the file's lock with them.
 #[derive(Debug, Clone)]
@@ -75,6 +67,8 @@ pub struct EmbeddedStore {
     timeout: Duration,
     // Aborts the purge task when the last handle is dropped; it holds only a weak sender.
     _purger: Option<Arc<AbortOnDropHandle<()>>>,
+    // Write transactions committed so far: with `fsync`, the fsyncs.
+    commits: Arc<AtomicU64>,
 }
 
 /// A write for the writer, with where its answer goes.
@@ -148,9 +142,11 @@ impl EmbeddedStore {
             fsync: settings.fsync,
         };
         let for_writer = db.clone();
+        let commits = Arc::new(AtomicU64::new(0));
+        let counted = commits.clone();
         std::thread::Builder::new()
             .name("idemgate-store".into())
-            .spawn(move || write_loop(&for_writer, queue, limits))
+            .spawn(move || write_loop(&for_writer, queue, limits, &counted))
             .map_err(|e| failed("writer thread", e))?;
         let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let weak = writer.downgrade();
@@ -161,7 +157,14 @@ impl EmbeddedStore {
             writer,
             timeout: settings.timeout,
             _purger: purger,
+            commits,
         })
+    }
+
+    /// Write transactions this store has committed: with `fsync`, its fsyncs. Read beside the
+    /// claims served, it gives fsyncs per claim.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     /// Queue `what` for the writer and wait until its batch is committed.
@@ -284,7 +287,7 @@ struct Limits {
 }
 
 /// The writer thread: one transaction per batch of waiting operations, answered once committed.
-fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits) {
+fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &AtomicU64) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while let Some(op) = queue.blocking_recv() {
         batch.push(op);
@@ -297,6 +300,7 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits) {
         let mut outcomes = Vec::with_capacity(batch.len());
         match apply_batch(db, &batch, limits, &mut outcomes) {
             Ok(()) => {
+                commits.fetch_add(1, Ordering::Relaxed);
                 for (op, answer) in batch.drain(..).zip(outcomes) {
                     let _ = op.reply.send(answer);
                 }
@@ -342,7 +346,6 @@ fn apply_batch(
         t.save().map_err(|e| fail("write", &e))?;
     }
     txn.commit().map_err(|e| fail("commit", &e))?;
-    COMMITS.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
