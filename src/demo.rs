@@ -1,4 +1,4 @@
-//! `idemgate demo`: the gateway on the embedded store in front of a small example payments API,
+//! `idemgate demo`: the gateway on the in-memory store in front of a small example payments API,
 //! so the quick start shows the behaviour with nothing else installed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,7 +62,7 @@ ttl = "1h"
 /// The curl lines printed for the user to try.
 pub(crate) fn instructions(listen: &str) -> String {
     format!(
-        r#"idemgate demo: gateway on http://{listen} (embedded store) in front of an example payments API.
+        r#"idemgate demo: gateway on http://{listen} (in-memory store) in front of an example payments API.
 
 Try, in another terminal:
   # 1. charge once (runs the upstream, 201)

@@ -36,7 +36,7 @@ enum LogFormat {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run on the embedded store in front of an example payments API, printing curl lines to try.
+    /// Run on the in-memory store in front of an example payments API, printing curl lines to try.
     Demo {
         /// Where the gateway listens.
         #[arg(long, default_value = "127.0.0.1:8080")]
