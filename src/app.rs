@@ -223,16 +223,19 @@ async fn worker(
         cap,
         metrics: layer.metrics().clone(),
     };
+    let connections = worker.run(stop).await;
     // The grace starts when the stop does.
     let grace = config.shutdown_grace;
-    let deadline = std::sync::OnceLock::new();
-    let deadline_at = || *deadline.get_or_init(|| Instant::now() + grace);
-    if !worker.run(stop, deadline_at).await {
+    let deadline = Instant::now() + grace;
+    if tokio::time::timeout_at(deadline, connections.wait())
+        .await
+        .is_err()
+    {
         warn!(?grace, "shutdown grace ran out with connections still open");
     }
     // Claimed calls whose clients went away are still being recorded: give them the rest.
     tasks.close();
-    if tokio::time::timeout_at(deadline_at(), tasks.wait())
+    if tokio::time::timeout_at(deadline, tasks.wait())
         .await
         .is_err()
     {

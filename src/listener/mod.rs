@@ -101,14 +101,9 @@ where
     RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    /// Accept until `stop` turns true; then stop accepting, tell every open connection to
-    /// finish (HTTP/2: GOAWAY), and wait for them until `deadline`. Returns whether they all
-    /// closed in time.
-    pub(crate) async fn run(
-        self,
-        mut stop: tokio::sync::watch::Receiver<bool>,
-        deadline: impl Fn() -> Instant,
-    ) -> bool {
+    /// Accept until `stop` turns true; then stop accepting and return the open connections,
+    /// each told to finish (HTTP/2: GOAWAY), for the caller to wait on within its grace.
+    pub(crate) async fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) -> TaskTracker {
         let mut http = auto::Builder::new(TokioExecutor::new());
         // The watchdog bounds a request head's arrival, on both protocols.
         http.http1()
@@ -150,9 +145,7 @@ where
         }
         drop(self.listener);
         connections.close();
-        tokio::time::timeout_at(deadline(), connections.wait())
-            .await
-            .is_ok()
+        connections
     }
 
     /// The next connection, under the cap. Failures to accept (out of file descriptors and the

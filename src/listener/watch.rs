@@ -111,6 +111,14 @@ impl ConnState {
         }
     }
 
+    /// An HTTP/2 header block opened: it must complete within the header timeout, whatever
+    /// else is in progress (nothing else moves on the connection until it does).
+    fn head_arriving_h2(&self) {
+        if self.head_since.load(Relaxed) == UNSET {
+            self.head_since.store(self.now(), Relaxed);
+        }
+    }
+
     fn head_complete(&self) {
         self.head_since.store(UNSET, Relaxed);
     }
@@ -408,16 +416,6 @@ impl Stream {
                     }
                 }
             }
-        }
-    }
-}
-
-impl ConnState {
-    /// An HTTP/2 header block opened: it must complete within the header timeout, whatever
-    /// else is in progress (nothing else moves on the connection until it does).
-    fn head_arriving_h2(&self) {
-        if self.head_since.load(Relaxed) == UNSET {
-            self.head_since.store(self.now(), Relaxed);
         }
     }
 }
