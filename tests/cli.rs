@@ -53,6 +53,10 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "upstream = \"http://127.0.0.1:9\"\nmax_client_connections = 0",
             "max_client_connections",
         ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"forever\"",
+            "defaults.ttl",
+        ),
     ];
     for (text, field) in cases {
         let file = write(text);
@@ -129,6 +133,28 @@ fn environment_overrides_beat_the_file_and_secrets_stay_hidden() {
         !stdout.contains("admin-token-very-secret"),
         "the admin token is never printed"
     );
+}
+
+#[test]
+fn check_config_shows_records_kept_forever() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = idemgate_env(
+        &["check-config"],
+        &[
+            ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+            ("IDEMGATE_STORE__BACKEND", "embedded"),
+            ("IDEMGATE_STORE__PATH", dir.path().to_str().unwrap()),
+            ("IDEMGATE_DEFAULTS__TTL", "forever"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ttl: forever,"), "{stdout}");
+    assert!(stdout.contains("max_ttl: forever,"), "{stdout}");
 }
 
 #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::{client, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
+use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::{embedded, Claim, EmbeddedSettings, EmbeddedStore, Inspect, Store};
 use idemgate::StoreError;
@@ -180,7 +181,7 @@ async fn records_survive_a_reopen() {
             &FP,
             &Token([2; 16]),
             &EntryState::NotReplayable,
-            lease
+            lease.into()
         )
         .await
         .unwrap());
@@ -209,7 +210,7 @@ async fn records_survive_a_reopen() {
             &FP,
             &Token([1; 16]),
             &EntryState::NotReplayable,
-            lease
+            lease.into()
         )
         .await
         .unwrap());
@@ -228,7 +229,7 @@ async fn bounded_like_the_memory_store_and_purged() {
         store.claim(&key(i), &FP, &t, lease).await.unwrap();
         if i >= 5 {
             store
-                .complete(&key(i), &FP, &t, &EntryState::NotReplayable, lease)
+                .complete(&key(i), &FP, &t, &EntryState::NotReplayable, lease.into())
                 .await
                 .unwrap();
         }
@@ -272,4 +273,60 @@ async fn bounded_like_the_memory_store_and_purged() {
         0,
         "expired claims not purged"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_kept_forever_are_never_evicted_to_make_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = EmbeddedSettings::new(dir.path());
+    settings.max_entries = 3;
+    let store = EmbeddedStore::open(&settings).unwrap();
+    let lease = Duration::from_secs(60);
+    for i in 0..3 {
+        let (k, t) = (key(i), Token([i as u8; 16]));
+        store.claim(&k, &FP, &t, lease).await.unwrap();
+        let kept = EntryState::NotReplayable;
+        assert!(store
+            .complete(&k, &FP, &t, &kept, Ttl::Forever)
+            .await
+            .unwrap());
+    }
+    // At the bound, a new key is refused rather than a record kept forever dropped...
+    let refused = store.claim(&key(3), &FP, &Token([3; 16]), lease).await;
+    assert!(matches!(refused, Err(StoreError::Full)), "{refused:?}");
+    for i in 0..3 {
+        let kept = store.inspect(&key(i)).await.unwrap().expect("kept");
+        assert_eq!(kept.expires_in, None);
+    }
+    // ...and an eviction by the operator makes room.
+    assert!(store.evict(&key(0)).await.unwrap());
+    let claimed = store.claim(&key(3), &FP, &Token([3; 16]), lease).await;
+    assert!(matches!(claimed, Ok(Claim::Claimed)), "{claimed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_kept_forever_replay_after_a_restart_with_no_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path())
+        .set("defaults.ttl", "forever")
+        .set("defaults.expiry_header", "idempotency-expires")
+        .route("/v1/day", toml::toml! { ttl = "1d" });
+    let gateway = GatewayBinary::start(&config).await;
+    let first = send(keyed(&gateway.url("/v1/pay"), "kept")).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        first.header("idempotency-expires"),
+        None,
+        "forever has no date"
+    );
+    let day = send(keyed(&gateway.url("/v1/day"), "a-day")).await;
+    assert!(day.header("idempotency-expires").is_some(), "{day:?}");
+    drop(gateway);
+
+    let gateway = GatewayBinary::start(&config).await;
+    let again = send(keyed(&gateway.url("/v1/pay"), "kept")).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.header("idempotency-expires"), None);
+    assert_eq!(upstream.calls(), 2);
 }

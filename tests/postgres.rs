@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::{send, wait_until, Backend, InProcessGateway, PostgresServer, TestConfig, TestEnv};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
+use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::postgres::{PostgresError, REAP_EVERY};
 use idemgate::store::{Claim, Inspect, PostgresSettings, PostgresStore, Store, StoreError};
@@ -46,7 +47,7 @@ fn run_binary(config: &TestConfig) -> (Option<i32>, String) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_reaper_deletes_expired_rows_and_only_those() {
+async fn the_reaper_deletes_expired_rows_and_only_those_never_a_record_kept_forever() {
     let server = PostgresServer::start().await;
     let s = store(&server).await;
     let fp = Fingerprint([1; 32]);
@@ -61,7 +62,7 @@ async fn the_reaper_deletes_expired_rows_and_only_those() {
                     &fp,
                     &t,
                     &EntryState::NotReplayable,
-                    short
+                    short.into()
                 )
                 .await
                 .unwrap());
@@ -69,15 +70,25 @@ async fn the_reaper_deletes_expired_rows_and_only_those() {
     }
     let live = ScopedKey([99; 32]);
     s.claim(&live, &fp, &Token::random(), LEASE).await.unwrap();
-    assert_eq!(rows(&server), 6);
-    // Expired claims and records are gone within the reaper's interval, by the store's own task.
+    let forever = ScopedKey([98; 32]);
+    let t = Token::random();
+    s.claim(&forever, &fp, &t, short).await.unwrap();
+    let kept = EntryState::NotReplayable;
+    assert!(s
+        .complete(&forever, &fp, &t, &kept, Ttl::Forever)
+        .await
+        .unwrap());
+    assert_eq!(rows(&server), 7);
+    // Expired claims and records are gone within the reaper's interval, by the store's own task;
+    // a record kept forever is not.
     wait_until(
         REAP_EVERY + Duration::from_secs(3),
         "the reaper deleted the expired rows",
-        async || rows(&server) == 1,
+        async || rows(&server) == 2,
     )
     .await;
     assert!(s.inspect(&live).await.unwrap().is_some());
+    assert_eq!(s.inspect(&forever).await.unwrap().unwrap().expires_in, None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

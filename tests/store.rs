@@ -14,9 +14,12 @@ use common::RedisServer;
 use http::StatusCode;
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
+use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
 use idemgate::store::RedisSettings;
-use idemgate::store::{CachedStore, Claim, LocalCache, RedisStore, Replay, Store, StoreError};
+use idemgate::store::{
+    CachedStore, Claim, Inspect, LocalCache, RedisStore, Replay, Store, StoreError,
+};
 
 /// Generate, for each named `async fn(S: Store)`, one test per store the contract binds.
 macro_rules! contract {
@@ -92,6 +95,66 @@ contract!(
     a_different_request_is_a_mismatch,
 );
 
+/// `ttl = "forever"`, on the stores that keep it.
+mod kept_forever {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_embedded() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = idemgate::store::EmbeddedSettings::new(dir.path());
+        super::kept_forever(idemgate::store::EmbeddedStore::open(&settings).unwrap()).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_postgres() {
+        let server = super::common::PostgresServer::start().await;
+        let settings = idemgate::store::PostgresSettings::new(server.url());
+        let store = idemgate::store::PostgresStore::connect(&settings)
+            .await
+            .unwrap();
+        super::kept_forever(store).await
+    }
+}
+
+/// A record kept forever replays with no expiry and outlives one kept for a moment.
+async fn kept_forever<S: Inspect>(s: S) {
+    let (forever, brief, fp) = (ScopedKey([7; 32]), ScopedKey([8; 32]), Fingerprint([2; 32]));
+    for (k, ttl) in [
+        (forever, Ttl::Forever),
+        (brief, Ttl::For(Duration::from_millis(200))),
+    ] {
+        let t = Token::random();
+        assert!(matches!(
+            s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+            Claim::Claimed
+        ));
+        assert!(s
+            .complete(&k, &fp, &t, &response("kept"), ttl)
+            .await
+            .unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let claim = s.claim(&brief, &fp, &Token::random(), LEASE).await.unwrap();
+    assert!(matches!(claim, Claim::Claimed), "{claim:?}");
+    match s
+        .claim(&forever, &fp, &Token::random(), LEASE)
+        .await
+        .unwrap()
+    {
+        Claim::Replay(replay) => {
+            assert_eq!(replay.response.body, "kept");
+            assert_eq!(
+                replay.expires_in, None,
+                "a record kept forever has no expiry"
+            );
+        }
+        other => panic!("not replayed: {other:?}"),
+    }
+    let inspected = s.inspect(&forever).await.unwrap().expect("still there");
+    assert_eq!(inspected.expires_in, None);
+    assert!(s.evict(&forever).await.unwrap(), "an eviction removes it");
+    assert!(s.inspect(&forever).await.unwrap().is_none());
+}
+
 async fn redis_store(server: &RedisServer, prefix: &str) -> RedisStore {
     RedisStore::connect(&RedisSettings::new(server.url()).prefix(prefix))
         .await
@@ -138,7 +201,7 @@ async fn claim_is_exclusive<S: Store>(s: S) {
         Claim::Claimed
     ));
     assert!(s
-        .complete(&k, &fp, &a, &response("done"), TTL)
+        .complete(&k, &fp, &a, &response("done"), TTL.into())
         .await
         .unwrap());
     let again = s.claim(&k, &fp, &other, LEASE).await.unwrap();
@@ -165,7 +228,7 @@ async fn a_different_request_is_a_mismatch<S: Store>(s: S) {
         .unwrap();
     assert!(matches!(in_flight, Claim::Mismatch), "{in_flight:?}");
     assert!(s
-        .complete(&k, &fp, &t, &EntryState::NotReplayable, TTL)
+        .complete(&k, &fp, &t, &EntryState::NotReplayable, TTL.into())
         .await
         .unwrap());
     let done = s
@@ -200,18 +263,18 @@ async fn stale_holder_is_fenced<S: Store>(s: S) {
     let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
     // The stale holder wakes up: it can neither complete, renew nor release the new claim.
     assert!(!s
-        .complete(&k, &fp, &stale, &response("stale"), TTL)
+        .complete(&k, &fp, &stale, &response("stale"), TTL.into())
         .await
         .unwrap());
     assert!(!s.renew(&k, &stale, TTL).await.unwrap());
     assert!(!s.release(&k, &stale).await.unwrap());
     // The fresh holder completes; the stale one still cannot overwrite it.
     assert!(s
-        .complete(&k, &fp, &fresh, &response("fresh"), TTL)
+        .complete(&k, &fp, &fresh, &response("fresh"), TTL.into())
         .await
         .unwrap());
     assert!(!s
-        .complete(&k, &fp, &stale, &response("stale"), TTL)
+        .complete(&k, &fp, &stale, &response("stale"), TTL.into())
         .await
         .unwrap());
     let seen = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
@@ -255,7 +318,7 @@ async fn rediss_with_a_private_ca() {
         Claim::Claimed
     ));
     assert!(s
-        .complete(&k, &fp, &t, &response("over tls"), TTL)
+        .complete(&k, &fp, &t, &response("over tls"), TTL.into())
         .await
         .unwrap());
     let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
@@ -323,7 +386,7 @@ async fn large_entries_complete_through_a_staging_key() {
     let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
     // The stale holder's large completion is refused and its staged entry removed.
     assert!(!s
-        .complete(&k, &fp, &stale, &large(b's'), TTL)
+        .complete(&k, &fp, &stale, &large(b's'), TTL.into())
         .await
         .unwrap());
     // Redis forgets its scripts: the next completion loads the script again.
@@ -333,12 +396,12 @@ async fn large_entries_complete_through_a_staging_key() {
         .await
         .unwrap();
     assert!(s
-        .complete(&k, &fp, &fresh, &large(b'f'), 10 * TTL)
+        .complete(&k, &fp, &fresh, &large(b'f'), (10 * TTL).into())
         .await
         .unwrap());
     // A retried completion (its first answer lost) is recognised as done.
     assert!(s
-        .complete(&k, &fp, &fresh, &large(b'f'), 10 * TTL)
+        .complete(&k, &fp, &fresh, &large(b'f'), (10 * TTL).into())
         .await
         .unwrap());
     let seen = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
@@ -396,7 +459,7 @@ async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
         "the unacknowledged claim was released"
     );
     match waiting
-        .complete(&k, &fp, &mine, &response("done"), TTL)
+        .complete(&k, &fp, &mine, &response("done"), TTL.into())
         .await
     {
         Err(StoreError::NotAcknowledged {
@@ -442,7 +505,7 @@ async fn writes_a_replica_acknowledges_count() {
         Claim::Claimed
     ));
     assert!(store
-        .complete(&k, &fp, &token, &large(b'r'), TTL)
+        .complete(&k, &fp, &token, &large(b'r'), TTL.into())
         .await
         .unwrap());
     let on_replica: Option<Vec<u8>> = redis::cmd("GET")
@@ -482,7 +545,7 @@ async fn a_watch_hears_completions_and_releases() {
         assert!(heard.await.is_err(), "nothing happened yet ({finish})");
         if finish == "complete" {
             assert!(holder
-                .complete(&k, &fp, &token, &response("x"), LEASE)
+                .complete(&k, &fp, &token, &response("x"), LEASE.into())
                 .await
                 .unwrap());
         } else {
@@ -501,7 +564,7 @@ async fn a_watch_hears_completions_and_releases() {
 /// An eviction through one gateway's store reaches every other's subscriber.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evictions_are_published_to_every_process() {
-    use idemgate::store::{Evicted, Inspect};
+    use idemgate::store::Evicted;
     let server = RedisServer::start().await;
     let (here, there) = (
         redis_store(&server, "e:").await,

@@ -9,9 +9,9 @@ use std::time::Duration;
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::Deserialize;
 
-use super::human::{HumanDuration, HumanSize};
+use super::human::{HumanDuration, HumanSize, HumanTtl};
 use super::ConfigError;
-use crate::idempotency::policy::check;
+use crate::idempotency::policy::{check, Ttl};
 
 /// A rule for one kind of value: what is read, what it becomes, and why it may be refused.
 pub(super) trait Rule {
@@ -210,6 +210,8 @@ fn field_name(keys: &[impl AsRef<str>]) -> String {
 rules! {
     /// A duration greater than zero.
     NonZero: HumanDuration => Duration = |d: HumanDuration| check::non_zero(d.0);
+    /// A record lifetime: a duration greater than zero, or `"forever"`.
+    Lifetime: HumanTtl => Ttl = |t: HumanTtl| check::lifetime(t.0);
     /// A size greater than zero.
     NonZeroSize: HumanSize => u64 = |s: HumanSize| check::non_zero_size(s.0);
     /// A count of at least 1.

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
+use crate::idempotency::policy::Ttl;
 pub use crate::idempotency::policy::MAX_DURATION;
 
 /// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
@@ -33,6 +34,25 @@ impl<'de> Deserialize<'de> for HumanDuration {
         humantime::parse_duration(s.trim())
             .map(|d| HumanDuration(d.min(MAX_DURATION)))
             .map_err(|e| de::Error::custom(format!("{s:?} is not a duration like \"30s\" ({e})")))
+    }
+}
+
+/// A record lifetime written as a human duration, or `"forever"`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct HumanTtl(pub Ttl);
+
+impl<'de> Deserialize<'de> for HumanTtl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.trim().eq_ignore_ascii_case("forever") {
+            return Ok(HumanTtl(Ttl::Forever));
+        }
+        let d = humantime::parse_duration(s.trim()).map_err(|e| {
+            de::Error::custom(format!(
+                "{s:?} is not a duration like \"30s\" or \"forever\" ({e})"
+            ))
+        })?;
+        Ok(HumanTtl(Ttl::For(d.min(MAX_DURATION))))
     }
 }
 

@@ -272,6 +272,7 @@ impl Config {
             .min(tokio::sync::Semaphore::MAX_PERMITS);
         let (defaults, routes) = policies(&raw.defaults, &raw.routes, key_secret.as_ref())?;
         let upstream = forwarded_to(&upstreams, &defaults, &routes)?;
+        kept_by(&store, &defaults, &routes)?;
         Ok(Config {
             listen,
             upstream,
@@ -301,12 +302,14 @@ fn policies(
     if defaults.path.is_some() {
         return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
     }
-    let resolve = |table: &PolicyTable, over: &Policy, at: &str| {
+    // Whether `max_ttl` was given, by the table or `[defaults]` under it.
+    let resolve = |table: &PolicyTable, over: &Policy, max_ttl_given: bool, at: &str| {
         let policy = table.merged_over(over.clone());
-        policy.check_ttls(at)?;
+        let policy = policy.settle_ttls(max_ttl_given || table.sets_max_ttl(), at)?;
         policy.with_key_secret(key_secret, at)
     };
-    let defaults = resolve(defaults, &Policy::default(), "defaults")?;
+    let defaults_max_ttl = defaults.sets_max_ttl();
+    let defaults = resolve(defaults, &Policy::default(), false, "defaults")?;
     let mut table = crate::idempotency::Routes::new(defaults.clone());
     let mut resolved = Vec::with_capacity(routes.len());
     for (i, r) in routes.iter().enumerate() {
@@ -315,7 +318,7 @@ fn policies(
             .path
             .clone()
             .ok_or_else(|| invalid(format!("{at}.path"), "is required"))?;
-        let mut policy = resolve(r, &defaults, &at)?;
+        let mut policy = resolve(r, &defaults, defaults_max_ttl, &at)?;
         policy.route = path.clone();
         table = table.route(&path, policy.clone())?;
         resolved.push(Route {
@@ -324,6 +327,29 @@ fn policies(
         });
     }
     Ok((Arc::new(defaults), resolved))
+}
+
+/// An error naming the first record lifetime set to forever on a store that cannot keep it.
+fn kept_by(store: &StoreConfig, defaults: &Policy, routes: &[Route]) -> Result<(), ConfigError> {
+    if store.keeps_forever() {
+        return Ok(());
+    }
+    let policies = routes
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("routes[{i}]"), &*r.policy));
+    for (at, policy) in std::iter::once(("defaults".to_string(), defaults)).chain(policies) {
+        if let Some(field) = policy.forever_field() {
+            return Err(invalid(
+                format!("{at}.{field}"),
+                format!(
+                    "\"forever\" needs a durable store (backend = \"embedded\" or \"postgres\"), not {:?}",
+                    store.backend()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The URL `[defaults]` forwards to; an error naming the policy whose upstream does not exist.
@@ -355,6 +381,7 @@ fn forwarded_to(
 #[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
+    use crate::idempotency::policy::Ttl;
     use http::{Method, StatusCode};
 
     fn err(text: &str) -> String {
@@ -410,7 +437,7 @@ mod tests {
         )
         .unwrap();
         let p = &c.routes[0].policy;
-        assert_eq!(p.ttl, Duration::from_secs(7 * 86400));
+        assert_eq!(p.ttl, Ttl::For(Duration::from_secs(7 * 86400)));
         assert_eq!(p.lock_ttl, Duration::from_secs(5));
         assert_eq!(p.methods, vec![Method::POST]);
         assert!(p.require_key);
@@ -549,16 +576,73 @@ mod tests {
             "upstream = \"http://h:1\"\n[defaults]\nttl = \"3650d\"\nmax_ttl = \"3650d\"",
         )
         .unwrap();
-        assert_eq!(c.defaults.ttl, Duration::from_secs(3650 * 86400));
+        assert_eq!(c.defaults.ttl, Ttl::For(Duration::from_secs(3650 * 86400)));
         let c = Config::from_toml(
             "upstream = \"http://h:1\"\n[defaults]\nttl = \"5000000000000s\"\nmax_ttl = \"5000000000000s\"",
         )
         .unwrap();
-        assert_eq!(c.defaults.ttl, MAX_DURATION);
+        assert_eq!(c.defaults.ttl, Ttl::For(MAX_DURATION));
         // A ttl past max_ttl (7d by default) is refused, naming the field.
         assert!(err("upstream = \"http://h:1\"\n[defaults]\nttl = \"8d\"").contains("defaults.ttl"));
         assert!(err("upstream = \"http://h:1\"\n[[routes]]\npath = \"/a\"\nfailure_ttl = \"1h\"\nmax_ttl = \"30m\"")
             .contains("routes[0].ttl"));
+    }
+
+    #[test]
+    fn forever_is_for_durable_stores_and_raises_max_ttl() {
+        let on = |store: &str, policy: &str| {
+            format!("upstream = \"http://h:1\"\n[store]\n{store}\n{policy}")
+        };
+        let embedded = "backend = \"embedded\"\npath = \"/tmp/x\"";
+        let forever = "[defaults]\nttl = \"forever\"";
+        let c = Config::from_toml(&on(embedded, forever)).unwrap();
+        assert_eq!(
+            (c.defaults.ttl, c.defaults.max_ttl),
+            (Ttl::Forever, Ttl::Forever)
+        );
+        assert_eq!(c.defaults.failure_ttl, Policy::default().failure_ttl);
+        // A route may keep its records for less; its max_ttl is still forever.
+        let route = "[[routes]]\npath = \"/a\"\nttl = \"1h\"";
+        let c = Config::from_toml(&on(embedded, &format!("{forever}\n{route}"))).unwrap();
+        assert_eq!(c.routes[0].policy.ttl, Ttl::For(Duration::from_secs(3600)));
+        assert_eq!(c.routes[0].policy.max_ttl, Ttl::Forever);
+        let pg = "backend = \"postgres\"\nurl = \"postgres://u@h/db\"";
+        let audit = "[[routes]]\npath = \"/a\"\nttl = \"forever\"\nfailure_ttl = \"forever\"";
+        let c = Config::from_toml(&on(pg, audit)).unwrap();
+        assert_eq!(c.routes[0].policy.failure_ttl, Ttl::Forever);
+        assert_eq!(c.defaults.max_ttl, Policy::default().max_ttl);
+        // A finite max_ttl beside it is an error naming both, in the table or under it.
+        let both = format!("{forever}\nmax_ttl = \"30d\"");
+        let e = err(&on(embedded, &both));
+        assert!(
+            e.contains("defaults.ttl") && e.contains("defaults.max_ttl is 30days"),
+            "{e}"
+        );
+        let under = "[defaults]\nmax_ttl = \"30d\"\n[[routes]]\npath = \"/a\"\nttl = \"forever\"";
+        assert!(err(&on(embedded, under)).contains("routes[0].ttl"));
+        // Memory and Redis cannot keep a record forever: an error naming the field.
+        let e = err(&on("backend = \"memory\"", forever));
+        assert!(
+            e.contains("defaults.ttl") && e.contains("durable store"),
+            "{e}"
+        );
+        let redis = "backend = \"redis\"\nurl = \"redis://h:6379\"";
+        assert!(err(&on(redis, audit)).contains("routes[0].ttl"));
+        let bound = "[[routes]]\npath = \"/a\"\nmax_ttl = \"forever\"";
+        assert!(err(&on(redis, bound)).contains("routes[0].max_ttl"));
+        assert!(err(&on(embedded, "[defaults]\nttl = \"always\"")).contains("or \"forever\""));
+    }
+
+    #[test]
+    fn the_builder_keeps_forever_as_the_toml_does() {
+        let p = Policy::builder().ttl(Ttl::Forever).build().unwrap();
+        assert_eq!(p.max_ttl, Ttl::Forever);
+        let e = Policy::builder()
+            .ttl(Ttl::Forever)
+            .max_ttl(Duration::from_secs(60))
+            .build()
+            .unwrap_err();
+        assert!(e.to_string().contains("policy.ttl"), "{e}");
     }
 
     #[test]
@@ -606,7 +690,7 @@ mod tests {
             jail.set_env("IDEMGATE_ADMIN_TOKEN", "0123456789abcdef-secret");
             jail.set_env("UNRELATED", "x");
             let c = Config::load(Some("idemgate.toml")).unwrap();
-            assert_eq!(c.defaults.ttl, Duration::from_secs(7200));
+            assert_eq!(c.defaults.ttl, Ttl::For(Duration::from_secs(7200)));
             assert_eq!(
                 c.defaults.lock_ttl,
                 Duration::from_secs(5),
@@ -651,7 +735,10 @@ mod tests {
             assert_eq!(c.admin.listen.unwrap().port(), 9090);
             assert_eq!(c.routes.len(), 1);
             assert!(c.routes[0].policy.require_key);
-            assert_eq!(c.routes[0].policy.ttl, Duration::from_secs(7 * 86400));
+            assert_eq!(
+                c.routes[0].policy.ttl,
+                Ttl::For(Duration::from_secs(7 * 86400))
+            );
             Ok(())
         });
     }

@@ -5,7 +5,7 @@
 use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 
-use super::checked::{rules, Any, Checked, NonZero, NonZeroSize};
+use super::checked::{rules, Any, Checked, Lifetime, NonZero, NonZeroSize};
 use crate::idempotency::json::Pointer;
 use crate::idempotency::policy::{check, FingerprintMode, OnInFlight, OnStoreError, Policy};
 
@@ -25,6 +25,11 @@ macro_rules! policy_table {
         }
 
         impl PolicyTable {
+            /// Whether this table sets `max_ttl`.
+            pub(super) fn sets_max_ttl(&self) -> bool {
+                self.max_ttl.is_some()
+            }
+
             /// `policy` with every field this table names set to the table's value.
             pub(super) fn merged_over(&self, mut policy: Policy) -> Policy {
                 $(if let Some(value) = &self.$field {
@@ -39,7 +44,7 @@ macro_rules! policy_table {
 // Each field with its rule; the fields' meanings are documented on [`Policy`].
 policy_table! {
     methods: Methods,
-    ttl: NonZero,
+    ttl: Lifetime,
     lock_ttl: NonZero,
     require_key: Any<bool>,
     max_body: NonZeroSize,
@@ -60,8 +65,8 @@ policy_table! {
     fingerprint_ignore: IgnoredPointers,
     scope_cookies: CookieNames,
     fingerprint_headers: HeaderNames,
-    failure_ttl: NonZero,
-    max_ttl: NonZero,
+    failure_ttl: Lifetime,
+    max_ttl: Lifetime,
     replay_drop_headers: HeaderNames,
     expiry_header: OptionalHeaderName,
 }

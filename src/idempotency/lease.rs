@@ -13,6 +13,7 @@ use tracing::{debug, error, warn};
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, KeySource, ScopedKey};
 use super::policy::Policy;
+use super::policy::Ttl;
 use super::record::{EntryState, Token};
 use super::shared::Shared;
 use crate::metrics::StoreOp;
@@ -120,7 +121,7 @@ impl<St: Store> Lease<St> {
 
     /// Record `state` for `ttl`; when the store does not record it (or no replica acknowledges
     /// it), the response is delivered anyway and the completion sent again in the background.
-    pub(super) async fn complete(&self, state: &EntryState, ttl: Duration) {
+    pub(super) async fn complete(&self, state: &EntryState, ttl: Ttl) {
         let (shared, held) = (&self.shared, &self.held);
         let route = &held.policy.route;
         let complete = shared
@@ -148,7 +149,7 @@ impl<St: Store> Lease<St> {
     /// failover in progress, a Redis restart), for as long as the claim's lease could last:
     /// after that the key is free and the response no longer ours to record. Fenced by the
     /// token, and a completion already there counts as done.
-    async fn complete_again(&self, state: &EntryState, ttl: Duration) {
+    async fn complete_again(&self, state: &EntryState, ttl: Ttl) {
         let held = &self.held;
         let route = &held.policy.route;
         let until = Instant::now() + held.policy.lock_ttl;

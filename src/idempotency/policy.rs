@@ -19,6 +19,55 @@ pub const DEFAULT_UPSTREAM: &str = "default";
 /// that deadline arithmetic can never overflow.
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// How long a record is kept: a duration, or until an operator evicts it.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Ttl {
+    /// Kept this long (at most [`MAX_DURATION`]).
+    For(Duration),
+    /// Never expires (`"forever"`): only the durable stores keep such records, and only an
+    /// admin eviction removes one. A store that cannot keeps it for [`MAX_DURATION`].
+    Forever,
+}
+
+impl Ttl {
+    /// The duration, or `None` for [`Ttl::Forever`].
+    pub fn finite(self) -> Option<Duration> {
+        match self {
+            Ttl::For(d) => Some(d),
+            Ttl::Forever => None,
+        }
+    }
+
+    /// The duration, [`MAX_DURATION`] for [`Ttl::Forever`].
+    pub fn clamped(self) -> Duration {
+        self.finite().unwrap_or(MAX_DURATION).min(MAX_DURATION)
+    }
+}
+
+impl From<Duration> for Ttl {
+    fn from(d: Duration) -> Self {
+        Ttl::For(d)
+    }
+}
+
+impl std::fmt::Debug for Ttl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ttl::For(d) => d.fmt(f),
+            Ttl::Forever => f.write_str("forever"),
+        }
+    }
+}
+
+impl std::fmt::Display for Ttl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ttl::For(d) => humantime::format_duration(*d).fmt(f),
+            Ttl::Forever => f.write_str("forever"),
+        }
+    }
+}
+
 /// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -63,7 +112,7 @@ pub struct Policy {
     /// Methods where idempotency applies; others pass through untouched.
     pub methods: Vec<Method>,
     /// How long a completed response is replayed.
-    pub ttl: Duration,
+    pub ttl: Ttl,
     /// Lease of an in-flight claim.
     pub lock_ttl: Duration,
     /// Whether a request without a key is refused with 400.
@@ -109,10 +158,11 @@ pub struct Policy {
     /// Request headers that are part of the fingerprint.
     pub fingerprint_headers: Vec<HeaderName>,
     /// How long a stored 4xx (or, with `cache_server_errors`, 5xx) response is replayed.
-    pub failure_ttl: Duration,
+    pub failure_ttl: Ttl,
     /// The longest any record lives: `ttl`, `failure_ttl` and an upstream's
-    /// `Idempotency-Control: max-age` are bounded by it.
-    pub max_ttl: Duration,
+    /// `Idempotency-Control: max-age` are bounded by it. Forever when `ttl` or `failure_ttl` is
+    /// and no `max_ttl` was given.
+    pub max_ttl: Ttl,
     /// Response headers recorded but never replayed.
     pub replay_drop_headers: Vec<HeaderName>,
     /// If set, every recorded or replayed answer carries this header with the record's expiry.
@@ -127,7 +177,7 @@ impl Policy {
         Policy {
             route: "defaults".into(),
             methods: vec![Method::POST, Method::PATCH],
-            ttl: Duration::from_secs(24 * 3600),
+            ttl: Ttl::For(Duration::from_secs(24 * 3600)),
             lock_ttl: Duration::from_secs(30),
             require_key: false,
             max_body: 1024 * 1024,
@@ -149,8 +199,8 @@ impl Policy {
             fingerprint_ignore: Vec::new(),
             scope_cookies: Vec::new(),
             fingerprint_headers: Vec::new(),
-            failure_ttl: Duration::from_secs(24 * 3600),
-            max_ttl: Duration::from_secs(7 * 24 * 3600),
+            failure_ttl: Ttl::For(Duration::from_secs(24 * 3600)),
+            max_ttl: Ttl::For(Duration::from_secs(7 * 24 * 3600)),
             replay_drop_headers: vec![http::header::SET_COOKIE],
             expiry_header: None,
         }
@@ -185,21 +235,50 @@ impl Policy {
         }
     }
 
-    /// `ttl` and `failure_ttl` within `max_ttl`; an error naming `{at}.ttl` or `{at}.failure_ttl`.
-    pub(crate) fn check_ttls(&self, at: &str) -> Result<(), ConfigError> {
-        for (field, ttl) in [("ttl", self.ttl), ("failure_ttl", self.failure_ttl)] {
+    /// Settle the record lifetimes: with `ttl` or `failure_ttl` forever, `max_ttl` is forever
+    /// too unless one was given (`max_ttl_given`), which is then an error naming both; then
+    /// `ttl` and `failure_ttl` within `max_ttl`, an error naming `{at}.ttl` or `{at}.failure_ttl`.
+    pub(crate) fn settle_ttls(
+        mut self,
+        max_ttl_given: bool,
+        at: &str,
+    ) -> Result<Self, ConfigError> {
+        let lifetimes = [("ttl", self.ttl), ("failure_ttl", self.failure_ttl)];
+        for (field, ttl) in lifetimes {
+            if ttl == Ttl::Forever && self.max_ttl != Ttl::Forever {
+                if max_ttl_given {
+                    return Err(ConfigError::invalid(
+                        format!("{at}.{field}"),
+                        format!(
+                            "is forever, but {at}.max_ttl is {}: leave max_ttl out (it is then forever) or make {field} finite",
+                            self.max_ttl
+                        ),
+                    ));
+                }
+                self.max_ttl = Ttl::Forever;
+            }
+        }
+        for (field, ttl) in lifetimes {
             if ttl > self.max_ttl {
                 return Err(ConfigError::invalid(
                     format!("{at}.{field}"),
-                    format!(
-                        "{} is longer than max_ttl ({})",
-                        humantime::format_duration(ttl),
-                        humantime::format_duration(self.max_ttl)
-                    ),
+                    format!("{ttl} is longer than max_ttl ({})", self.max_ttl),
                 ));
             }
         }
-        Ok(())
+        Ok(self)
+    }
+
+    /// The first field set to forever (`ttl`, `failure_ttl`, `max_ttl`), if any.
+    pub(crate) fn forever_field(&self) -> Option<&'static str> {
+        [
+            ("ttl", self.ttl),
+            ("failure_ttl", self.failure_ttl),
+            ("max_ttl", self.max_ttl),
+        ]
+        .into_iter()
+        .find(|(_, ttl)| *ttl == Ttl::Forever)
+        .map(|(field, _)| field)
     }
 
     /// Whether a request without a key header may carry its key in the body.
@@ -235,6 +314,14 @@ pub(crate) mod check {
         match d.is_zero() {
             true => Err("must be greater than zero".into()),
             false => Ok(d),
+        }
+    }
+
+    /// `ttl`, `failure_ttl`, `max_ttl`: a duration greater than zero, or forever.
+    pub(crate) fn lifetime(ttl: super::Ttl) -> Result<super::Ttl, String> {
+        match ttl {
+            super::Ttl::For(d) => non_zero(d).map(super::Ttl::For),
+            super::Ttl::Forever => Ok(ttl),
         }
     }
 
@@ -383,6 +470,8 @@ pub(crate) mod check {
 pub struct PolicyBuilder {
     policy: Policy,
     secret: Option<KeySecret>,
+    // Whether `max_ttl` was set (otherwise it follows a forever `ttl`).
+    max_ttl_given: bool,
     // The first value refused, with its field's name.
     refused: Option<(&'static str, String)>,
 }
@@ -410,15 +499,23 @@ impl PolicyBuilder {
         check::non_zero(d.min(MAX_DURATION))
     }
 
+    /// A record lifetime as the TOML reads it: a duration as [`Self::duration`], or forever.
+    fn lifetime(ttl: impl Into<Ttl>) -> Result<Ttl, String> {
+        match ttl.into() {
+            Ttl::For(d) => Self::duration(d).map(Ttl::For),
+            Ttl::Forever => Ok(Ttl::Forever),
+        }
+    }
+
     /// `methods`: the methods idempotency applies to.
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let names = methods.into_iter().map(|m| m.to_string()).collect();
         self.set("methods", check::methods(names), |p, v| p.methods = v)
     }
 
-    /// `ttl`: how long a completed response is replayed.
-    pub fn ttl(self, ttl: Duration) -> Self {
-        self.set("ttl", Self::duration(ttl), |p, v| p.ttl = v)
+    /// `ttl`: how long a completed response is replayed (a [`Duration`] or [`Ttl::Forever`]).
+    pub fn ttl(self, ttl: impl Into<Ttl>) -> Self {
+        self.set("ttl", Self::lifetime(ttl), |p, v| p.ttl = v)
     }
 
     /// `lock_ttl`: the lease of an in-flight claim.
@@ -543,13 +640,15 @@ impl PolicyBuilder {
     }
 
     /// `failure_ttl`: how long a stored 4xx is replayed.
-    pub fn failure_ttl(self, ttl: Duration) -> Self {
-        self.set("failure_ttl", Self::duration(ttl), |p, v| p.failure_ttl = v)
+    pub fn failure_ttl(self, ttl: impl Into<Ttl>) -> Self {
+        let value = Self::lifetime(ttl);
+        self.set("failure_ttl", value, |p, v| p.failure_ttl = v)
     }
 
     /// `max_ttl`: the longest any record lives.
-    pub fn max_ttl(self, ttl: Duration) -> Self {
-        self.set("max_ttl", Self::duration(ttl), |p, v| p.max_ttl = v)
+    pub fn max_ttl(mut self, ttl: impl Into<Ttl>) -> Self {
+        self.max_ttl_given = true;
+        self.set("max_ttl", Self::lifetime(ttl), |p, v| p.max_ttl = v)
     }
 
     /// `replay_drop_headers`: response headers recorded but never replayed.
@@ -577,8 +676,8 @@ impl PolicyBuilder {
         if let Some((field, reason)) = self.refused {
             return Err(ConfigError::invalid(format!("policy.{field}"), reason));
         }
-        self.policy.check_ttls("policy")?;
-        self.policy.with_key_secret(self.secret.as_ref(), "policy")
+        let policy = self.policy.settle_ttls(self.max_ttl_given, "policy")?;
+        policy.with_key_secret(self.secret.as_ref(), "policy")
     }
 }
 

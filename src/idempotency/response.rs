@@ -10,7 +10,7 @@ use http::header::{HeaderName, HeaderValue};
 use http::{response, HeaderMap, Response, StatusCode};
 
 use super::body::ByteBody;
-use super::policy::Policy;
+use super::policy::{Policy, Ttl};
 use super::record::StoredResponse;
 use crate::headers::declares_its_length;
 
@@ -37,13 +37,13 @@ pub(super) fn relayed(resp: Response<impl ByteBody>) -> Response<Body> {
 /// How long to record a response whose head is `head`, or `None` when it must not be recorded
 /// (a status that says "try again", or `Idempotency-Control: no-store`). Takes
 /// `Idempotency-Control` out of the head either way.
-pub(super) fn recorded_for(head: &mut response::Parts, policy: &Policy) -> Option<Duration> {
+pub(super) fn recorded_for(head: &mut response::Parts, policy: &Policy) -> Option<Ttl> {
     let control = Control::take(&mut head.headers);
     if !is_storable(head.status, policy.cache_server_errors) || control.no_store {
         return None;
     }
     Some(match control.max_age {
-        Some(age) => age.min(policy.max_ttl),
+        Some(age) => Ttl::For(age).min(policy.max_ttl),
         None if head.status.as_u16() >= 400 => policy.failure_ttl,
         None => policy.ttl,
     })
@@ -101,11 +101,11 @@ pub(super) fn framed(stored: &StoredResponse, to_head: bool) -> bool {
 }
 
 /// The first answer from a response just recorded for `ttl`.
-pub(super) fn first(stored: &StoredResponse, policy: &Policy, ttl: Duration) -> Response<Body> {
-    respond(stored, None, expiry(policy, Some(ttl)))
+pub(super) fn first(stored: &StoredResponse, policy: &Policy, ttl: Ttl) -> Response<Body> {
+    respond(stored, None, expiry(policy, ttl.finite()))
 }
 
-/// A replay of a stored response that lives `lives` more (unknown: no expiry header): marked
+/// A replay of a stored response that lives `lives` more (forever: no expiry header): marked
 /// `Idempotent-Replayed: true`, without the route's `replay_drop_headers`.
 pub(super) fn replay(
     stored: &StoredResponse,
@@ -126,19 +126,19 @@ pub(super) fn streamed_once(
     read: Vec<Bytes>,
     rest: Body,
     policy: &Policy,
-    ttl: Duration,
+    ttl: Ttl,
 ) -> Response<Body> {
     let mut resp = Response::from_parts(head, super::body::replay_then_rest(read, rest));
-    if let Some((name, value)) = expiry(policy, Some(ttl)) {
+    if let Some((name, value)) = expiry(policy, ttl.finite()) {
         resp.headers_mut().insert(name, value);
     }
     resp
 }
 
-/// The expiry header of `policy`, for a record that lives `lives` more (unknown: none).
+/// The expiry header of `policy`, for a record that lives `lives` more (forever: none).
 fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, HeaderValue)> {
     let name = policy.expiry_header.clone()?;
-    let at = std::time::SystemTime::now() + lives?;
+    let at = std::time::SystemTime::now().checked_add(lives?)?;
     let value = HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()?;
     Some((name, value))
 }

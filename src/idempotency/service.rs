@@ -44,7 +44,7 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{FingerprintMode, OnStoreError, Policy};
+use super::policy::{FingerprintMode, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
 use super::response::{self, relayed, TRACEPARENT};
 use super::routes::RouteState;
@@ -219,10 +219,10 @@ enum Called<E> {
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
     Transient(Response<Body>),
     /// A storable response whose whole body fits in `max_body`, to keep for the duration.
-    Whole(http::response::Parts, Bytes, Duration),
+    Whole(http::response::Parts, Bytes, Ttl),
     /// A storable response larger than `max_body`: the chunks read so far and the rest; the
     /// key is recorded as not replayable for the duration.
-    TooLarge(http::response::Parts, Vec<Bytes>, Body, Duration),
+    TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
 }
 
 impl<St: Store> Shared<St> {

@@ -10,6 +10,7 @@ use super::{
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, Token};
 use crate::metrics::Metrics;
 
@@ -131,7 +132,7 @@ impl Store for AnyStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         on_store!(self, s => s.complete(key, fingerprint, token, state, ttl).await)
     }

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use super::{Claim, Replay, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, StoredResponse, Token};
 
 /// Bytes of responses a process keeps when no bound is given.
@@ -43,8 +44,9 @@ struct Cached {
     response: Arc<StoredResponse>,
     // When this entry leaves the cache: the record's expiry or `max_age`, whichever is first.
     expires_at: Instant,
-    // When the record leaves the store, told to clients in the expiry header.
-    record_expires_at: Instant,
+    // When the record leaves the store, told to clients in the expiry header (`None`: kept
+    // forever).
+    record_expires_at: Option<Instant>,
 }
 
 /// Weighs an entry by the bytes it holds, so the bound is on memory, not on a count.
@@ -136,7 +138,7 @@ impl LocalCache {
         self.hits.inc();
         Some(Replay {
             response: hit.response,
-            expires_in: Some(hit.record_expires_at - now),
+            expires_in: hit.record_expires_at.map(|at| at - now),
         })
     }
 
@@ -145,7 +147,7 @@ impl LocalCache {
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         response: &Arc<StoredResponse>,
-        lives: Duration,
+        lives: Option<Duration>,
     ) {
         if !self.enabled {
             return;
@@ -156,8 +158,8 @@ impl LocalCache {
             Cached {
                 fingerprint: *fingerprint,
                 response: response.clone(),
-                expires_at: now + lives.min(self.max_age),
-                record_expires_at: now + lives,
+                expires_at: now + lives.unwrap_or(self.max_age).min(self.max_age),
+                record_expires_at: lives.map(|lives| now + lives),
             },
         );
     }
@@ -201,10 +203,10 @@ impl<S: Store> Store for CachedStore<S> {
         let claim = self.inner.claim(key, fingerprint, token, lease).await?;
         if let Claim::Replay(Replay {
             response,
-            expires_in: Some(lives),
+            expires_in,
         }) = &claim
         {
-            self.cache.put(key, fingerprint, response, *lives);
+            self.cache.put(key, fingerprint, response, *expires_in);
         }
         Ok(claim)
     }
@@ -215,7 +217,7 @@ impl<S: Store> Store for CachedStore<S> {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         let done = self
             .inner
@@ -302,7 +304,13 @@ mod tests {
             Claim::Claimed
         ));
         assert!(store
-            .complete(&k, &fp, &t, &response(b"ok"), Duration::from_secs(10))
+            .complete(
+                &k,
+                &fp,
+                &t,
+                &response(b"ok"),
+                Duration::from_secs(10).into()
+            )
             .await
             .unwrap());
         assert_eq!(store.cache().len(), 0, "written records are not cached");
@@ -352,7 +360,7 @@ mod tests {
                 &ScopedKey([i; 32]),
                 &Fingerprint([0; 32]),
                 &big,
-                Duration::from_secs(60),
+                Some(Duration::from_secs(60)),
             );
         }
         assert!(cache.cache.weight() <= 10_000);

@@ -26,6 +26,7 @@ use tokio_util::task::AbortOnDropHandle;
 use super::{codec, Claim, EmbeddedSettings, Inspected, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{now_ms, EntryState, Token};
 
 /// Entries by key: expiry (u64 big-endian ms) then the encoded entry.
@@ -90,7 +91,7 @@ enum Write {
         key: ScopedKey,
         token: Token,
         value: Bytes,
-        ttl: Duration,
+        ttl: Ttl,
     },
     Release {
         key: ScopedKey,
@@ -243,6 +244,20 @@ fn index_key(at: u64, key: &[u8; 32]) -> [u8; 40] {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The expiry of a record kept forever: past every clock, so never purged or evicted first.
+const FOREVER: u64 = u64::MAX;
+
+/// When an entry written at `now` for `ttl` expires.
+fn expiry(now: u64, ttl: Ttl) -> u64 {
+    ttl.finite()
+        .map_or(FOREVER, |ttl| now.saturating_add(ms(ttl)).min(FOREVER - 1))
+}
+
+/// How long an entry expiring at `at` lives after `now` (forever: `None`).
+fn lives(at: u64, now: u64) -> Option<Duration> {
+    (at != FOREVER).then(|| Duration::from_millis(at.saturating_sub(now)))
 }
 
 /// Purge expired entries every [`PURGE_EVERY`] while the store lives.
@@ -404,7 +419,7 @@ impl<'txn> Tables<'txn> {
             } => {
                 let ours = self.claimed_by(key, token, now)?;
                 if ours {
-                    self.put(key, now.saturating_add(ms(*ttl)), value)?;
+                    self.put(key, expiry(now, *ttl), value)?;
                     // Never refused: nothing is added.
                     let _ = self.make_room(limits, false, now)?;
                 }
@@ -533,7 +548,8 @@ impl<'txn> Tables<'txn> {
     }
 
     /// Bring the store under both bounds (leaving room for one more entry when `adding`):
-    /// expired entries first, then the completed records closest to expiry.
+    /// expired entries first, then the completed records closest to expiry; a claim is refused
+    /// when only claims and records kept forever are left.
     fn make_room(
         &mut self,
         limits: Limits,
@@ -549,8 +565,10 @@ impl<'txn> Tables<'txn> {
         }
         self.purge(now, usize::MAX)?;
         let mut evicted = 0;
+        // Records kept forever are never evicted: past them, new claims are refused (full).
         while over(self)? {
-            let Some((_, key)) = Self::first(&self.records)? else {
+            let Some((_, key)) = Self::first(&self.records)?.filter(|(at, _)| *at != FOREVER)
+            else {
                 break;
             };
             self.remove(&key)?;
@@ -562,7 +580,7 @@ impl<'txn> Tables<'txn> {
                 "embedded store at its bounds; evicted completed records"
             );
         }
-        if adding && self.entries.len()? >= limits.max_entries {
+        if adding && over(self)? {
             return Ok(Err(StoreError::Full));
         }
         Ok(Ok(()))
@@ -589,7 +607,7 @@ fn decided(
     now: u64,
 ) -> Result<Claim, StoreError> {
     let (mut entry, holder) = codec::decode(value)?;
-    entry.expires_in = Some(Duration::from_millis(at - now));
+    entry.expires_in = lives(at, now);
     Ok(Claim::decide(entry, &holder, fingerprint, token))
 }
 
@@ -626,7 +644,7 @@ impl Store for EmbeddedStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         let value = codec::encode(fingerprint, token, state);
         self.yes(Write::Complete {
@@ -677,7 +695,7 @@ impl super::Inspect for EmbeddedStore {
         let (entry, _) = codec::decode(value)?;
         Ok(Some(Inspected {
             entry,
-            expires_in: Some(Duration::from_millis(at.saturating_sub(now_ms()))),
+            expires_in: lives(at, now_ms()),
             stored_bytes,
         }))
     }

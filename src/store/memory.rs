@@ -16,6 +16,7 @@ use tokio_util::task::AbortOnDropHandle;
 use super::{Claim, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
@@ -344,7 +345,7 @@ impl Store for MemoryStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         // Kept in memory: detached from the upstream connection's read buffers, so the record
         // holds only its own bytes. Copied before the lock is taken, not while every worker
@@ -367,7 +368,7 @@ impl Store for MemoryStore {
                 expires_in: None,
                 written_ms: now_ms(),
             },
-            expires_at: now + ttl,
+            expires_at: now + ttl.clamped(),
         };
         t.insert(*key, slot);
         t.make_room(self.shared.max_entries, self.shared.max_bytes, false, now)?;
@@ -423,7 +424,7 @@ mod tests {
             ));
             if i >= 5 {
                 assert!(store
-                    .complete(&key(i), &fp, &t, &EntryState::NotReplayable, lease)
+                    .complete(&key(i), &fp, &t, &EntryState::NotReplayable, lease.into())
                     .await
                     .unwrap());
             }
@@ -468,7 +469,7 @@ mod tests {
             let t = Token([i as u8; 16]);
             store.claim(&key(i), &fp, &t, lease).await.unwrap();
             assert!(store
-                .complete(&key(i), &fp, &t, &state, lease)
+                .complete(&key(i), &fp, &t, &state, lease.into())
                 .await
                 .unwrap());
             assert!(store.bytes() <= 20_000, "{} bytes after {i}", store.bytes());
@@ -538,7 +539,7 @@ mod tests {
                             &fp,
                             &t,
                             &EntryState::NotReplayable,
-                            lease * (1 + i % 3),
+                            (lease * (1 + i % 3)).into(),
                         )
                         .await
                         .unwrap();

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
 
 mod any;
@@ -82,8 +83,9 @@ pub enum StoreError {
     /// Redis answered with an error or the connection failed.
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
-    /// The in-process store is at `max_entries` and every entry is an in-flight claim.
-    #[error("the store is full of in-flight claims (store.max_entries)")]
+    /// An in-process store is at `max_entries` or `max_bytes` and holds nothing it may evict
+    /// (in-flight claims, and records kept forever).
+    #[error("the store is full of in-flight claims or records kept forever (store.max_entries, store.max_bytes)")]
     Full,
     /// The embedded store's file could not be opened, read or written (locked by another
     /// process, disk full), or no commit came within `store.timeout`.
@@ -126,7 +128,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Delete our in-flight claim so that a retry runs again. `false` when it is not ours.

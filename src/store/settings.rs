@@ -282,7 +282,7 @@ impl fmt::Debug for RedisSettings {
 /// Which store keeps the records, with its settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
-    /// The embedded in-process store: zero setup, one gateway process, lost on restart.
+    /// The in-process memory store: zero setup, one gateway process, lost on restart.
     Memory(MemorySettings),
     /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
     /// gateway replica and durable as far as Redis is.
@@ -325,6 +325,13 @@ impl StoreConfig {
             StoreConfig::Memory(_) => Some("store.backend = \"memory\": every record dies with this process, so a retry after a restart runs again; use \"embedded\" or Redis in production"),
             _ => None,
         }
+    }
+
+    /// Whether the backend keeps a record for as long as it is asked, `ttl = "forever"`
+    /// included: the durable ones. (A memory store dies with its process; Redis evicts under
+    /// memory pressure and keeps no record across a loss of its data.)
+    pub fn keeps_forever(&self) -> bool {
+        matches!(self, StoreConfig::Postgres(_) | StoreConfig::Embedded(_))
     }
 
     /// The backend's name, as `backend` is written.

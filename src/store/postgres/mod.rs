@@ -25,6 +25,7 @@ use super::settings::redact_url;
 use super::{Claim, Inspect, Inspected, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, Token};
 
 mod schema;
@@ -418,12 +419,12 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The entry a returned row holds (`record`, milliseconds left).
+/// The entry a returned row holds (`record`, milliseconds left: NULL when kept forever).
 fn entry_of(row: &Row) -> Result<(crate::idempotency::record::Entry, Token), StoreError> {
     let raw: Vec<u8> = row.get(0);
-    let left: i64 = row.get(1);
+    let left: Option<i64> = row.get(1);
     let (mut entry, holder) = codec::decode(Bytes::from(raw))?;
-    entry.expires_in = Some(Duration::from_millis(left.max(0) as u64));
+    entry.expires_in = left.map(|left| Duration::from_millis(left.max(0) as u64));
     Ok((entry, holder))
 }
 
@@ -456,14 +457,15 @@ impl Store for PostgresStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         let record = codec::encode(fingerprint, token, state);
         let s = Handle(&self.shared);
+        let ttl = ttl.finite().map(millis);
         let n = s
             .execute(
                 &self.shared.sql.complete,
-                &[&&key.0[..], &&token.0[..], &&record[..], &millis(ttl)],
+                &[&&key.0[..], &&token.0[..], &&record[..], &ttl],
             )
             .await?;
         Ok(n == 1)

@@ -41,8 +41,10 @@ pub(super) struct Sql {
     pub(super) reap: String,
 }
 
-/// Milliseconds left until `expires_at`, as the statements return them.
-const LEFT_MS: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
+/// Milliseconds left until `expires_at`, as the statements return them; NULL for a record kept
+/// forever (`expires_at` is `'infinity'`, which the reaper never reaches).
+const LEFT_MS: &str = "CASE WHEN expires_at = 'infinity' THEN NULL \
+     ELSE (extract(epoch FROM expires_at - now()) * 1000)::bigint END";
 
 /// An interval of `$n` milliseconds.
 fn ms(n: u8) -> String {
@@ -68,11 +70,13 @@ impl Sql {
             record = take("record"),
             expires_at = take("expires_at"),
         );
-        // Our live claim becomes the record; our own completion already there (a retried call
-        // whose answer was lost) is left as it is and counts as done.
+        // Our live claim becomes the record, kept for `$4` milliseconds (NULL: forever); our own
+        // completion already there (a retried call whose answer was lost) is left as it is and
+        // counts as done.
         let complete = format!(
             "UPDATE \"{t}\" SET record = CASE WHEN in_flight THEN $3 ELSE record END, \
-             expires_at = CASE WHEN in_flight THEN now() + {ttl} ELSE expires_at END, \
+             expires_at = CASE WHEN in_flight THEN COALESCE(now() + {ttl}, 'infinity') \
+             ELSE expires_at END, \
              in_flight = false \
              WHERE key = $1 AND token = $2 AND expires_at > now()",
             ttl = ms(4),

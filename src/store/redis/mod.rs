@@ -24,6 +24,7 @@ use bytes::Bytes;
 use redis::Script;
 
 use super::codec;
+use crate::idempotency::policy::Ttl;
 
 mod events;
 mod topology;
@@ -435,7 +436,7 @@ impl RedisStore {
         key: &ScopedKey,
         token: &Token,
         entry: &codec::Encoded<'_>,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
         use std::io::Write;
@@ -466,7 +467,7 @@ impl RedisStore {
             .arg(&record_key)
             .arg(&staged)
             .arg(&token.0[..])
-            .arg(millis(ttl));
+            .arg(millis(ttl.clamped()));
         self.write_completion(pipe, script, &record_key).await
     }
 
@@ -636,7 +637,7 @@ impl Store for RedisStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Duration,
+        ttl: Ttl,
     ) -> Result<bool, StoreError> {
         let parts = codec::encode_parts(
             fingerprint,
@@ -657,7 +658,7 @@ impl Store for RedisStore {
             .arg(&redis_key)
             .arg(&token.0[..])
             .arg(entry.as_ref())
-            .arg(millis(ttl));
+            .arg(millis(ttl.clamped()));
         self.write_completion(pipe, script, &redis_key).await
     }
 
