@@ -222,6 +222,7 @@ async fn worker(
         },
         cap,
         metrics: layer.metrics().clone(),
+        routes: Arc::new(layer.routes().clone()),
     };
     let connections = worker.run(stop).await;
     // The grace starts when the stop does.

@@ -6,6 +6,8 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{header, HeaderValue, Response, StatusCode};
 
+use crate::idempotency::policy::ErrorFormat;
+
 /// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -20,7 +22,7 @@ pub enum GatewayError {
     InvalidBody,
     /// 400: a JSON-typed body the route must read (for its key or a canonical fingerprint) does
     /// not parse, repeats a key in an object, or nests too deep; nothing was claimed.
-    #[error("{0}")]
+    #[error("the JSON body, which this endpoint reads for its idempotency key or fingerprint, is invalid: {0}; nothing was processed")]
     InvalidJson(String),
     /// 400: the request's framing is invalid (`Transfer-Encoding: chunked` applied twice).
     #[error("{0}")]
@@ -167,14 +169,73 @@ impl GatewayError {
 
     /// The problem+json response.
     pub fn into_response(self) -> Response<Body> {
-        Problem {
-            status: self.status(),
-            kind: self.kind(),
-            title: self.title(),
-            detail: self.to_string(),
-            retry_after: self.retry_after(),
+        self.respond(ErrorFormat::Problem)
+    }
+
+    /// The response in `format`.
+    pub fn respond(self, format: ErrorFormat) -> Response<Body> {
+        match format {
+            ErrorFormat::Problem => Problem {
+                status: self.status(),
+                kind: self.kind(),
+                title: self.title(),
+                detail: self.to_string(),
+                retry_after: self.retry_after(),
+            }
+            .into_response(),
+            ErrorFormat::Stripe => self.stripe(),
         }
-        .into_response()
+    }
+
+    /// Stripe's error type and HTTP status for this answer: `idempotency_error` for the key's
+    /// own refusals (a key reused with another request is 400, as Stripe answers it),
+    /// `invalid_request_error` for a request the gateway cannot take, `api_error` for the
+    /// gateway's, the upstream's and the store's failures.
+    fn stripe_type(&self) -> (&'static str, StatusCode) {
+        match self {
+            Self::Mismatch { .. } => ("idempotency_error", StatusCode::BAD_REQUEST),
+            Self::InFlight { .. } | Self::NotReplayable => ("idempotency_error", self.status()),
+            Self::InvalidKey(_)
+            | Self::MissingKey
+            | Self::InvalidBody
+            | Self::InvalidJson(_)
+            | Self::InvalidFraming(_)
+            | Self::InvalidAuthority(_)
+            | Self::UnsupportedTransferCoding
+            | Self::UnsupportedMethod(_)
+            | Self::BodyTooLarge { .. } => ("invalid_request_error", self.status()),
+            Self::CorruptRecord
+            | Self::Upstream
+            | Self::UpstreamInvalidResponse(_)
+            | Self::UpstreamTls
+            | Self::UpstreamBusy
+            | Self::UpstreamTimeout
+            | Self::StoreUnavailable => ("api_error", self.status()),
+        }
+    }
+
+    /// Stripe's error object: `{"error": {"type", "message", "code"}}`, the code being the
+    /// problem kind in Stripe's spelling (`in-flight`: Stripe's own `idempotency_key_in_use`).
+    fn stripe(self) -> Response<Body> {
+        let (kind, status) = self.stripe_type();
+        let code = match self {
+            Self::InFlight { .. } => "idempotency_key_in_use".to_string(),
+            _ => self.kind().replace('-', "_"),
+        };
+        let body = serde_json::json!({
+            "error": { "type": kind, "message": self.to_string(), "code": code },
+        });
+        let mut resp = Response::new(Body::from(body.to_string()));
+        *resp.status_mut() = status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(d) = self.retry_after() {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, retry_after_secs(d));
+        }
+        resp
     }
 }
 
@@ -221,12 +282,16 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(d) = self.retry_after {
-            let secs = d.as_secs_f64().ceil().max(1.0) as u64;
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                .insert(header::RETRY_AFTER, retry_after_secs(d));
         }
         resp
     }
+}
+
+/// `Retry-After` for `d`: whole seconds, rounded up, at least 1.
+fn retry_after_secs(d: Duration) -> HeaderValue {
+    HeaderValue::from(d.as_secs_f64().ceil().max(1.0) as u64)
 }
 
 impl axum::response::IntoResponse for Problem {

@@ -126,8 +126,8 @@ mod tls;
 pub use app::{run, App, AppError};
 pub use error::ConfigError;
 pub use idempotency::{
-    FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight, OnStoreError,
-    Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
+    ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight,
+    OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
 pub use metrics::Metrics;
 pub use store::{MemoryStore, RedisStore, Store, StoreError, Topology};

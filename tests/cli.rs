@@ -57,6 +57,10 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"forever\"",
             "defaults.ttl",
         ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[[routes]]\npath = \"/a\"\nerror_format = \"xml\"",
+            "routes[0].error_format",
+        ),
     ];
     for (text, field) in cases {
         let file = write(text);

@@ -7,7 +7,9 @@ use serde::Deserialize;
 
 use super::checked::{rules, Any, Checked, Lifetime, NonZero, NonZeroSize};
 use crate::idempotency::json::Pointer;
-use crate::idempotency::policy::{check, FingerprintMode, OnInFlight, OnStoreError, Policy};
+use crate::idempotency::policy::{
+    check, ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy,
+};
 
 /// Writes the table once: the struct with its serde schema, and the merge that sets on a policy
 /// the fields the table names.
@@ -69,6 +71,7 @@ policy_table! {
     max_ttl: Lifetime,
     replay_drop_headers: HeaderNames,
     expiry_header: OptionalHeaderName,
+    error_format: Any<ErrorFormat>,
 }
 
 rules! {

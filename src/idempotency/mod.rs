@@ -22,7 +22,7 @@ pub use inner::{Deadline, NotSent};
 pub use json::Pointer;
 pub use layer::IdempotencyLayer;
 pub use policy::{
-    FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Ttl,
+    ErrorFormat, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Ttl,
     DEFAULT_UPSTREAM,
 };
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};

@@ -103,6 +103,19 @@ pub enum FingerprintMode {
     Json,
 }
 
+/// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
+/// or an upstream's answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorFormat {
+    /// RFC 9457 `application/problem+json`.
+    #[default]
+    Problem,
+    /// Stripe's error object, `{"error": {"type", "message", "code"}}`, which Stripe's SDKs
+    /// read (a reused key raises their `IdempotencyError`).
+    Stripe,
+}
+
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
 /// then the route's own fields merged over that.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,6 +180,8 @@ pub struct Policy {
     pub replay_drop_headers: Vec<HeaderName>,
     /// If set, every recorded or replayed answer carries this header with the record's expiry.
     pub expiry_header: Option<HeaderName>,
+    /// The shape of the gateway's own refusals and failures on this route.
+    pub error_format: ErrorFormat,
 }
 
 impl Policy {
@@ -203,6 +218,7 @@ impl Policy {
             max_ttl: Ttl::For(Duration::from_secs(7 * 24 * 3600)),
             replay_drop_headers: vec![http::header::SET_COOKIE],
             expiry_header: None,
+            error_format: ErrorFormat::Problem,
         }
     }
 
@@ -663,6 +679,12 @@ impl PolicyBuilder {
     pub fn expiry_header(self, name: &str) -> Self {
         let value = check::optional_header_name(name.to_string());
         self.set("expiry_header", value, |p, v| p.expiry_header = v)
+    }
+
+    /// `error_format`: the shape of the gateway's own refusals and failures.
+    pub fn error_format(mut self, format: ErrorFormat) -> Self {
+        self.policy.error_format = format;
+        self
     }
 
     /// `upstream`: the named upstream the gateway forwards to.

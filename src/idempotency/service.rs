@@ -44,7 +44,7 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{FingerprintMode, OnStoreError, Policy, Ttl};
+use super::policy::{ErrorFormat, FingerprintMode, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
 use super::response::{self, relayed, TRACEPARENT};
 use super::routes::RouteState;
@@ -195,11 +195,11 @@ struct Finished<E> {
 
 impl<E> Finished<E> {
     /// The layer's own answer, with its outcome; nothing was called.
-    fn refused(outcome: Outcome, e: GatewayError) -> Self {
+    fn refused(outcome: Outcome, e: GatewayError, format: ErrorFormat) -> Self {
         debug!(problem = e.kind(), "refused");
         Finished {
             outcome,
-            answer: Ok(e.into_response()),
+            answer: Ok(e.respond(format)),
             inner_time: Duration::ZERO,
         }
     }
@@ -239,7 +239,8 @@ impl<St: Store> Shared<St> {
         debug!(problem = e.kind(), route = %route.policy.route, "refused");
         route.metrics.count(Outcome::rejected_invalid);
         self.metrics.overhead(started.elapsed());
-        Box::pin(std::future::ready(Ok(e.into_response())))
+        let answer = e.respond(route.policy.error_format);
+        Box::pin(std::future::ready(Ok(answer)))
     }
 
     /// Hand a request idempotency does not apply to to the inner service, counted as a
@@ -286,6 +287,7 @@ impl<St: Store> Shared<St> {
     {
         use Outcome::rejected_invalid;
         let policy = route.policy.clone();
+        let format = policy.error_format;
         let (parts, body) = req.into_parts();
         let body = match collect_capped(body, policy.max_body).await {
             Ok(Collected::Whole(body)) => body,
@@ -297,13 +299,19 @@ impl<St: Store> Shared<St> {
             }
             Ok(Collected::TooLarge { .. }) => {
                 let limit = policy.max_body;
-                return Finished::refused(rejected_invalid, GatewayError::BodyTooLarge { limit });
+                return Finished::refused(
+                    rejected_invalid,
+                    GatewayError::BodyTooLarge { limit },
+                    format,
+                );
             }
-            Err(_) => return Finished::refused(rejected_invalid, GatewayError::InvalidBody),
+            Err(_) => {
+                return Finished::refused(rejected_invalid, GatewayError::InvalidBody, format)
+            }
         };
         let found = match find_key(&policy, &parts, &body, key) {
             Ok(found) => found,
-            Err(e) => return Finished::refused(rejected_invalid, e),
+            Err(e) => return Finished::refused(rejected_invalid, e, format),
         };
         let Some((key, source)) = found.key else {
             drop(found.doc);
@@ -335,11 +343,13 @@ impl<St: Store> Shared<St> {
             Err(e) => self.without_store(e, &lease.held, inner, parts, body).await,
             Ok(Claim::Mismatch) => {
                 let status = policy.mismatch_status;
-                Finished::refused(Outcome::mismatch, GatewayError::Mismatch { status })
+                Finished::refused(Outcome::mismatch, GatewayError::Mismatch { status }, format)
             }
-            Ok(Claim::InFlight) => Finished::refused(Outcome::in_flight_conflict, IN_FLIGHT),
+            Ok(Claim::InFlight) => {
+                Finished::refused(Outcome::in_flight_conflict, IN_FLIGHT, format)
+            }
             Ok(Claim::NotReplayable) => {
-                Finished::refused(Outcome::not_replayable, GatewayError::NotReplayable)
+                Finished::refused(Outcome::not_replayable, GatewayError::NotReplayable, format)
             }
             Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts.method, &lease.held),
             Ok(Claim::Claimed) => {
@@ -367,7 +377,11 @@ impl<St: Store> Shared<St> {
         let route = &held.policy.route;
         if let StoreError::Decode(e) = &e {
             error!(error = %e, %route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
-            return Finished::refused(Outcome::store_error, GatewayError::CorruptRecord);
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::CorruptRecord,
+                held.policy.error_format,
+            );
         }
         if matches!(e, StoreError::NotAcknowledged { .. }) {
             self.metrics.unacknowledged(StoreOp::claim);
@@ -375,7 +389,11 @@ impl<St: Store> Shared<St> {
         match held.policy.on_store_error {
             OnStoreError::Reject => {
                 error!(error = %e, %route, key = %held.tag(), "store unavailable; refusing the keyed request (on_store_error = reject)");
-                Finished::refused(Outcome::store_error, GatewayError::StoreUnavailable)
+                Finished::refused(
+                    Outcome::store_error,
+                    GatewayError::StoreUnavailable,
+                    held.policy.error_format,
+                )
             }
             OnStoreError::Pass => {
                 warn!(error = %e, %route, key = %held.tag(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
@@ -394,7 +412,11 @@ impl<St: Store> Shared<St> {
         let stored = &replay.response;
         if !response::framed(stored, method == Method::HEAD) {
             error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
-            return Finished::refused(Outcome::store_error, GatewayError::CorruptRecord);
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::CorruptRecord,
+                held.policy.error_format,
+            );
         }
         if let Some(trace) = stored.traceparent.as_ref().and_then(|t| t.to_str().ok()) {
             Span::current().record("original_trace", trace);
@@ -424,6 +446,7 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let format = lease.held.policy.error_format;
         let this = self.clone();
         this.metrics.in_flight().inc();
         let work = async move {
@@ -438,7 +461,7 @@ impl<St: Store> Shared<St> {
         self.tasks.spawn(work.in_current_span());
         let forwarded = rx.await.unwrap_or_else(|_| Forwarded {
             // The task ended without an answer: it panicked, or the runtime is going away.
-            answer: Ok(GatewayError::Upstream.into_response()),
+            answer: Ok(GatewayError::Upstream.respond(format)),
             took: Duration::ZERO,
         });
         forwarded.ended(Outcome::miss)
@@ -459,6 +482,7 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let (held, policy) = (&*lease.held, &*lease.held.policy);
+        let format = policy.error_format;
         let traceparent = parts.headers.get(TRACEPARENT).cloned();
         let is_head = parts.method == Method::HEAD;
         let mut req = Request::from_parts(parts, Body::from(body));
@@ -480,7 +504,7 @@ impl<St: Store> Shared<St> {
             Err(()) => {
                 // The inner service may still be executing: keep the claim until its lease ends.
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
-                Ok(GatewayError::UpstreamTimeout.into_response())
+                Ok(GatewayError::UpstreamTimeout.respond(format))
             }
             Ok(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
@@ -491,10 +515,10 @@ impl<St: Store> Shared<St> {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream failed after the request may have been sent; key stays claimed until its lease ends");
                 Err(e)
             }
-            Ok(Called::BodyFailed) => Ok(GatewayError::Upstream.into_response()),
+            Ok(Called::BodyFailed) => Ok(GatewayError::Upstream.respond(format)),
             Ok(Called::NotFinal(status)) => {
                 warn!(route = %policy.route, key = %held.tag(), %status, "inner service answered with no final response; key stays claimed until its lease ends");
-                Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).into_response())
+                Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).respond(format))
             }
             Ok(Called::Transient(resp)) => {
                 lease.release().await;
@@ -510,7 +534,7 @@ impl<St: Store> Shared<St> {
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
-                    Ok(GatewayError::Upstream.into_response())
+                    Ok(GatewayError::Upstream.respond(format))
                 }
             }
             Ok(Called::TooLarge(head, read, rest, ttl)) => {

@@ -29,6 +29,7 @@ use tracing::{debug, warn};
 
 use crate::error::GatewayError;
 use crate::headers::admit;
+use crate::idempotency::Routes;
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
 pub(crate) use watch::Timeouts;
@@ -92,6 +93,8 @@ pub(crate) struct Worker<S> {
     pub(crate) timeouts: Timeouts,
     pub(crate) cap: Arc<ConnectionCap>,
     pub(crate) metrics: Metrics,
+    // The routes, for the shape of the refusals this listener gives itself.
+    pub(crate) routes: Arc<Routes>,
 }
 
 impl<S, RB> Worker<S>
@@ -122,6 +125,7 @@ where
             let (stream, peer, permit) = accepted;
             let gateway = Gateway {
                 stack: self.stack.clone(),
+                routes: self.routes.clone(),
                 peer: HeaderValue::from_str(&peer.ip().to_string())
                     .expect("an IP is a header value"),
                 proto: proto.clone(),
@@ -278,6 +282,8 @@ impl Connection {
 #[derive(Clone)]
 struct Gateway<S> {
     stack: S,
+    // Each route's `error_format`, for the answers given here rather than by the engine.
+    routes: Arc<Routes>,
     // The client's address, as `X-Forwarded-For` appends it.
     peer: HeaderValue,
     // The listener's scheme, as `X-Forwarded-Proto` says it.
@@ -326,7 +332,8 @@ where
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let in_progress = self.conn.request_started();
         if let Err(refused) = admit(&req) {
-            let resp = refused.into_response();
+            let format = self.routes.policy_for(req.uri().path()).error_format;
+            let resp = refused.respond(format);
             return Box::pin(std::future::ready(Ok(
                 resp.map(|b| in_progress.response_body(b))
             )));
@@ -334,10 +341,14 @@ where
         let mut req = req.map(|body| Body::new(self.conn.request_body(body)));
         self.forwarding_headers(req.headers_mut());
         let stack = self.stack.clone();
+        let (routes, uri) = (self.routes.clone(), req.uri().clone());
         Box::pin(async move {
             let resp = match stack.oneshot(req).await {
                 Ok(resp) => resp.map(Body::new),
-                Err(e) => GatewayError::from(&e).into_response(),
+                Err(e) => {
+                    let format = routes.policy_for(uri.path()).error_format;
+                    GatewayError::from(&e).respond(format)
+                }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))
         })

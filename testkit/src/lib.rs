@@ -22,6 +22,7 @@
 //! - [`postgres`]: [`PostgresServer`], a private PostgreSQL server (`initdb` on a free port) that
 //!   can be `stop()`ped, `kill()`ed, started again and `restart()`ed.
 //! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
+//! - [`python`]: [`PythonEnv`], a Python virtual environment with client SDKs from PyPI.
 //! - [`store`]: [`StoreServer`], the server a behavioural test's backend needs.
 //! - [`wait`]: [`wait_until`], which polls a condition instead of sleeping for a guessed time.
 
@@ -29,6 +30,7 @@ pub mod cluster;
 pub mod failover;
 pub mod ports;
 pub mod postgres;
+pub mod python;
 pub mod redis;
 pub mod store;
 pub mod wait;
@@ -37,6 +39,7 @@ pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
 pub use self::failover::{Failover, Replicated};
 pub use self::ports::{free_addr, free_port, ReservedPort};
 pub use self::postgres::PostgresServer;
+pub use self::python::PythonEnv;
 pub use self::redis::{Backend, RedisServer, TlsRedisServer};
 pub use self::store::StoreServer;
 pub use self::wait::wait_until;
