@@ -172,8 +172,10 @@ fn scoped<S>(
         .policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
     let key = IdempotencyKey::parse(key.as_bytes(), route.key_max_len)
         .map_err(|e| problem(StatusCode::BAD_REQUEST, "invalid-key", &e.to_string()))?;
+    // The route's scope as requests have it (with Repeatable Requests' client id).
+    let (_, scope_headers) = crate::idempotency::repeatability::key_headers(route);
     let mut scope = HeaderMap::new();
-    for name in &route.scope_headers {
+    for name in &scope_headers {
         if let Some(v) = query.get(name.as_str()) {
             let v = HeaderValue::from_str(v).map_err(|_| {
                 problem(
@@ -205,7 +207,7 @@ fn scoped<S>(
         })?;
         scope.insert(header::COOKIE, v);
     }
-    Ok(key.scoped(&scope, &route.scope_headers, &route.scope_cookies))
+    Ok(key.scoped(&scope, &scope_headers, &route.scope_cookies))
 }
 
 /// The store address of `key` for a caller holding the admin token; the refusal otherwise.

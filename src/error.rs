@@ -32,6 +32,14 @@ pub enum GatewayError {
     /// authority than `:authority`. Nothing was forwarded.
     #[error("{0}")]
     InvalidAuthority(&'static str),
+    /// 400: a `Repeatability-Request-ID` without exactly one `Repeatability-First-Sent`, or one
+    /// that is no HTTP-date.
+    #[error("{0}")]
+    InvalidRepeatability(&'static str),
+    /// 412 with `Repeatability-Result: rejected`: a repeatable request first sent longer ago
+    /// than the route's `ttl`, or more than a minute in the future; never forwarded.
+    #[error("{0}")]
+    RepeatabilityRejected(&'static str),
     /// 501: the request uses a transfer coding other than `chunked`, which the gateway does not
     /// decode (it never forwards a body relabelled).
     #[error("the only transfer coding accepted is chunked, applied once")]
@@ -99,7 +107,9 @@ impl GatewayError {
             | Self::InvalidBody
             | Self::InvalidJson(_)
             | Self::InvalidFraming(_)
-            | Self::InvalidAuthority(_) => StatusCode::BAD_REQUEST,
+            | Self::InvalidAuthority(_)
+            | Self::InvalidRepeatability(_) => StatusCode::BAD_REQUEST,
+            Self::RepeatabilityRejected(_) => StatusCode::PRECONDITION_FAILED,
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
             }
@@ -124,6 +134,8 @@ impl GatewayError {
             Self::InvalidJson(_) => "invalid-json",
             Self::InvalidFraming(_) => "invalid-framing",
             Self::InvalidAuthority(_) => "invalid-authority",
+            Self::InvalidRepeatability(_) => "invalid-repeatability",
+            Self::RepeatabilityRejected(_) => "repeatability-rejected",
             Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
             Self::UnsupportedMethod(_) => "unsupported-method",
             Self::CorruptRecord => "corrupt-record",
@@ -146,6 +158,8 @@ impl GatewayError {
             Self::InvalidJson(_) => "Invalid JSON body",
             Self::InvalidFraming(_) => "Invalid message framing",
             Self::InvalidAuthority(_) => "Invalid Host or :authority",
+            Self::InvalidRepeatability(_) => "Invalid Repeatability headers",
+            Self::RepeatabilityRejected(_) => "Request cannot be repeated",
             Self::UnsupportedTransferCoding => "Transfer coding not supported",
             Self::UnsupportedMethod(_) => "Method not supported",
             Self::CorruptRecord => "Stored response damaged",
@@ -201,6 +215,8 @@ impl GatewayError {
             | Self::InvalidJson(_)
             | Self::InvalidFraming(_)
             | Self::InvalidAuthority(_)
+            | Self::InvalidRepeatability(_)
+            | Self::RepeatabilityRejected(_)
             | Self::UnsupportedTransferCoding
             | Self::UnsupportedMethod(_)
             | Self::BodyTooLarge { .. } => ("invalid_request_error", self.status()),

@@ -91,20 +91,21 @@
 //!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/shared.rs` (what
 //!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
 //!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
-//!   `idempotency/routes.rs` ([`Routes`]), `idempotency/key.rs`, `idempotency/fingerprint.rs`,
+//!   `idempotency/routes.rs` ([`Routes`]), `idempotency/key.rs`,
+//!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/fingerprint.rs`,
 //!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
 //!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
 //!   `idempotency/json/canonical.rs` and `idempotency/json/pointer.rs` (strict JSON, its
 //!   canonical form, RFC 6901 pointers), and `idempotency/tests.rs` (every branch of the
 //!   protocol without sockets).
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
-//!   (`error.rs`: problem+json answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
+//!   (`error.rs`: problem+json and Stripe-shaped answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
 //!   (certificates, keys, rustls configurations).
 //! - `lib.rs`: this page.
 //!
 //! Beside `src/`: `tests/` (integration tests over real sockets, real `redis-server`s and
-//! upstreams; fixtures in `tests/common/`), `testkit/` (the Redis fixtures `tests/` and the
-//! benchmark share), `examples/axum_payments.rs` (the layer in an axum app), `loadtest/` (the
+//! upstreams; fixtures in `tests/common/`), `testkit/` (the Redis, PostgreSQL and Python SDK
+//! fixtures `tests/` and the benchmark share), `examples/axum_payments.rs` (the layer in an axum app), `loadtest/` (the
 //! benchmark; every measured figure is in its README), `docs/` (the reference, one page per
 //! topic), `config/` (example configurations), `scripts/test` (the test command) and
 //! `.ci/run` (CI, which calls it).

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use common::{free_port, send, Backend, CountingUpstream, Seen, TestConfig, TestEnv};
 use testkit::PythonEnv;
@@ -188,4 +188,85 @@ async fn stripe_python_raises_its_idempotency_error_for_a_reused_key() {
         2,
         "only the first of each key reached the upstream"
     );
+}
+
+/// A repeatable request to `/v1/repeat` with `id`, first sent `ago` (negative: ahead).
+fn repeat(env: &TestEnv, id: &str, sent: SystemTime) -> reqwest::RequestBuilder {
+    env.post("/v1/repeat")
+        .header("repeatability-request-id", id)
+        .header("repeatability-first-sent", httpdate::fmt_http_date(sent))
+        .body("amount=100")
+}
+
+fn result(seen: &Seen) -> Option<&str> {
+    seen.header("repeatability-result")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeatable_requests_are_accepted_replayed_and_refused_when_too_old() {
+    let route = toml! {
+        repeatability = true
+        ttl = "1h"
+    };
+    let config = TestConfig::new().route("/v1/repeat", route);
+    let env = TestEnv::start(Backend::Memory, config).await;
+    let now = SystemTime::now();
+    let first = send(repeat(&env, "r-1", now)).await;
+    assert_eq!((first.status, result(&first)), (201, Some("accepted")));
+    let again = send(repeat(&env, "r-1", now)).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(result(&again), Some("accepted"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.upstream.calls(), 1);
+
+    // First sent longer ago than the route keeps answers, or too far ahead: 412, never run.
+    let old = send(repeat(&env, "r-old", now - Duration::from_secs(7200))).await;
+    assert_eq!((old.status, result(&old)), (412, Some("rejected")));
+    assert_eq!(
+        old.problem_type(),
+        "urn:idemgate:problem:repeatability-rejected"
+    );
+    let ahead = send(repeat(&env, "r-ahead", now + Duration::from_secs(600))).await;
+    assert_eq!((ahead.status, result(&ahead)), (412, Some("rejected")));
+    // A little clock skew is fine.
+    let skewed = send(repeat(&env, "r-skew", now + Duration::from_secs(20))).await;
+    assert_eq!(skewed.status, 201);
+    assert_eq!(env.upstream.calls(), 2);
+
+    // First-Sent missing or unparsable, or a different Idempotency-Key beside: 400.
+    let missing = env
+        .post("/v1/repeat")
+        .header("repeatability-request-id", "r-2");
+    let missing = send(missing.body("x")).await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(
+        missing.problem_type(),
+        "urn:idemgate:problem:invalid-repeatability"
+    );
+    let garbled = repeat(&env, "r-2", now).header("repeatability-first-sent", "yesterday");
+    assert_eq!(send(garbled).await.status, 400);
+    let both = repeat(&env, "r-3", now).header("idempotency-key", "other");
+    let both = send(both).await;
+    assert_eq!(both.problem_type(), "urn:idemgate:problem:invalid-key");
+    let same = send(repeat(&env, "r-3", now).header("idempotency-key", "r-3")).await;
+    assert_eq!(
+        same.status, 201,
+        "the same key under both names is that key"
+    );
+    assert_eq!(env.upstream.calls(), 3);
+
+    // The client id scopes the request id: two clients, two requests.
+    let client = |c: &str| repeat(&env, "shared", now).header("repeatability-client-id", c);
+    assert_eq!(send(client("a")).await.status, 201);
+    assert_eq!(send(client("b")).await.status, 201);
+    assert!(send(client("a")).await.replayed());
+    assert_eq!(env.upstream.calls(), 5);
+
+    // A key reused with another request is refused, and says so.
+    let other = repeat(&env, "r-1", now).body("amount=999");
+    let other = send(other).await;
+    assert_eq!((other.status, result(&other)), (409, Some("rejected")));
+    // Without a Request-ID, the route is an ordinary one: no Repeatability-Result.
+    let plain = send(env.post_keyed("/v1/repeat", "plain").body("x")).await;
+    assert_eq!((plain.status, result(&plain)), (201, None));
 }

@@ -72,6 +72,7 @@ policy_table! {
     replay_drop_headers: HeaderNames,
     expiry_header: OptionalHeaderName,
     error_format: Any<ErrorFormat>,
+    repeatability: Any<bool>,
 }
 
 rules! {

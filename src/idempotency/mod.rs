@@ -12,6 +12,7 @@ mod layer;
 mod lease;
 pub mod policy;
 pub mod record;
+pub mod repeatability;
 mod response;
 mod routes;
 mod service;

@@ -182,6 +182,9 @@ pub struct Policy {
     pub expiry_header: Option<HeaderName>,
     /// The shape of the gateway's own refusals and failures on this route.
     pub error_format: ErrorFormat,
+    /// OASIS Repeatable Requests: the key from `Repeatability-Request-ID`, scoped by
+    /// `Repeatability-Client-ID`, with `Repeatability-First-Sent` checked against `ttl`.
+    pub repeatability: bool,
 }
 
 impl Policy {
@@ -219,6 +222,7 @@ impl Policy {
             replay_drop_headers: vec![http::header::SET_COOKIE],
             expiry_header: None,
             error_format: ErrorFormat::Problem,
+            repeatability: false,
         }
     }
 
@@ -684,6 +688,12 @@ impl PolicyBuilder {
     /// `error_format`: the shape of the gateway's own refusals and failures.
     pub fn error_format(mut self, format: ErrorFormat) -> Self {
         self.policy.error_format = format;
+        self
+    }
+
+    /// `repeatability`: OASIS Repeatable Requests on this route.
+    pub fn repeatability(mut self, on: bool) -> Self {
+        self.policy.repeatability = on;
         self
     }
 

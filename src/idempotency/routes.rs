@@ -101,11 +101,18 @@ pub(crate) struct RouteState {
     pub(crate) metrics: RouteMetrics,
     // Bounds the duplicates waiting at once under `on_in_flight = "wait"`.
     pub(crate) waiters: Arc<Semaphore>,
+    // The headers the key is read from, and those that scope it (the policy's, with
+    // Repeatable Requests' own when the route speaks it).
+    pub(crate) key_headers: Vec<http::HeaderName>,
+    pub(crate) scope_headers: Vec<http::HeaderName>,
 }
 
 impl RouteState {
     fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
+        let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
         Arc::new(RouteState {
+            key_headers,
+            scope_headers,
             policy: policy.clone(),
             metrics: metrics.route(&policy.route),
             waiters: Arc::new(Semaphore::new(policy.max_waiters)),

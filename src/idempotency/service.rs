@@ -46,6 +46,7 @@ use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
 use super::policy::{ErrorFormat, FingerprintMode, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
+use super::repeatability;
 use super::response::{self, relayed, TRACEPARENT};
 use super::routes::RouteState;
 use super::wait::Waiter;
@@ -119,21 +120,28 @@ where
         req.extensions_mut().insert(policy.clone());
         let applies = policy.applies_to(req.method());
         let key = if applies {
-            IdempotencyKey::from_headers(req.headers(), &policy.key_headers, policy.key_max_len)
+            IdempotencyKey::from_headers(req.headers(), &route.key_headers, policy.key_max_len)
         } else {
             Ok(None)
         };
+        let repeatable = applies && repeatability::is_repeatable(policy, req.headers());
         let key = match key {
             Ok(Some(key)) => Some(key),
             // The key may be in the body: the keyed path reads it first.
             Ok(None) if applies && policy.keys_from_body() => None,
             Ok(None) if applies && policy.require_key => {
-                return shared.refuse_now(&route, started, GatewayError::MissingKey)
+                return shared.refuse_now(&route, started, GatewayError::MissingKey, false)
             }
             // Not idempotent: simply the inner service.
             Ok(None) => return shared.pass_now(route, inner, req, started),
-            Err(e) => return shared.refuse_now(&route, started, e),
+            Err(e) => return shared.refuse_now(&route, started, e, repeatable),
         };
+        if repeatable {
+            let now = std::time::SystemTime::now();
+            if let Err(e) = repeatability::check_first_sent(req.headers(), policy.ttl, now) {
+                return shared.refuse_now(&route, started, e, true);
+            }
+        }
         // At debug level: at the default `info`, a span per request and its formatted fields
         // would weigh on the replay path (docs/operating.md, "Tracing and logs").
         let span = debug_span!(
@@ -160,7 +168,12 @@ where
             shared
                 .metrics
                 .overhead(started.elapsed().saturating_sub(finished.inner_time));
-            finished.answer
+            let mut answer = finished.answer;
+            if let (true, Ok(resp)) = (repeatable, &mut answer) {
+                let accepted = matches!(finished.outcome, Outcome::miss | Outcome::replayed);
+                repeatability::mark(resp.headers_mut(), accepted);
+            }
+            answer
         })
     }
 }
@@ -226,12 +239,14 @@ enum Called<E> {
 }
 
 impl<St: Store> Shared<St> {
-    /// Answer `e` without calling anything, counted as a refusal.
+    /// Answer `e` without calling anything, counted as a refusal (marked rejected for a
+    /// `repeatable` request).
     fn refuse_now<E>(
         &self,
         route: &RouteState,
         started: Instant,
         e: GatewayError,
+        repeatable: bool,
     ) -> BoxFuture<Result<Response<Body>, E>>
     where
         E: Send + 'static,
@@ -239,7 +254,10 @@ impl<St: Store> Shared<St> {
         debug!(problem = e.kind(), route = %route.policy.route, "refused");
         route.metrics.count(Outcome::rejected_invalid);
         self.metrics.overhead(started.elapsed());
-        let answer = e.respond(route.policy.error_format);
+        let mut answer = e.respond(route.policy.error_format);
+        if repeatable {
+            repeatability::mark(answer.headers_mut(), false);
+        }
         Box::pin(std::future::ready(Ok(answer)))
     }
 
@@ -322,7 +340,7 @@ impl<St: Store> Shared<St> {
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
         let held = Held {
-            key: key.scoped(&parts.headers, &policy.scope_headers, &policy.scope_cookies),
+            key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
             token: Token::random(),
             fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
             policy: policy.clone(),
