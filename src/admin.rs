@@ -265,6 +265,12 @@ async fn inspect<S: Inspect>(
         EntryState::NotReplayable => {
             fields.insert("state".into(), "not_replayable".into());
         }
+        EntryState::Expired(t) => {
+            fields.insert("state".into(), "expired".into());
+            let status = t.status.map(|s| s.as_u16());
+            fields.insert("status".into(), status.map_or(Value::Null, Value::from));
+            fields.insert("expired_at".into(), rfc3339_ms(t.expired_ms).into());
+        }
         EntryState::Completed(r) => {
             fields.insert("state".into(), "completed".into());
             fields.insert("status".into(), r.status.as_u16().into());

@@ -65,6 +65,17 @@ pub enum GatewayError {
         /// What `Retry-After` says.
         retry_after: Duration,
     },
+    /// 410: the key's record expired and the route refuses a retry after expiry
+    /// (`after_expiry = "refuse"`): the request is never run again.
+    #[error("the request with this Idempotency-Key was recorded on {} with status {}; its record expired on {}, and this endpoint does not run an expired key again: use a new key for a new request", http_date(.recorded_ms), status_text(.status), http_date(.expired_ms))]
+    KeyExpired {
+        /// The recorded response's status (`None`: it was too large to keep).
+        status: Option<StatusCode>,
+        /// When the record was written, in ms since the Unix epoch.
+        recorded_ms: u64,
+        /// When it expired.
+        expired_ms: u64,
+    },
     /// 409: the first response was too large to store; it was delivered once and is not replayed.
     #[error("the request with this Idempotency-Key completed, but its response was too large to be stored for replay")]
     NotReplayable,
@@ -117,6 +128,7 @@ impl GatewayError {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
+            Self::KeyExpired { .. } => StatusCode::GONE,
             Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => {
                 StatusCode::BAD_GATEWAY
             }
@@ -143,6 +155,7 @@ impl GatewayError {
             Self::Mismatch { .. } => "mismatch",
             Self::InFlight { .. } => "in-flight",
             Self::NotReplayable => "not-replayable",
+            Self::KeyExpired { .. } => "key-expired",
             Self::Upstream | Self::UpstreamTls => "upstream-unavailable",
             Self::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             Self::UpstreamTimeout | Self::UpstreamBusy => "upstream-timeout",
@@ -167,6 +180,7 @@ impl GatewayError {
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",
             Self::NotReplayable => "Response not replayable",
+            Self::KeyExpired { .. } => "Idempotency-Key expired",
             Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => "Bad gateway",
             Self::UpstreamTimeout | Self::UpstreamBusy => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
@@ -208,7 +222,9 @@ impl GatewayError {
     fn stripe_type(&self) -> (&'static str, StatusCode) {
         match self {
             Self::Mismatch { .. } => ("idempotency_error", StatusCode::BAD_REQUEST),
-            Self::InFlight { .. } | Self::NotReplayable => ("idempotency_error", self.status()),
+            Self::InFlight { .. } | Self::NotReplayable | Self::KeyExpired { .. } => {
+                ("idempotency_error", self.status())
+            }
             Self::InvalidKey(_)
             | Self::MissingKey
             | Self::InvalidBody
@@ -302,6 +318,19 @@ impl Problem {
                 .insert(header::RETRY_AFTER, retry_after_secs(d));
         }
         resp
+    }
+}
+
+/// A time in ms since the Unix epoch as an HTTP-date.
+fn http_date(ms: &u64) -> String {
+    httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_millis(*ms))
+}
+
+/// A recorded status, or what stood for it.
+fn status_text(status: &Option<StatusCode>) -> String {
+    match status {
+        Some(s) => s.as_u16().to_string(),
+        None => "unknown (the response was too large to keep)".to_string(),
     }
 }
 

@@ -127,8 +127,8 @@ mod tls;
 pub use app::{run, App, AppError};
 pub use error::ConfigError;
 pub use idempotency::{
-    ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent, OnInFlight,
-    OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
+    AfterExpiry, ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent,
+    OnInFlight, OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
 pub use metrics::Metrics;
 pub use store::{MemoryStore, RedisStore, Store, StoreError, Topology};

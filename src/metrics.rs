@@ -28,6 +28,8 @@ pub enum Outcome {
     mismatch,
     /// The key's response was too large to store; answered 409.
     not_replayable,
+    /// The key's record expired and the route refuses it after expiry; answered 410.
+    expired,
     /// Forwarded without idempotency: no key, or a method the route does not cover.
     passthrough,
     /// The store could not be reached (answered 503, or forwarded under `on_store_error = "pass"`).
@@ -45,6 +47,7 @@ impl Outcome {
             Outcome::in_flight_conflict => "in_flight_conflict",
             Outcome::mismatch => "mismatch",
             Outcome::not_replayable => "not_replayable",
+            Outcome::expired => "expired",
             Outcome::passthrough => "passthrough",
             Outcome::store_error => "store_error",
             Outcome::rejected_invalid => "rejected_invalid",
@@ -333,6 +336,7 @@ impl Metrics {
             in_flight_conflict: counter(Outcome::in_flight_conflict),
             mismatch: counter(Outcome::mismatch),
             not_replayable: counter(Outcome::not_replayable),
+            expired: counter(Outcome::expired),
             passthrough: counter(Outcome::passthrough),
             store_error: counter(Outcome::store_error),
             rejected_invalid: counter(Outcome::rejected_invalid),
@@ -463,6 +467,7 @@ pub struct RouteMetrics {
     in_flight_conflict: Counter,
     mismatch: Counter,
     not_replayable: Counter,
+    expired: Counter,
     passthrough: Counter,
     store_error: Counter,
     rejected_invalid: Counter,
@@ -477,6 +482,7 @@ impl RouteMetrics {
             Outcome::in_flight_conflict => &self.in_flight_conflict,
             Outcome::mismatch => &self.mismatch,
             Outcome::not_replayable => &self.not_replayable,
+            Outcome::expired => &self.expired,
             Outcome::passthrough => &self.passthrough,
             Outcome::store_error => &self.store_error,
             Outcome::rejected_invalid => &self.rejected_invalid,

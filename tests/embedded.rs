@@ -287,7 +287,7 @@ async fn records_kept_forever_are_never_evicted_to_make_room() {
         store.claim(&k, &FP, &t, lease).await.unwrap();
         let kept = EntryState::NotReplayable;
         assert!(store
-            .complete(&k, &FP, &t, &kept, Ttl::Forever)
+            .complete(&k, &FP, &t, &kept, Ttl::Forever.into())
             .await
             .unwrap());
     }

@@ -75,7 +75,7 @@ async fn the_reaper_deletes_expired_rows_and_only_those_never_a_record_kept_fore
     s.claim(&forever, &fp, &t, short).await.unwrap();
     let kept = EntryState::NotReplayable;
     assert!(s
-        .complete(&forever, &fp, &t, &kept, Ttl::Forever)
+        .complete(&forever, &fp, &t, &kept, Ttl::Forever.into())
         .await
         .unwrap());
     assert_eq!(rows(&server), 7);

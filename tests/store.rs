@@ -15,10 +15,11 @@ use http::StatusCode;
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
+use idemgate::idempotency::record::now_ms;
 use idemgate::idempotency::record::{EntryState, StoredResponse, Token};
 use idemgate::store::RedisSettings;
 use idemgate::store::{
-    CachedStore, Claim, Inspect, LocalCache, RedisStore, Replay, Store, StoreError,
+    CachedStore, Claim, Inspect, Keep, LocalCache, RedisStore, Replay, Store, StoreError,
 };
 
 /// Generate, for each named `async fn(S: Store)`, one test per store the contract binds.
@@ -93,7 +94,105 @@ contract!(
     stale_holder_is_fenced,
     renew_extends_only_own_lease,
     a_different_request_is_a_mismatch,
+    an_expired_record_leaves_a_tombstone,
 );
+
+/// `after_expiry = "refuse"`: an expired record's tombstone decides, until it expires in turn.
+async fn an_expired_record_leaves_a_tombstone<S: Inspect>(s: S) {
+    let (k, fp, other) = (
+        ScopedKey([3; 32]),
+        Fingerprint([2; 32]),
+        Fingerprint([9; 32]),
+    );
+    let remembered = Keep {
+        ttl: Ttl::For(Duration::from_millis(300)),
+        tombstone: Some(Duration::from_secs(60)),
+    };
+    let t = Token::random();
+    let claimed = s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap();
+    assert!(matches!(claimed, Claim::Claimed), "{claimed:?}");
+    assert!(s
+        .complete(&k, &fp, &t, &response("paid"), remembered)
+        .await
+        .unwrap());
+    // While the record lives, it wins over its tombstone.
+    let live = s
+        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .await;
+    assert_eq!(replayed_body(live.unwrap()).unwrap(), "paid");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    match s
+        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .await
+        .unwrap()
+    {
+        Claim::Expired {
+            tombstone,
+            recorded_ms,
+        } => {
+            assert_eq!(tombstone.status, Some(StatusCode::OK));
+            assert!(
+                tombstone.expired_ms >= recorded_ms + 300,
+                "{tombstone:?} {recorded_ms}"
+            );
+            assert!(tombstone.expired_ms <= now_ms(), "expired in the past");
+        }
+        other => panic!("not refused as expired: {other:?}"),
+    }
+    let mismatch = s
+        .claim_unless_expired(&k, &other, &Token::random(), LEASE)
+        .await;
+    assert!(matches!(mismatch, Ok(Claim::Mismatch)), "{mismatch:?}");
+    let inspected = s.inspect(&k).await.unwrap().expect("the tombstone");
+    assert!(
+        matches!(inspected.entry.state, EntryState::Expired(_)),
+        "{inspected:?}"
+    );
+    assert!(
+        inspected.stored_bytes < 300,
+        "no response in a tombstone: {inspected:?}"
+    );
+    // An eviction removes it: the key is free.
+    assert!(s.evict(&k).await.unwrap());
+    let t = Token::random();
+    let again = s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap();
+    assert!(matches!(again, Claim::Claimed), "{again:?}");
+    // A released key leaves none; nor does a record kept without one.
+    assert!(s.release(&k, &t).await.unwrap());
+    let t = Token::random();
+    assert!(matches!(
+        s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    let brief = Duration::from_millis(100);
+    assert!(s
+        .complete(&k, &fp, &t, &response("paid"), brief.into())
+        .await
+        .unwrap());
+    // And a tombstone's own life ends: the key is free after it.
+    let k2 = ScopedKey([4; 32]);
+    let short = Keep {
+        ttl: Ttl::For(brief),
+        tombstone: Some(Duration::from_millis(200)),
+    };
+    let t = Token::random();
+    s.claim_unless_expired(&k2, &fp, &t, LEASE).await.unwrap();
+    assert!(s
+        .complete(&k2, &fp, &t, &EntryState::NotReplayable, short)
+        .await
+        .unwrap());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let free = s
+        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .await
+        .unwrap();
+    assert!(matches!(free, Claim::Claimed), "{free:?}");
+    let free = s
+        .claim_unless_expired(&k2, &fp, &Token::random(), LEASE)
+        .await
+        .unwrap();
+    assert!(matches!(free, Claim::Claimed), "{free:?}");
+}
 
 /// `ttl = "forever"`, on the stores that keep it.
 mod kept_forever {
@@ -128,7 +227,7 @@ async fn kept_forever<S: Inspect>(s: S) {
             Claim::Claimed
         ));
         assert!(s
-            .complete(&k, &fp, &t, &response("kept"), ttl)
+            .complete(&k, &fp, &t, &response("kept"), ttl.into())
             .await
             .unwrap());
     }

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use super::checked::{rules, Any, Checked, Lifetime, NonZero, NonZeroSize};
 use crate::idempotency::json::Pointer;
 use crate::idempotency::policy::{
-    check, ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy,
+    check, AfterExpiry, ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy,
 };
 
 /// Writes the table once: the struct with its serde schema, and the merge that sets on a policy
@@ -73,6 +73,8 @@ policy_table! {
     expiry_header: OptionalHeaderName,
     error_format: Any<ErrorFormat>,
     repeatability: Any<bool>,
+    after_expiry: Any<AfterExpiry>,
+    tombstone_ttl: NonZero,
 }
 
 rules! {

@@ -229,6 +229,15 @@ impl ScopedKey {
         use base64::Engine;
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&self.0[..16])
     }
+
+    /// Where the stores that keep entries by scoped key (memory, embedded, PostgreSQL) keep this
+    /// key's tombstone: another address, derived from this one, that no request's key hashes to.
+    pub fn tombstone(&self) -> ScopedKey {
+        let mut h = Sha256::new();
+        h.update(b"idemgate tombstone\0");
+        h.update(self.0);
+        ScopedKey(h.finalize().into())
+    }
 }
 
 /// The values of the cookie `name` in the `Cookie` headers of a request (RFC 6265: pairs

@@ -13,7 +13,7 @@ use tracing::{debug, error, warn};
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, KeySource, ScopedKey};
 use super::policy::Policy;
-use super::policy::Ttl;
+use super::policy::{AfterExpiry, Ttl};
 use super::record::{EntryState, Token};
 use super::shared::Shared;
 use crate::metrics::StoreOp;
@@ -72,17 +72,20 @@ impl<St: Store> Lease<St> {
     pub(super) async fn claim(&self) -> Result<Claim, StoreError> {
         let (shared, held) = (&self.shared, &self.held);
         let pending = PendingClaim::arm(self);
-        let claim = shared
-            .timed(
-                StoreOp::claim,
-                shared.store.claim(
-                    &held.key,
-                    &held.fingerprint,
-                    &held.token,
-                    held.policy.lock_ttl,
-                ),
-            )
-            .await;
+        let (key, fingerprint, token) = (&held.key, &held.fingerprint, &held.token);
+        let lease = held.policy.lock_ttl;
+        let claim = match held.policy.after_expiry {
+            AfterExpiry::Run => {
+                let claim = shared.store.claim(key, fingerprint, token, lease);
+                shared.timed(StoreOp::claim, claim).await
+            }
+            AfterExpiry::Refuse => {
+                let claim = shared
+                    .store
+                    .claim_unless_expired(key, fingerprint, token, lease);
+                shared.timed(StoreOp::claim, claim).await
+            }
+        };
         match &claim {
             Ok(_) | Err(StoreError::Decode(_)) => pending.disarm(),
             Err(_) => drop(pending),
@@ -124,9 +127,11 @@ impl<St: Store> Lease<St> {
     pub(super) async fn complete(&self, state: &EntryState, ttl: Ttl) {
         let (shared, held) = (&self.shared, &self.held);
         let route = &held.policy.route;
-        let complete = shared
-            .store
-            .complete(&held.key, &held.fingerprint, &held.token, state, ttl);
+        let keep = held.policy.keep(ttl);
+        let complete =
+            shared
+                .store
+                .complete(&held.key, &held.fingerprint, &held.token, state, keep);
         match shared.timed(StoreOp::complete, complete).await {
             Ok(true) => {}
             Ok(false) => {
@@ -158,10 +163,11 @@ impl<St: Store> Lease<St> {
         while Instant::now() + delay < until {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(1));
+            let keep = held.policy.keep(ttl);
             let complete =
                 self.shared
                     .store
-                    .complete(&held.key, &held.fingerprint, &held.token, state, ttl);
+                    .complete(&held.key, &held.fingerprint, &held.token, state, keep);
             match complete.await {
                 Ok(true) => {
                     tracing::info!(%route, key = %held.tag(), "response recorded on a later try");

@@ -23,8 +23,8 @@ pub use inner::{Deadline, NotSent};
 pub use json::Pointer;
 pub use layer::IdempotencyLayer;
 pub use policy::{
-    ErrorFormat, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Ttl,
-    DEFAULT_UPSTREAM,
+    AfterExpiry, ErrorFormat, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy,
+    PolicyBuilder, Ttl, DEFAULT_UPSTREAM,
 };
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;

@@ -103,6 +103,17 @@ pub enum FingerprintMode {
     Json,
 }
 
+/// What a retry gets once its key's record has expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterExpiry {
+    /// A new request: it runs again (Stripe's rule).
+    #[default]
+    Run,
+    /// Refused with 410 for `tombstone_ttl` after the record expires; never run again.
+    Refuse,
+}
+
 /// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
 /// or an upstream's answer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -182,6 +193,10 @@ pub struct Policy {
     pub expiry_header: Option<HeaderName>,
     /// The shape of the gateway's own refusals and failures on this route.
     pub error_format: ErrorFormat,
+    /// What a retry gets after its key's record has expired.
+    pub after_expiry: AfterExpiry,
+    /// With `after_expiry = "refuse"`: how long a key is remembered after its record expires.
+    pub tombstone_ttl: Duration,
     /// OASIS Repeatable Requests: the key from `Repeatability-Request-ID`, scoped by
     /// `Repeatability-Client-ID`, with `Repeatability-First-Sent` checked against `ttl`.
     pub repeatability: bool,
@@ -222,6 +237,8 @@ impl Policy {
             replay_drop_headers: vec![http::header::SET_COOKIE],
             expiry_header: None,
             error_format: ErrorFormat::Problem,
+            after_expiry: AfterExpiry::Run,
+            tombstone_ttl: Duration::from_secs(30 * 24 * 3600),
             repeatability: false,
         }
     }
@@ -299,6 +316,13 @@ impl Policy {
         .into_iter()
         .find(|(_, ttl)| *ttl == Ttl::Forever)
         .map(|(field, _)| field)
+    }
+
+    /// How a record kept for `ttl` on this route is kept: with a tombstone for
+    /// `tombstone_ttl` after it when the route refuses a retry after expiry.
+    pub fn keep(&self, ttl: Ttl) -> crate::store::Keep {
+        let tombstone = (self.after_expiry == AfterExpiry::Refuse).then_some(self.tombstone_ttl);
+        crate::store::Keep { ttl, tombstone }
     }
 
     /// Whether a request without a key header may carry its key in the body.
@@ -689,6 +713,18 @@ impl PolicyBuilder {
     pub fn error_format(mut self, format: ErrorFormat) -> Self {
         self.policy.error_format = format;
         self
+    }
+
+    /// `after_expiry`: what a retry gets after its key's record has expired.
+    pub fn after_expiry(mut self, after: AfterExpiry) -> Self {
+        self.policy.after_expiry = after;
+        self
+    }
+
+    /// `tombstone_ttl`: how long a key is remembered after its record expires.
+    pub fn tombstone_ttl(self, ttl: Duration) -> Self {
+        let value = Self::duration(ttl);
+        self.set("tombstone_ttl", value, |p, v| p.tombstone_ttl = v)
     }
 
     /// `repeatability`: OASIS Repeatable Requests on this route.

@@ -47,6 +47,35 @@ pub enum EntryState {
     Completed(Arc<StoredResponse>),
     /// Completed, but the response was too large to keep: never run again, never replayed.
     NotReplayable,
+    /// A tombstone: the key's record has expired, and the route refuses a retry after expiry
+    /// (`after_expiry = "refuse"`). Never the response; the entry's `written_ms` is when the
+    /// record was written.
+    Expired(Tombstone),
+}
+
+/// What a tombstone remembers of an expired record (tens of bytes, never the response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tombstone {
+    /// The recorded response's status (`None`: the response was too large to keep).
+    pub status: Option<StatusCode>,
+    /// When the record expired, in ms since the Unix epoch.
+    pub expired_ms: u64,
+}
+
+impl Tombstone {
+    /// The tombstone a record in `state`, kept `ttl_ms` from `now_ms`, leaves; `None` for a
+    /// claim or a tombstone.
+    pub fn of(state: &EntryState, now_ms: u64, ttl_ms: u64) -> Option<Self> {
+        let status = match state {
+            EntryState::Completed(r) => Some(r.status),
+            EntryState::NotReplayable => None,
+            EntryState::InFlight | EntryState::Expired(_) => return None,
+        };
+        Some(Tombstone {
+            status,
+            expired_ms: now_ms.saturating_add(ttl_ms),
+        })
+    }
 }
 
 impl StoredResponse {

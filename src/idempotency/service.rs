@@ -369,6 +369,17 @@ impl<St: Store> Shared<St> {
             Ok(Claim::NotReplayable) => {
                 Finished::refused(Outcome::not_replayable, GatewayError::NotReplayable, format)
             }
+            Ok(Claim::Expired {
+                tombstone,
+                recorded_ms,
+            }) => {
+                let expired = GatewayError::KeyExpired {
+                    status: tombstone.status,
+                    recorded_ms,
+                    expired_ms: tombstone.expired_ms,
+                };
+                Finished::refused(Outcome::expired, expired, format)
+            }
             Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts.method, &lease.held),
             Ok(Claim::Claimed) => {
                 drop(waiter);

@@ -5,12 +5,11 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::{
-    CachedStore, Claim, EmbeddedStore, Evicted, Inspect, Inspected, LocalCache, MemoryStore,
+    CachedStore, Claim, EmbeddedStore, Evicted, Inspect, Inspected, Keep, LocalCache, MemoryStore,
     PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, Token};
 use crate::metrics::Metrics;
 
@@ -126,15 +125,25 @@ impl Store for AnyStore {
         on_store!(self, s => s.claim(key, fingerprint, token, lease).await)
     }
 
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        on_store!(self, s => s.claim_unless_expired(key, fingerprint, token, lease).await)
+    }
+
     async fn complete(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.complete(key, fingerprint, token, state, ttl).await)
+        on_store!(self, s => s.complete(key, fingerprint, token, state, keep).await)
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {

@@ -14,10 +14,9 @@ use std::time::Duration;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use super::{Claim, Replay, Store, StoreError};
+use super::{Claim, Keep, Replay, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, StoredResponse, Token};
 
 /// Bytes of responses a process keeps when no bound is given.
@@ -187,6 +186,18 @@ impl<S: Store> CachedStore<S> {
     pub fn cache(&self) -> &LocalCache {
         &self.cache
     }
+
+    /// `claim`, after keeping the record it replays for the next replays.
+    fn cached(&self, key: &ScopedKey, fingerprint: &Fingerprint, claim: Claim) -> Claim {
+        if let Claim::Replay(Replay {
+            response,
+            expires_in,
+        }) = &claim
+        {
+            self.cache.put(key, fingerprint, response, *expires_in);
+        }
+        claim
+    }
 }
 
 impl<S: Store> Store for CachedStore<S> {
@@ -201,14 +212,24 @@ impl<S: Store> Store for CachedStore<S> {
             return Ok(Claim::Replay(replay));
         }
         let claim = self.inner.claim(key, fingerprint, token, lease).await?;
-        if let Claim::Replay(Replay {
-            response,
-            expires_in,
-        }) = &claim
-        {
-            self.cache.put(key, fingerprint, response, *expires_in);
+        Ok(self.cached(key, fingerprint, claim))
+    }
+
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        // A cached record is live (it never outlives its record), so it wins as in the store.
+        if let Some(replay) = self.cache.get(key, fingerprint) {
+            return Ok(Claim::Replay(replay));
         }
-        Ok(claim)
+        let claim = self
+            .inner
+            .claim_unless_expired(key, fingerprint, token, lease);
+        Ok(self.cached(key, fingerprint, claim.await?))
     }
 
     async fn complete(
@@ -217,11 +238,11 @@ impl<S: Store> Store for CachedStore<S> {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
         let done = self
             .inner
-            .complete(key, fingerprint, token, state, ttl)
+            .complete(key, fingerprint, token, state, keep)
             .await?;
         // Not cached here: most keys are never retried, so a record enters the cache when it is
         // first read back (a replay), not when it is written.

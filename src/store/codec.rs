@@ -7,7 +7,7 @@
 //! ```text
 //! [0]      format version (3)
 //! [1]      state: b'P' in flight, b'C' completed (response follows), b'Z' the same with an
-//!          LZ4-compressed body, b'N' completed, not replayable
+//!          LZ4-compressed body, b'N' completed, not replayable, b'X' a tombstone
 //! [2..34]  request fingerprint (SHA-256)
 //! [34..50] claim token (fences completion and release against a newer holder)
 //! [50..58] when this entry was written, in ms since the Unix epoch
@@ -17,6 +17,9 @@
 //! u8       length of the original request's W3C traceparent (0: none), then its bytes
 //! u8       where the key came from: 0 unknown, 1 a header, 2 the body, 3 derived
 //! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
+//! -- only for b'X' (the token is zeros; written-at is when the record was written):
+//! u16      the record's status (0: not replayable)
+//! u64      when the record expired, in ms since the Unix epoch
 //! ```
 //!
 //! The Redis Lua scripts (`redis/lua/`) read the state byte and the token directly; the offsets and
@@ -30,7 +33,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::KeySource;
-use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token};
+use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
 use crate::store::DecodeError;
 
 /// The encoding version written by this build.
@@ -51,6 +54,8 @@ pub(crate) const COMPLETED: u8 = b'C';
 pub(crate) const COMPRESSED: u8 = b'Z';
 /// State byte: completed, not replayable.
 pub(crate) const NOT_REPLAYABLE: u8 = b'N';
+/// State byte: a tombstone of an expired record.
+pub(crate) const EXPIRED: u8 = b'X';
 
 /// Bodies from this size on are worth trying to compress.
 pub(crate) const COMPRESS_FROM: usize = 1024;
@@ -126,6 +131,7 @@ pub(crate) fn encode_parts<'a>(
         EntryState::Completed(r) if compressed.is_some() => (COMPRESSED, Some(r)),
         EntryState::Completed(r) => (COMPLETED, Some(r)),
         EntryState::NotReplayable => (NOT_REPLAYABLE, None),
+        EntryState::Expired(_) => (EXPIRED, None),
     };
     let body: Cow<'a, [u8]> = match (compressed, resp) {
         (Some(packed), _) => Cow::Owned(packed),
@@ -143,7 +149,7 @@ pub(crate) fn encode_parts<'a>(
                 + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
                 + 1
         });
-    let mut out = BytesMut::with_capacity(size);
+    let mut out = BytesMut::with_capacity(size + 10);
     out.put_u8(FORMAT_VERSION);
     out.put_u8(tag);
     out.put_slice(&fingerprint.0);
@@ -172,6 +178,10 @@ pub(crate) fn encode_parts<'a>(
             Some(KeySource::Body) => 2,
             Some(KeySource::Derived) => 3,
         });
+    }
+    if let EntryState::Expired(t) = state {
+        out.put_u16(t.status.map_or(0, |s| s.as_u16()));
+        out.put_u64(t.expired_ms);
     }
     Encoded { head: out, body }
 }
@@ -212,6 +222,17 @@ pub(crate) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
                 .map_err(|_| DecodeError("corrupt compressed body"))?
                 .into();
             EntryState::Completed(Arc::new(r))
+        }
+        EXPIRED if raw.len() >= HEADER_LEN + 10 && !v1 => {
+            let mut rest = raw.slice(HEADER_LEN..);
+            let status = match rest.get_u16() {
+                0 => None,
+                s => Some(StatusCode::from_u16(s).map_err(|_| DecodeError("bad status"))?),
+            };
+            EntryState::Expired(Tombstone {
+                status,
+                expired_ms: rest.get_u64(),
+            })
         }
         _ => return Err(DecodeError("unknown state")),
     };

@@ -23,7 +23,7 @@ use redb::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{codec, Claim, EmbeddedSettings, Inspected, Store, StoreError};
+use super::{codec, Claim, EmbeddedSettings, Inspected, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::policy::Ttl;
@@ -86,12 +86,16 @@ enum Write {
         fingerprint: Fingerprint,
         token: Token,
         lease: Duration,
+        // Whether a live tombstone keeps the key from being claimed.
+        tombstones: bool,
     },
     Complete {
         key: ScopedKey,
         token: Token,
         value: Bytes,
         ttl: Ttl,
+        // The tombstone the record leaves, and how long it lives.
+        tombstone: Option<(Bytes, Duration)>,
     },
     Release {
         key: ScopedKey,
@@ -407,19 +411,28 @@ impl<'txn> Tables<'txn> {
                 fingerprint,
                 token,
                 lease,
-            } => match self.claim(key, fingerprint, token, now + ms(*lease), now, limits)? {
-                Ok(claim) => Done::Claim(claim),
-                Err(e) => return Ok(Err(e)),
-            },
+                tombstones,
+            } => {
+                let expires = now + ms(*lease);
+                match self.claim(key, fingerprint, token, expires, *tombstones, now, limits)? {
+                    Ok(claim) => Done::Claim(claim),
+                    Err(e) => return Ok(Err(e)),
+                }
+            }
             Write::Complete {
                 key,
                 token,
                 value,
                 ttl,
+                tombstone,
             } => {
                 let ours = self.claimed_by(key, token, now)?;
                 if ours {
                     self.put(key, expiry(now, *ttl), value)?;
+                    if let Some((tombstone, lives)) = tombstone {
+                        let at = now.saturating_add(ms(*lives));
+                        self.put(&key.tombstone(), at, tombstone)?;
+                    }
                     // Never refused: nothing is added.
                     let _ = self.make_room(limits, false, now)?;
                 }
@@ -439,18 +452,23 @@ impl<'txn> Tables<'txn> {
                 }
                 Done::Yes(ours)
             }
-            Write::Evict(key) => Done::Yes(self.remove(key)?),
+            Write::Evict(key) => {
+                let record = self.remove(key)?;
+                Done::Yes(self.remove(&key.tombstone())? || record)
+            }
             Write::EvictAll => Done::Count(self.remove_all()?),
             Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
         }))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn claim(
         &mut self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         expires: u64,
+        tombstones: bool,
         now: u64,
         limits: Limits,
     ) -> Result2<Result<Claim, StoreError>> {
@@ -459,6 +477,11 @@ impl<'txn> Tables<'txn> {
                 return Ok(decided(at, value, fingerprint, token, now));
             }
             self.remove(key)?;
+        }
+        if tombstones {
+            if let Some((at, value)) = self.held(&key.tombstone())?.filter(|(at, _)| *at > now) {
+                return Ok(decided(at, value, fingerprint, token, now));
+            }
         }
         if let Err(e) = self.make_room(limits, true, now)? {
             return Ok(Err(e));
@@ -611,6 +634,44 @@ fn decided(
     Ok(Claim::decide(entry, &holder, fingerprint, token))
 }
 
+impl EmbeddedStore {
+    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
+    /// its record has expired.
+    async fn claim_with(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+        tombstones: bool,
+    ) -> Result<Claim, StoreError> {
+        // A live entry that is not our own claim decides without a write (a replay, a claim in
+        // flight, a mismatch, a tombstone); the writer checks again before it claims.
+        match self.read(key)? {
+            Some((at, value)) if !holds(&value, token) => {
+                return decided(at, value, fingerprint, token, now_ms());
+            }
+            None if tombstones => {
+                if let Some((at, value)) = self.read(&key.tombstone())? {
+                    return decided(at, value, fingerprint, token, now_ms());
+                }
+            }
+            _ => {}
+        }
+        let what = Write::Claim {
+            key: *key,
+            fingerprint: *fingerprint,
+            token: *token,
+            lease,
+            tombstones,
+        };
+        match self.write(what).await? {
+            Done::Claim(claim) => Ok(claim),
+            other => unreachable!("a claim answered {other:?}"),
+        }
+    }
+}
+
 impl Store for EmbeddedStore {
     async fn claim(
         &self,
@@ -619,23 +680,17 @@ impl Store for EmbeddedStore {
         token: &Token,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        // A live entry that is not our own claim decides without a write (a replay, a claim in
-        // flight, a mismatch); the writer checks again before it claims.
-        if let Some((at, value)) = self.read(key)? {
-            if !holds(&value, token) {
-                return decided(at, value, fingerprint, token, now_ms());
-            }
-        }
-        let what = Write::Claim {
-            key: *key,
-            fingerprint: *fingerprint,
-            token: *token,
-            lease,
-        };
-        match self.write(what).await? {
-            Done::Claim(claim) => Ok(claim),
-            other => unreachable!("a claim answered {other:?}"),
-        }
+        self.claim_with(key, fingerprint, token, lease, false).await
+    }
+
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_with(key, fingerprint, token, lease, true).await
     }
 
     async fn complete(
@@ -644,14 +699,19 @@ impl Store for EmbeddedStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
         let value = codec::encode(fingerprint, token, state);
+        let tombstone = keep.tombstone_of(fingerprint, state).map(|(entry, lives)| {
+            let encoded = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
+            (encoded, lives)
+        });
         self.yes(Write::Complete {
             key: *key,
             token: *token,
             value,
-            ttl,
+            ttl: keep.ttl,
+            tombstone,
         })
         .await
     }
@@ -688,7 +748,12 @@ impl super::Inspect for EmbeddedStore {
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
-        let Some((at, value)) = self.read(key)? else {
+        // The record, or its tombstone once it has expired.
+        let found = match self.read(key)? {
+            Some(found) => Some(found),
+            None => self.read(&key.tombstone())?,
+        };
+        let Some((at, value)) = found else {
             return Ok(None);
         };
         let stored_bytes = value.len();

@@ -13,10 +13,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{Claim, Store, StoreError};
+use super::{Claim, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
@@ -286,9 +285,9 @@ impl super::Inspect for MemoryStore {
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
         let now = Instant::now();
         let t = self.lock();
-        Ok(t.map
-            .get(key)
-            .filter(|s| s.expires_at > now)
+        let live = |at: &ScopedKey| t.map.get(at).filter(|s| s.expires_at > now);
+        Ok(live(key)
+            .or_else(|| live(&key.tombstone()))
             .map(|s| super::Inspected {
                 entry: s.entry.clone(),
                 expires_in: Some(s.expires_at - now),
@@ -297,7 +296,9 @@ impl super::Inspect for MemoryStore {
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        Ok(self.remove(key))
+        let mut t = self.lock();
+        let record = t.remove(key).is_some();
+        Ok(t.remove(&key.tombstone()).is_some() || record)
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
@@ -305,18 +306,22 @@ impl super::Inspect for MemoryStore {
     }
 }
 
-impl Store for MemoryStore {
-    async fn claim(
+impl MemoryStore {
+    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
+    /// its record has expired.
+    fn claim_with(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
+        tombstones: bool,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut t = self.lock();
-        if let Some(slot) = t.map.get(key) {
-            if slot.expires_at > now {
+        let tombstone = tombstones.then(|| key.tombstone());
+        for at in std::iter::once(key).chain(tombstone.as_ref()) {
+            if let Some(slot) = t.map.get(at).filter(|s| s.expires_at > now) {
                 let mut entry = slot.entry.clone();
                 entry.expires_in = Some(slot.expires_at - now);
                 return Ok(Claim::decide(entry, &slot.token, fingerprint, token));
@@ -338,6 +343,28 @@ impl Store for MemoryStore {
         );
         Ok(Claim::Claimed)
     }
+}
+
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_with(key, fingerprint, token, lease, false)
+    }
+
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_with(key, fingerprint, token, lease, true)
+    }
 
     async fn complete(
         &self,
@@ -345,8 +372,9 @@ impl Store for MemoryStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
+        let tombstone = keep.tombstone_of(fingerprint, state);
         // Kept in memory: detached from the upstream connection's read buffers, so the record
         // holds only its own bytes. Copied before the lock is taken, not while every worker
         // waits on it.
@@ -368,9 +396,21 @@ impl Store for MemoryStore {
                 expires_in: None,
                 written_ms: now_ms(),
             },
-            expires_at: now + ttl.clamped(),
+            expires_at: now + keep.ttl.clamped(),
         };
         t.insert(*key, slot);
+        if let Some((entry, lives)) = tombstone {
+            let token = Token([0; 16]);
+            let expires_at = now + lives;
+            t.insert(
+                key.tombstone(),
+                Slot {
+                    token,
+                    entry,
+                    expires_at,
+                },
+            );
+        }
         t.make_room(self.shared.max_entries, self.shared.max_bytes, false, now)?;
         Ok(true)
     }

@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::policy::Ttl;
-use crate::idempotency::record::{Entry, EntryState, StoredResponse, Token};
+use crate::idempotency::policy::MAX_DURATION;
+use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
 
 mod any;
 pub mod cached;
@@ -48,6 +49,69 @@ pub enum Claim {
     /// The key belongs to a different request (whatever its state: a misuse of the key wins over
     /// "in flight").
     Mismatch,
+    /// The key's record expired and left a tombstone (`after_expiry = "refuse"`): an identical
+    /// request is refused, never run again.
+    Expired {
+        /// What the tombstone remembers.
+        tombstone: Tombstone,
+        /// When the record was written, in ms since the Unix epoch.
+        recorded_ms: u64,
+    },
+}
+
+/// How long a completed record is kept, and whether it leaves a tombstone when it expires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keep {
+    /// How long the record is replayed.
+    pub ttl: Ttl,
+    /// With `after_expiry = "refuse"`: how long the key is remembered after its record expires.
+    pub tombstone: Option<Duration>,
+}
+
+impl Keep {
+    /// How long from now the record's tombstone lives, when it leaves one (a record kept
+    /// forever never does).
+    pub fn tombstone_lives(self) -> Option<Duration> {
+        match (self.ttl, self.tombstone) {
+            (Ttl::For(ttl), Some(after)) => Some(ttl.saturating_add(after).min(MAX_DURATION)),
+            _ => None,
+        }
+    }
+
+    /// The tombstone entry a record of `fingerprint` in `state`, written now, leaves, with how
+    /// long from now it lives; `None` when it leaves none.
+    pub fn tombstone_of(
+        self,
+        fingerprint: &Fingerprint,
+        state: &EntryState,
+    ) -> Option<(Entry, Duration)> {
+        let lives = self.tombstone_lives()?;
+        let written_ms = now_ms();
+        let ttl_ms = self.ttl.clamped().as_millis() as u64;
+        let tombstone = Tombstone::of(state, written_ms, ttl_ms)?;
+        let entry = Entry {
+            fingerprint: *fingerprint,
+            state: EntryState::Expired(tombstone),
+            expires_in: Some(lives),
+            written_ms,
+        };
+        Some((entry, lives))
+    }
+}
+
+impl From<Ttl> for Keep {
+    fn from(ttl: Ttl) -> Self {
+        Keep {
+            ttl,
+            tombstone: None,
+        }
+    }
+}
+
+impl From<Duration> for Keep {
+    fn from(ttl: Duration) -> Self {
+        Ttl::For(ttl).into()
+    }
 }
 
 /// A completed response to replay.
@@ -73,6 +137,10 @@ impl Claim {
                 response,
                 expires_in: held.expires_in,
             }),
+            EntryState::Expired(tombstone) => Claim::Expired {
+                tombstone,
+                recorded_ms: held.written_ms,
+            },
         }
     }
 }
@@ -120,15 +188,28 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Replace our in-flight claim with a completed entry kept for `ttl`. Returns `false` (and
-    /// writes nothing) when the key is no longer claimed with `token`.
+    /// [`Store::claim`] on a route that refuses a retry after expiry: a key whose record has
+    /// expired but whose tombstone lives is not free, and the decision comes from the tombstone
+    /// ([`Claim::Expired`], or [`Claim::Mismatch`] for another request). A live record wins
+    /// over its tombstone.
+    fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Replace our in-flight claim with a completed entry kept as `keep` says (with the
+    /// tombstone it leaves, if any, in the same atomic step). Returns `false` (and writes
+    /// nothing) when the key is no longer claimed with `token`.
     fn complete(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Delete our in-flight claim so that a retry runs again. `false` when it is not ours.
@@ -170,13 +251,13 @@ pub trait Inspect: Store {
     /// Whether the store answers.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// What `key` holds.
+    /// What `key` holds: its entry, or its tombstone when its record has expired.
     fn inspect(
         &self,
         key: &ScopedKey,
     ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send;
 
-    /// Delete `key` whatever its state; whether it existed.
+    /// Delete `key` whatever its state, and its tombstone; whether either existed.
     fn evict(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Delete every record of this gateway (under the prefix); how many.

@@ -22,10 +22,9 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec;
 use super::settings::redact_url;
-use super::{Claim, Inspect, Inspected, Store, StoreError};
+use super::{Claim, Inspect, Inspected, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{EntryState, Token};
 
 mod schema;
@@ -428,7 +427,39 @@ fn entry_of(row: &Row) -> Result<(crate::idempotency::record::Entry, Token), Sto
     Ok((entry, holder))
 }
 
+impl PostgresStore {
+    /// The live entry at `at` (a tombstone's address), if any.
+    async fn live(&self, at: &ScopedKey) -> Result<Option<Row>, StoreError> {
+        let s = Handle(&self.shared);
+        let rows = s
+            .query(&self.shared.sql.inspect, &[&&at.0[..], &&at.0[..]])
+            .await?;
+        Ok(rows.into_iter().next())
+    }
+}
+
 impl Store for PostgresStore {
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        // A live record wins over its tombstone: the claim decides first. A key it takes is
+        // then given back if its tombstone lives (others saw it in flight meanwhile).
+        let claim = self.claim(key, fingerprint, token, lease).await?;
+        if !matches!(claim, Claim::Claimed) {
+            return Ok(claim);
+        }
+        let Some(row) = self.live(&key.tombstone()).await? else {
+            return Ok(claim);
+        };
+        self.release(key, token).await?;
+        let (held, holder) = entry_of(&row)?;
+        Ok(Claim::decide(held, &holder, fingerprint, token))
+    }
+
     async fn claim(
         &self,
         key: &ScopedKey,
@@ -457,17 +488,27 @@ impl Store for PostgresStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
         let record = codec::encode(fingerprint, token, state);
         let s = Handle(&self.shared);
-        let ttl = ttl.finite().map(millis);
-        let n = s
-            .execute(
-                &self.shared.sql.complete,
-                &[&&key.0[..], &&token.0[..], &&record[..], &ttl],
-            )
-            .await?;
+        let ttl = keep.ttl.finite().map(millis);
+        let at = key.tombstone();
+        let (key, token) = (&&key.0[..], &&token.0[..]);
+        let n = match keep.tombstone_of(fingerprint, state) {
+            None => {
+                let sql = &self.shared.sql.complete;
+                s.execute(sql, &[key, token, &&record[..], &ttl]).await?
+            }
+            Some((entry, lives)) => {
+                let tombstone = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
+                let (at, lives) = (&&at.0[..], millis(lives));
+                let sql = &self.shared.sql.complete_with_tombstone;
+                let params: [&(dyn ToSql + Sync); 7] =
+                    [key, token, &&record[..], &ttl, at, &&tombstone[..], &lives];
+                s.execute(sql, &params).await?
+            }
+        };
         Ok(n == 1)
     }
 
@@ -502,8 +543,9 @@ impl Inspect for PostgresStore {
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+        let at = key.tombstone();
         let rows = Handle(&self.shared)
-            .query(&self.shared.sql.inspect, &[&&key.0[..]])
+            .query(&self.shared.sql.inspect, &[&&key.0[..], &&at.0[..]])
             .await?;
         let Some(row) = rows.first() else {
             return Ok(None);
@@ -519,7 +561,10 @@ impl Inspect for PostgresStore {
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
         let rows = Handle(&self.shared)
-            .query(&self.shared.sql.evict, &[&&key.0[..]])
+            .query(
+                &self.shared.sql.evict,
+                &[&&key.0[..], &&key.tombstone().0[..]],
+            )
             .await?;
         Ok(rows.iter().any(|r| r.get::<_, bool>(0)))
     }

@@ -33,6 +33,7 @@ const MARK: &str = "idemgate schema ";
 pub(super) struct Sql {
     pub(super) claim: String,
     pub(super) complete: String,
+    pub(super) complete_with_tombstone: String,
     pub(super) release: String,
     pub(super) renew: String,
     pub(super) inspect: String,
@@ -81,19 +82,34 @@ impl Sql {
              WHERE key = $1 AND token = $2 AND expires_at > now()",
             ttl = ms(4),
         );
+        // The same, and the tombstone it leaves at $5 (record $6, kept $7 ms) once it is done.
+        let complete_with_tombstone = format!(
+            "WITH done AS ({complete} RETURNING 1) \
+             INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+             SELECT $5, '\\x00000000000000000000000000000000'::bytea, false, $6, now() + {lives} \
+             FROM done \
+             ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
+             record = excluded.record, expires_at = excluded.expires_at",
+            lives = ms(7),
+        );
         let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";
         Sql {
             claim,
             complete,
+            complete_with_tombstone,
             release: format!("DELETE FROM \"{t}\" WHERE {ours}"),
             renew: format!(
                 "UPDATE \"{t}\" SET expires_at = now() + {} WHERE {ours}",
                 ms(3)
             ),
+            // The record at $1, or else its tombstone at $2.
             inspect: format!(
-                "SELECT record, {LEFT_MS} FROM \"{t}\" WHERE key = $1 AND expires_at > now()"
+                "SELECT record, {LEFT_MS} FROM \"{t}\" WHERE key IN ($1, $2) \
+                 AND expires_at > now() ORDER BY key = $1 DESC LIMIT 1"
             ),
-            evict: format!("DELETE FROM \"{t}\" WHERE key = $1 RETURNING expires_at > now()"),
+            evict: format!(
+                "DELETE FROM \"{t}\" WHERE key IN ($1, $2) RETURNING expires_at > now()"
+            ),
             evict_all: format!("DELETE FROM \"{t}\""),
             // A batch of expired rows, skipping any a statement holds: row locks only, never
             // the table's.

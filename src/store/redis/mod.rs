@@ -34,7 +34,7 @@ pub use self::events::{Evicted, Watch};
 use self::topology::{Conn, Opening};
 use super::settings::{Compression, RedisSettings, Topology};
 pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
-use super::{Claim, Store, StoreError};
+use super::{Claim, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
@@ -61,6 +61,7 @@ pub struct RedisStore {
 
 struct Scripts {
     claim: Script,
+    claim_unless_expired: Script,
     complete: Script,
     complete_staged: Script,
     release: Script,
@@ -84,6 +85,7 @@ impl Scripts {
         };
         Scripts {
             claim: Script::new(&fill(include_str!("lua/claim.lua"))),
+            claim_unless_expired: Script::new(&fill(include_str!("lua/claim_unless_expired.lua"))),
             complete: Script::new(&fill(include_str!("lua/complete.lua"))),
             complete_staged: Script::new(&fill(include_str!("lua/complete_staged.lua"))),
             release: Script::new(&fill(include_str!("lua/release.lua"))),
@@ -268,6 +270,11 @@ impl RedisStore {
             format!("{}{}", self.options.prefix, key.store_name())
         }
     }
+
+    /// The Redis key of a record's tombstone: beside the record, in its hash slot.
+    pub fn tombstone_key(record_key: &str) -> String {
+        format!("{record_key}:tomb")
+    }
 }
 
 impl RedisStore {
@@ -375,13 +382,16 @@ impl RedisStore {
 
     /// What `key` held when our claim was tried (with its remaining time to live in ms), or
     /// `None` when the claim took it; and whether the replicas acknowledged.
+    /// With `tombstone`, the key of the record's tombstone: a free key whose tombstone lives is
+    /// not claimed, and the tombstone is returned instead (always through a script).
     async fn try_claim(
         &self,
         key: &str,
         entry: &[u8],
         lease: Duration,
+        tombstone: Option<&str>,
     ) -> Result<(Option<(Vec<u8>, i64)>, Result<(), StoreError>), StoreError> {
-        if self.native_claim.load(Ordering::Relaxed) {
+        if tombstone.is_none() && self.native_claim.load(Ordering::Relaxed) {
             let mut pipe = redis::pipe();
             pipe.cmd("SET")
                 .arg(key)
@@ -413,14 +423,19 @@ impl RedisStore {
                 Err(e) => return Err(e),
             }
         }
-        let script = &self.scripts.claim;
+        let script = match tombstone {
+            None => &self.scripts.claim,
+            Some(_) => &self.scripts.claim_unless_expired,
+        };
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(1)
-            .arg(key)
-            .arg(entry)
-            .arg(millis(lease));
+            .arg(1 + usize::from(tombstone.is_some()))
+            .arg(key);
+        if let Some(tombstone) = tombstone {
+            pipe.arg(tombstone);
+        }
+        pipe.arg(entry).arg(millis(lease));
         self.then_wait(&mut pipe);
         let values: Vec<redis::Value> = self.query_scripted(&pipe, script, key).await?;
         let mut values = values.into_iter();
@@ -437,6 +452,7 @@ impl RedisStore {
         token: &Token,
         entry: &codec::Encoded<'_>,
         ttl: Ttl,
+        tombstone: Option<(Bytes, Duration)>,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
         use std::io::Write;
@@ -463,11 +479,16 @@ impl RedisStore {
             .ignore()
             .cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(2)
+            .arg(2 + usize::from(tombstone.is_some()))
             .arg(&record_key)
-            .arg(&staged)
-            .arg(&token.0[..])
-            .arg(millis(ttl.clamped()));
+            .arg(&staged);
+        if tombstone.is_some() {
+            pipe.arg(Self::tombstone_key(&record_key));
+        }
+        pipe.arg(&token.0[..]).arg(millis(ttl.clamped()));
+        if let Some((tombstone, lives)) = &tombstone {
+            pipe.arg(tombstone.as_ref()).arg(millis(*lives));
+        }
         self.write_completion(pipe, script, &record_key).await
     }
 
@@ -530,12 +551,22 @@ impl super::Inspect for RedisStore {
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
-        let (raw, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
-            .get(self.redis_key(key))
-            .pttl(self.redis_key(key))
-            .query_async(&mut self.conn.clone())
-            .await?;
-        let Some(raw) = raw else { return Ok(None) };
+        let (record, tombstone) = (
+            self.redis_key(key),
+            Self::tombstone_key(&self.redis_key(key)),
+        );
+        let (raw, pttl, tomb, tomb_pttl): (Option<Vec<u8>>, i64, Option<Vec<u8>>, i64) =
+            redis::pipe()
+                .get(&record)
+                .pttl(&record)
+                .get(&tombstone)
+                .pttl(&tombstone)
+                .query_async(&mut self.conn.clone())
+                .await?;
+        // The record, or its tombstone once it has expired.
+        let Some((raw, pttl)) = raw.map(|r| (r, pttl)).or(tomb.map(|t| (t, tomb_pttl))) else {
+            return Ok(None);
+        };
         let stored_bytes = raw.len();
         let (entry, _) = codec::decode(Bytes::from(raw))?;
         Ok(Some(super::Inspected {
@@ -546,8 +577,10 @@ impl super::Inspect for RedisStore {
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let record = self.redis_key(key);
         let n: i64 = redis::cmd("DEL")
-            .arg(self.redis_key(key))
+            .arg(Self::tombstone_key(&record))
+            .arg(&record)
             .query_async(&mut self.conn.clone())
             .await?;
         self.publish_eviction(&key.0).await;
@@ -603,17 +636,22 @@ impl RedisStore {
     }
 }
 
-impl Store for RedisStore {
-    async fn claim(
+impl RedisStore {
+    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
+    /// its record has expired.
+    async fn claim_with(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
+        tombstones: bool,
     ) -> Result<Claim, StoreError> {
         let entry = codec::encode(fingerprint, token, &EntryState::InFlight);
         let redis_key = self.redis_key(key);
-        match self.try_claim(&redis_key, &entry, lease).await? {
+        let tombstone = tombstones.then(|| Self::tombstone_key(&redis_key));
+        let tried = self.try_claim(&redis_key, &entry, lease, tombstone.as_deref());
+        match tried.await? {
             (None, Ok(())) => Ok(Claim::Claimed),
             (None, Err(not_acknowledged)) => {
                 // A failover could lose this claim: take it back before answering, so that it
@@ -630,6 +668,28 @@ impl Store for RedisStore {
             }
         }
     }
+}
+
+impl Store for RedisStore {
+    async fn claim(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_with(key, fingerprint, token, lease, false).await
+    }
+
+    async fn claim_unless_expired(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_with(key, fingerprint, token, lease, true).await
+    }
 
     async fn complete(
         &self,
@@ -637,7 +697,7 @@ impl Store for RedisStore {
         fingerprint: &Fingerprint,
         token: &Token,
         state: &EntryState,
-        ttl: Ttl,
+        keep: Keep,
     ) -> Result<bool, StoreError> {
         let parts = codec::encode_parts(
             fingerprint,
@@ -645,8 +705,14 @@ impl Store for RedisStore {
             state,
             self.options.compression == Compression::Lz4,
         );
+        let tombstone = keep.tombstone_of(fingerprint, state).map(|(entry, lives)| {
+            let encoded = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
+            (encoded, lives)
+        });
         if parts.len() >= STAGE_FROM {
-            return self.complete_staged(key, token, &parts, ttl).await;
+            return self
+                .complete_staged(key, token, &parts, keep.ttl, tombstone)
+                .await;
         }
         let entry = parts.into_bytes();
         let redis_key = self.redis_key(key);
@@ -654,11 +720,17 @@ impl Store for RedisStore {
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(1)
-            .arg(&redis_key)
-            .arg(&token.0[..])
+            .arg(1 + usize::from(tombstone.is_some()))
+            .arg(&redis_key);
+        if tombstone.is_some() {
+            pipe.arg(Self::tombstone_key(&redis_key));
+        }
+        pipe.arg(&token.0[..])
             .arg(entry.as_ref())
-            .arg(millis(ttl.clamped()));
+            .arg(millis(keep.ttl.clamped()));
+        if let Some((tombstone, lives)) = &tombstone {
+            pipe.arg(tombstone.as_ref()).arg(millis(*lives));
+        }
         self.write_completion(pipe, script, &redis_key).await
     }
 

@@ -1,6 +1,7 @@
 -- Replace our in-flight claim with the completed entry staged at KEYS[2] by a plain SET in the
 -- same pipeline (so a large body never passes through Lua), fenced by the claim token.
--- KEYS[1] record key; KEYS[2] staged entry; ARGV[1] token (16 bytes); ARGV[2] ttl in ms.
+-- KEYS[1] record key; KEYS[2] staged entry; ARGV[1] token (16 bytes); ARGV[2] ttl in ms;
+-- when the record leaves a tombstone: KEYS[3] its key, ARGV[3] the tombstone, ARGV[4] its ttl.
 -- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when moved into place, or when our own completion is already there (a retried call
 -- whose first answer was lost); 0 when the key is not ours. The staged entry never outlives it.
@@ -10,6 +11,9 @@ if v and string.sub(v, @TOKEN_FROM@, @TOKEN_TO@) == ARGV[1] then
   if string.sub(v, @STATE@, @STATE@) == '@IN_FLIGHT@' then
     redis.call('RENAME', KEYS[2], KEYS[1])
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    if ARGV[3] then
+      redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+    end
     redis.call('@PUBLISH@', KEYS[1] .. '@DONE@', '')
   else
     redis.call('DEL', KEYS[2])
