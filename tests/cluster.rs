@@ -415,6 +415,45 @@ async fn cluster_records_of_every_size_replay_byte_for_byte_from_every_gateway()
     assert_hash_tagged(&records);
 }
 
+/// `after_expiry = "refuse"` on a cluster: each tombstone is written beside its record, in its
+/// hash slot, by the completion (small records and staged large ones alike), and read by the
+/// claim script on every gateway once the record has expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_tombstones_share_their_records_slot() {
+    let cluster = RedisCluster::start().await;
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis_cluster(&cluster)
+        .set("defaults.ttl", "1s")
+        .set("defaults.after_expiry", "refuse");
+    let gateways = Gateways::start(2, &config).await;
+    let paths = ["/v1/p", "/big?bytes=100000"];
+    let keys: Vec<(String, &str)> = (0..20).map(|i| (format!("t-{i}"), paths[i % 2])).collect();
+    for (key, path) in &keys {
+        assert_eq!(
+            send(gateways.post(0, path, key).body("x")).await.status,
+            201
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    for (key, path) in &keys {
+        for g in [1, 0] {
+            let seen = send(gateways.post(g, path, key).body("x")).await;
+            assert_eq!(seen.status, 410, "{key} on gateway {g}: {seen:?}");
+        }
+    }
+    assert_eq!(upstream.calls(), keys.len());
+    let tombstones: Vec<(usize, String)> = cluster
+        .keys("test:*")
+        .await
+        .into_iter()
+        .map(|(node, key)| (node, key.strip_suffix(":tomb").expect("a tombstone").into()))
+        .collect();
+    assert_eq!(tombstones.len(), keys.len(), "{tombstones:?}");
+    assert_hash_tagged(&tombstones);
+}
+
 /// An admin eviction of one key, then of every key, on one gateway: the next request runs again
 /// whichever gateway it reaches, including those whose local cache held the record (each drops
 /// it when the eviction is published), and evict-all empties every primary.

@@ -509,4 +509,105 @@ on_both_backends!(
     set_cookie_is_recorded_but_not_replayed,
     scope_cookies_separate_sessions,
     the_expiry_header_tells_when_the_record_goes,
+    expired_keys_are_refused_with_410_until_their_tombstone_goes,
 );
+
+/// `after_expiry = "refuse"` against the default `"run"`, with records that live a second.
+async fn expired_keys_are_refused_with_410_until_their_tombstone_goes(b: Backend) {
+    let refuse = toml! {
+        ttl = "1s"
+        after_expiry = "refuse"
+        tombstone_ttl = "2s"
+    };
+    let mut stripe = refuse.clone();
+    stripe.insert("error_format".into(), "stripe".into());
+    let config = TestConfig::new()
+        .route("/v1/refuse", refuse)
+        .route("/v1/stripe", stripe)
+        .route("/v1/run", toml! { ttl = "1s" });
+    let env = TestEnv::start(b, with_admin(config)).await;
+    let pay = |path: &str, key: &str, body: &str| env.post_keyed(path, key).body(body.to_string());
+    // One key per route: a key is one request whatever the route.
+    for (path, key) in [("/v1/refuse", "k"), ("/v1/stripe", "s"), ("/v1/run", "u")] {
+        assert_eq!(send(pay(path, key, "a")).await.status, 201, "{path}");
+    }
+    // Released answers leave no tombstone: their retries run at once, as always.
+    assert_eq!(
+        send(pay("/v1/refuse?status=503", "r", "a")).await.status,
+        503
+    );
+    assert_eq!(
+        send(pay("/v1/refuse?control=no-store", "n", "a"))
+            .await
+            .status,
+        201
+    );
+    assert_eq!(env.upstream.calls(), 5);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let expired = send(pay("/v1/refuse", "k", "a")).await;
+    assert_eq!(expired.status, 410, "{expired:?}");
+    assert_eq!(expired.problem_type(), "urn:idemgate:problem:key-expired");
+    assert!(
+        detail(&expired).contains("with status 201"),
+        "{}",
+        detail(&expired)
+    );
+    let other = send(pay("/v1/refuse", "k", "b")).await;
+    assert_eq!(other.problem_type(), MISMATCH);
+    let shaped = send(pay("/v1/stripe", "s", "a")).await;
+    let v: serde_json::Value = serde_json::from_slice(&shaped.body).unwrap();
+    assert_eq!(
+        (shaped.status, &v["error"]["type"]),
+        (410, &"idempotency_error".into())
+    );
+    assert_eq!(v["error"]["code"], "key_expired");
+    let view = inspect_at(&env, "k", "/v1/refuse").await;
+    assert_eq!(
+        (&view["state"], &view["status"]),
+        (&"expired".into(), &201.into())
+    );
+    assert_eq!(
+        env.upstream.calls(),
+        5,
+        "nothing expired reached the upstream"
+    );
+    // The default runs an expired key again, and so do released keys.
+    assert_eq!(send(pay("/v1/run", "u", "a")).await.status, 201);
+    assert_eq!(
+        send(pay("/v1/refuse?status=503", "r", "a")).await.status,
+        503
+    );
+    assert_eq!(send(pay("/v1/refuse", "n", "a")).await.status, 201);
+    assert_eq!(env.upstream.calls(), 8);
+
+    // An operator may free a key by evicting its tombstone.
+    let admin = env.gateway.admin.expect("admin listener");
+    let evicted = env
+        .client
+        .delete(format!("http://{admin}/keys/s?route=/v1/stripe"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(evicted.status(), 200);
+    assert_eq!(send(pay("/v1/stripe", "s", "a")).await.status, 201);
+    // After tombstone_ttl the key is free by itself.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert_eq!(send(pay("/v1/refuse", "k", "a")).await.status, 201);
+    assert_eq!(env.upstream.calls(), 10);
+}
+
+/// [`inspect`] on the route `path` takes.
+async fn inspect_at(env: &TestEnv, key: &str, path: &str) -> serde_json::Value {
+    let admin = env.gateway.admin.expect("admin listener");
+    env.client
+        .get(format!("http://{admin}/keys/{key}?route={path}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
