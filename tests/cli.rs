@@ -61,6 +61,18 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "upstream = \"http://127.0.0.1:9\"\n[[routes]]\npath = \"/a\"\nerror_format = \"xml\"",
             "routes[0].error_format",
         ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[defaults]\nafter_expiry = \"never\"",
+            "defaults.after_expiry",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[defaults]\ntombstone_ttl = \"0s\"",
+            "defaults.tombstone_ttl",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\n[defaults]\nrepeatability = \"yes\"",
+            "defaults.repeatability",
+        ),
     ];
     for (text, field) in cases {
         let file = write(text);
@@ -159,6 +171,14 @@ fn check_config_shows_records_kept_forever() {
     );
     assert!(stdout.contains("ttl: forever,"), "{stdout}");
     assert!(stdout.contains("max_ttl: forever,"), "{stdout}");
+    for shown in [
+        "error_format: Problem,",
+        "after_expiry: Run,",
+        "tombstone_ttl: 2592000s,",
+        "repeatability: false,",
+    ] {
+        assert!(stdout.contains(shown), "{shown} not in {stdout}");
+    }
 }
 
 #[test]
