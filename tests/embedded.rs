@@ -6,7 +6,9 @@ mod common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{client, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
+use common::{
+    client, send, wait_until, CountingUpstream, GatewayBinary, InProcessGateway, TestConfig,
+};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::record::{EntryState, Token};
@@ -115,6 +117,54 @@ async fn every_acknowledged_request_survives_a_kill_9() {
         completed.len(),
         slow.len()
     );
+}
+
+/// `idemgate_store_commits_total` in a scrape.
+fn commits_in(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_store_commits_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no idemgate_store_commits_total in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commits_metric_counts_fsyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path())
+        .set("store.fsync", true)
+        .set("admin.listen", "127.0.0.1:0");
+    let gateway = InProcessGateway::start(&config).await;
+    let start = commits_in(&gateway.metrics().await);
+    // One after another, a miss is two commits: its claim before the upstream call, its record
+    // before the answer.
+    for i in 0..10 {
+        let seen = send(keyed(&gateway.url("/v1/pay"), &format!("seq-{i}"))).await;
+        assert_eq!(seen.status, 201, "{seen:?}");
+    }
+    let after = commits_in(&gateway.metrics().await);
+    assert_eq!(after - start, 20, "10 misses in a row");
+    // A replay reads a snapshot: no commit.
+    for i in 0..10 {
+        assert!(send(keyed(&gateway.url("/v1/pay"), &format!("seq-{i}")))
+            .await
+            .replayed());
+    }
+    assert_eq!(
+        commits_in(&gateway.metrics().await),
+        after,
+        "replays committed"
+    );
+    // Concurrent misses share commits: fewer than one per miss, not two.
+    let misses: Vec<_> = (0..64)
+        .map(|i| tokio::spawn(keyed(&gateway.url("/v1/pay"), &format!("par-{i}")).send()))
+        .collect();
+    for m in misses {
+        assert_eq!(m.await.unwrap().unwrap().status(), 201);
+    }
+    let shared = commits_in(&gateway.metrics().await) - after;
+    assert!(shared < 64, "{shared} commits for 64 concurrent misses");
 }
 
 /// `POST url` with `key` as its Idempotency-Key and its body.

@@ -12,11 +12,11 @@
 //! background purge and the bounds (`max_entries`, `max_bytes`, as in the memory store: the
 //! completed records closest to expiry go first, claims never) find entries without a scan.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use prometheus_client::metrics::counter::Counter;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
 };
@@ -55,7 +55,6 @@ const QUEUE: usize = 8192;
 /// What an entry weighs besides its encoding: its key, its index row and B-tree overhead.
 const ENTRY_OVERHEAD: u64 = 128;
 
-/// Commits of every embedded store in this process (each one fsync when `fsync` is on).
 /// A handle to the embedded store; clones share one file and one writer. The writer thread and
 /// the purge task stop when the last handle goes, and the file's lock with them.
 #[derive(Debug, Clone)]
@@ -67,8 +66,8 @@ pub struct EmbeddedStore {
     timeout: Duration,
     // Aborts the purge task when the last handle is dropped; it holds only a weak sender.
     _purger: Option<Arc<AbortOnDropHandle<()>>>,
-    // Write transactions committed so far: with `fsync`, the fsyncs.
-    commits: Arc<AtomicU64>,
+    // Durable commits so far: the fsyncs.
+    commits: Counter,
 }
 
 /// A write for the writer, with where its answer goes.
@@ -123,6 +122,12 @@ impl EmbeddedStore {
     /// Open (or create) the store in `settings.path`. Fails when the directory cannot be made,
     /// the file is unreadable, or another process holds it.
     pub fn open(settings: &EmbeddedSettings) -> Result<Self, StoreError> {
+        Self::open_counted(settings, Counter::default())
+    }
+
+    /// [`open`](Self::open), counting its durable commits into `commits` (the gateway's
+    /// `idemgate_store_commits_total`).
+    pub fn open_counted(settings: &EmbeddedSettings, commits: Counter) -> Result<Self, StoreError> {
         let dir = &settings.path;
         std::fs::create_dir_all(dir).map_err(|e| failed(&dir.display().to_string(), e))?;
         let file = dir.join(FILE_NAME);
@@ -142,7 +147,6 @@ impl EmbeddedStore {
             fsync: settings.fsync,
         };
         let for_writer = db.clone();
-        let commits = Arc::new(AtomicU64::new(0));
         let counted = commits.clone();
         std::thread::Builder::new()
             .name("idemgate-store".into())
@@ -161,10 +165,11 @@ impl EmbeddedStore {
         })
     }
 
-    /// Write transactions this store has committed: with `fsync`, its fsyncs. Read beside the
-    /// claims served, it gives fsyncs per claim.
+    /// Durable commits this store has made: its fsyncs (with `fsync`, one per batch of requests;
+    /// without, the background purge's once a second). Read beside the claims served, it gives
+    /// fsyncs per claim.
     pub fn commits(&self) -> u64 {
-        self.commits.load(Ordering::Relaxed)
+        self.commits.get()
     }
 
     /// Queue `what` for the writer and wait until its batch is committed.
@@ -287,7 +292,7 @@ struct Limits {
 }
 
 /// The writer thread: one transaction per batch of waiting operations, answered once committed.
-fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &AtomicU64) {
+fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &Counter) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while let Some(op) = queue.blocking_recv() {
         batch.push(op);
@@ -299,8 +304,10 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, comm
         }
         let mut outcomes = Vec::with_capacity(batch.len());
         match apply_batch(db, &batch, limits, &mut outcomes) {
-            Ok(()) => {
-                commits.fetch_add(1, Ordering::Relaxed);
+            Ok(durable) => {
+                if durable {
+                    commits.inc();
+                }
                 for (op, answer) in batch.drain(..).zip(outcomes) {
                     let _ = op.reply.send(answer);
                 }
@@ -315,20 +322,22 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, comm
     }
 }
 
-/// Apply `batch` in one transaction and commit it; each operation's answer in `outcomes`.
-/// On a failure nothing is written and the error is every operation's.
+/// Apply `batch` in one transaction and commit it; each operation's answer in `outcomes`, and
+/// whether the commit was durable (an fsync). On a failure nothing is written and the error is
+/// every operation's.
 fn apply_batch(
     db: &Database,
     batch: &[Op],
     limits: Limits,
     outcomes: &mut Vec<Result<Done, StoreError>>,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
     let mut txn = db.begin_write().map_err(|e| fail("write", &e))?;
     // With fsync, purges alone need no fsync of their own: the next batch's carries them.
     // Without, the purge's commit (once a second) is the one that reaches the disk.
     let only_purges = batch.iter().all(|op| matches!(op.what, Write::Purge));
-    let durability = match limits.fsync != only_purges {
+    let durable = limits.fsync != only_purges;
+    let durability = match durable {
         true => Durability::Immediate,
         false => Durability::None,
     };
@@ -346,7 +355,7 @@ fn apply_batch(
         t.save().map_err(|e| fail("write", &e))?;
     }
     txn.commit().map_err(|e| fail("commit", &e))?;
-    Ok(())
+    Ok(durable)
 }
 
 /// The tables of one write transaction, and the byte count kept in step with them.
