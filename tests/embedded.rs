@@ -119,6 +119,55 @@ async fn every_acknowledged_request_survives_a_kill_9() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path()).set("store.fsync", false);
+    let mut gateway = GatewayBinary::start(&config).await;
+    // Requests without a pause, so that the writer is never idle, for 3.5 s; then the kill.
+    let start = std::time::Instant::now();
+    let mut lanes = Vec::new();
+    for lane in 0..4 {
+        let url = gateway.url("/v1/pay");
+        lanes.push(tokio::spawn(async move {
+            let mut early = Vec::new();
+            for i in 0.. {
+                let key = format!("k-{lane}-{i}");
+                match keyed(&url, &key).send().await {
+                    Ok(r) if r.status().is_success() => {
+                        if start.elapsed() < Duration::from_millis(1500) {
+                            early.push(key);
+                        }
+                    }
+                    _ => return early,
+                }
+            }
+            early
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    gateway.kill9();
+    let mut early = Vec::new();
+    for lane in lanes {
+        early.extend(lane.await.unwrap());
+    }
+    assert!(early.len() >= 20, "only {} early", early.len());
+    let gateway = GatewayBinary::start(&config).await;
+    let mut lost = 0;
+    for key in &early {
+        if !send(keyed(&gateway.url("/v1/pay"), key)).await.replayed() {
+            lost += 1;
+        }
+    }
+    assert_eq!(
+        lost,
+        0,
+        "{lost} of {} records acknowledged 2 s before the kill were lost",
+        early.len()
+    );
+}
+
 /// `idemgate_store_commits_total` in a scrape.
 fn commits_in(metrics: &str) -> u64 {
     metrics

@@ -13,7 +13,7 @@
 //! completed records closest to expiry go first, claims never) find entries without a scan.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus_client::metrics::counter::Counter;
@@ -42,6 +42,11 @@ pub const FILE_NAME: &str = "idemgate.redb";
 
 /// How often expired entries are purged.
 pub const PURGE_EVERY: Duration = Duration::from_secs(1);
+
+/// Without `fsync`, a commit at least this long after the last durable one is made durable:
+/// redb keeps a non-durable commit in its own memory, so this bounds what a crash of the
+/// process, or of the machine, loses.
+pub const DURABLE_EVERY: Duration = Duration::from_secs(1);
 
 /// Most expired entries one purge transaction deletes (more follow at once when there are).
 const PURGE_BATCH: usize = 1000;
@@ -166,7 +171,7 @@ impl EmbeddedStore {
     }
 
     /// Durable commits this store has made: its fsyncs (with `fsync`, one per batch of requests;
-    /// without, the background purge's once a second). Read beside the claims served, it gives
+    /// without, about one every [`DURABLE_EVERY`]). Read beside the claims served, it gives
     /// fsyncs per claim.
     pub fn commits(&self) -> u64 {
         self.commits.get()
@@ -294,6 +299,7 @@ struct Limits {
 /// The writer thread: one transaction per batch of waiting operations, answered once committed.
 fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &Counter) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut last_durable = Instant::now();
     while let Some(op) = queue.blocking_recv() {
         batch.push(op);
         while batch.len() < MAX_BATCH {
@@ -302,11 +308,18 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, comm
                 Err(_) => break,
             }
         }
+        // With fsync, every batch of requests is durable (purges alone wait for the next one);
+        // without, one at least every DURABLE_EVERY (the purge's tick makes one when idle).
+        let durable = match limits.fsync {
+            true => !batch.iter().all(|op| matches!(op.what, Write::Purge)),
+            false => last_durable.elapsed() >= DURABLE_EVERY,
+        };
         let mut outcomes = Vec::with_capacity(batch.len());
-        match apply_batch(db, &batch, limits, &mut outcomes) {
-            Ok(durable) => {
+        match apply_batch(db, &batch, durable, limits, &mut outcomes) {
+            Ok(()) => {
                 if durable {
                     commits.inc();
+                    last_durable = Instant::now();
                 }
                 for (op, answer) in batch.drain(..).zip(outcomes) {
                     let _ = op.reply.send(answer);
@@ -322,21 +335,17 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, comm
     }
 }
 
-/// Apply `batch` in one transaction and commit it; each operation's answer in `outcomes`, and
-/// whether the commit was durable (an fsync). On a failure nothing is written and the error is
-/// every operation's.
+/// Apply `batch` in one transaction and commit it, `durable` or not; each operation's answer in
+/// `outcomes`. On a failure nothing is written and the error is every operation's.
 fn apply_batch(
     db: &Database,
     batch: &[Op],
+    durable: bool,
     limits: Limits,
     outcomes: &mut Vec<Result<Done, StoreError>>,
-) -> Result<bool, String> {
+) -> Result<(), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
     let mut txn = db.begin_write().map_err(|e| fail("write", &e))?;
-    // With fsync, purges alone need no fsync of their own: the next batch's carries them.
-    // Without, the purge's commit (once a second) is the one that reaches the disk.
-    let only_purges = batch.iter().all(|op| matches!(op.what, Write::Purge));
-    let durable = limits.fsync != only_purges;
     let durability = match durable {
         true => Durability::Immediate,
         false => Durability::None,
@@ -355,7 +364,7 @@ fn apply_batch(
         t.save().map_err(|e| fail("write", &e))?;
     }
     txn.commit().map_err(|e| fail("commit", &e))?;
-    Ok(durable)
+    Ok(())
 }
 
 /// The tables of one write transaction, and the byte count kept in step with them.
