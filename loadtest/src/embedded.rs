@@ -4,7 +4,6 @@
 //! `idemgate_store_commits_total`; replays from the embedded store against nginx. Rounds
 //! interleaved, as in the main table.
 
-use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -28,6 +27,9 @@ struct Store {
     // Seconds and count of the claims, then of the completions.
     claims: (f64, u64),
     completes: (f64, u64),
+    // The writer thread's ns on a core and waiting for one, and the phase's ns.
+    writer: (u64, u64),
+    wall: u64,
 }
 
 /// Section `embedded`: nginx, the gateway's miss on the memory store and on the embedded store
@@ -154,15 +156,39 @@ async fn phase(b: &mut Bench, gw: &Proc, kind: Kind, first: bool) -> (Report, Op
         true => b.warm_up(&[gw.addr], keys, "emb-miss").await,
         false => keys,
     };
-    let read = || gw.admin.map(|a| store_metrics(&scrape(a)));
+    let read = || {
+        let mut s = store_metrics(&scrape(gw.admin?));
+        s.writer = writer_sched(gw.pid()).unwrap_or_default();
+        Some((s, Instant::now()))
+    };
     let before = read();
     let r = b.closed(gw.addr, keys, &gw.pids()).await;
-    let moved = before.zip(read()).map(|(x, y)| Store {
+    let moved = before.zip(read()).map(|((x, t0), (y, t1))| Store {
         commits: y.commits.saturating_sub(x.commits),
         claims: (y.claims.0 - x.claims.0, y.claims.1 - x.claims.1),
         completes: (y.completes.0 - x.completes.0, y.completes.1 - x.completes.1),
+        writer: (
+            y.writer.0.saturating_sub(x.writer.0),
+            y.writer.1.saturating_sub(x.writer.1),
+        ),
+        wall: (t1 - t0).as_nanos() as u64,
     });
     (r, moved)
+}
+
+/// The embedded store's writer thread in process `pid` (named `idemgate-store`): ns it has run
+/// on a core and ns it has waited for one, from the kernel's schedstat.
+fn writer_sched(pid: u32) -> Option<(u64, u64)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks.flatten().find_map(|t| {
+        let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+        if comm.trim() != "idemgate-store" {
+            return None;
+        }
+        let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+        let mut f = stat.split_whitespace().map(|v| v.parse::<u64>().ok());
+        Some((f.next()??, f.next()??))
+    })
 }
 
 /// The store's figures in a scrape: `idemgate_store_commits_total`, and the claims' and
@@ -188,19 +214,23 @@ fn store_metrics(text: &str) -> Store {
         commits: value("idemgate_store_commits_total ") as u64,
         claims: op("claim"),
         completes: op("complete"),
+        ..Store::default()
     }
 }
 
-/// How many times a second one thread can write 4 KiB and `fdatasync` a file in `dir`, over
-/// `secs`: the disk's own limit on sequential durable commits.
+/// How many times a second one thread can overwrite 4 KiB of a file in `dir` and `fdatasync` it,
+/// over `secs`: the disk's own floor for a durable commit (one device flush, no metadata).
 fn disk_fsyncs(dir: &Path, secs: f64) -> f64 {
+    use std::os::unix::fs::FileExt;
     let path = dir.join("fsync-probe");
-    let mut file = std::fs::File::create(&path).unwrap();
+    let file = std::fs::File::create(&path).unwrap();
     let block = [0x5au8; 4096];
+    file.write_all_at(&block, 0).unwrap();
+    file.sync_all().unwrap();
     let start = Instant::now();
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs_f64(secs) {
-        file.write_all(&block).unwrap();
+        file.write_all_at(&block, 0).unwrap();
         file.sync_data().unwrap();
         n += 1;
     }
@@ -227,27 +257,31 @@ fn ratios(b: &Bench, rows: &[usize], stores: &[Vec<(Store, u64)>], fs: &str, dis
             .iter()
             .map(|(s, misses)| {
                 let ms = |(secs, n): (f64, u64)| secs * 1e3 / n.max(1) as f64;
+                let share = |ns: u64| 100.0 * ns as f64 / s.wall.max(1) as f64;
                 format!(
-                    "{:.3} ({} commits / {misses} misses; claim {:.2} ms, completion {:.2} ms)",
+                    "{:.3} ({} commits / {misses} misses; claim {:.2} ms, completion {:.2} ms; the writer thread on a core {:.0}% of the phase, waiting for one {:.0}%)",
                     s.commits as f64 / (*misses).max(1) as f64,
                     s.commits,
                     ms(s.claims),
-                    ms(s.completes)
+                    ms(s.completes),
+                    share(s.writer.0),
+                    share(s.writer.1),
                 )
             })
             .collect()
     };
     let lazy = match rows.len() > 4 {
         true => format!(
-            "; miss (no fsync) / miss (memory) = {}, its CPU µs per miss {:.1}",
+            "; miss (no fsync) / miss (memory) = {}, its gateway CPU µs per miss {:.1}, its durable commits per miss by round: {}",
             ratio(4, 1),
-            cpu(4).proxy
+            cpu(4).proxy,
+            per_round(4).join(", ")
         ),
         false => String::new(),
     };
     let c = b.connections;
     format!(
-        "embedded ({} body, {c} connections, {} rounds; the stores' directory on {fs}): miss (fsync) / miss (memory) = {} (goal >= 0.5); fsyncs per miss (fsync), by round: {} (goal < 0.2); replay (embedded) / nginx = {} (goal >= 1.0){lazy}; gateway CPU µs per miss: memory {:.1}, embedded (fsync) {:.1}; per replay {:.1}; the disk alone: {disk:.0} fsyncs/s (4 KiB write + fdatasync, one thread)",
+        "embedded ({} body, {c} connections, {} rounds; the stores' directory on {fs}): miss (fsync) / miss (memory) = {} (goal >= 0.5); fsyncs per miss (fsync), by round: {} (goal < 0.2); replay (embedded) / nginx = {} (goal >= 1.0){lazy}; gateway CPU µs per miss: memory {:.1}, embedded (fsync) {:.1}; per replay {:.1}; the disk alone: {disk:.0} fsyncs/s ({:.2} ms each; 4 KiB overwritten and fdatasync'd, one thread)",
         human(b.size),
         b.rounds,
         ratio(2, 1),
@@ -256,6 +290,7 @@ fn ratios(b: &Bench, rows: &[usize], stores: &[Vec<(Store, u64)>], fs: &str, dis
         cpu(1).proxy,
         cpu(2).proxy,
         cpu(3).proxy,
+        1e3 / disk.max(f64::MIN_POSITIVE),
     )
 }
 
