@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -166,6 +167,113 @@ async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
         "{lost} of {} records acknowledged 2 s before the kill were lost",
         early.len()
     );
+}
+
+/// The command prefix that runs the gateway in a mount namespace of its own with a tmpfs of
+/// `size` on `dir`: the mount goes with the process, whatever becomes of the test. As root,
+/// `unshare -m`; otherwise in a user namespace too (`-r`), where an unprivileged user may mount
+/// a tmpfs.
+fn on_tmpfs(dir: &Path, size: &str) -> Vec<String> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let root = status
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"));
+    let script = format!("mount -t tmpfs -o size={size} tmpfs \"$1\" && shift && exec \"$@\"");
+    let namespaces = if root { "-m" } else { "-rm" };
+    let dir = dir.display().to_string();
+    ["unshare", namespaces, "sh", "-c", &script, "sh", &dir]
+        .map(String::from)
+        .to_vec()
+}
+
+/// Write `path` until the file system is full; how many bytes it took.
+fn fill(path: &Path) -> u64 {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).unwrap();
+    let mut written = 0;
+    for chunk in [1 << 20, 4096, 512] {
+        let block = vec![0x5a; chunk];
+        while file.write_all(&block).and_then(|()| file.flush()).is_ok() {
+            written += chunk as u64;
+        }
+    }
+    written
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_is_a_store_error_and_the_store_works_again_once_there_is_room() {
+    let mount = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, &mount.path().join("store"));
+    let mut gateway = GatewayBinary::start_via(&config, &on_tmpfs(mount.path(), "8m")).await;
+    // The tmpfs as the gateway sees it, from outside its mount namespace.
+    let seen = Path::new(&format!("/proc/{}/root", gateway.pid())).join(
+        mount
+            .path()
+            .strip_prefix("/")
+            .expect("an absolute temporary directory"),
+    );
+    let acknowledged: Vec<String> = (0..10).map(|i| format!("before-{i}")).collect();
+    for key in &acknowledged {
+        let first = send(keyed(&gateway.url("/v1/pay"), key)).await;
+        assert_eq!(first.status, 201, "{first:?}");
+    }
+    let filler = seen.join("filler");
+    assert!(fill(&filler) > 0, "nothing written to {}", filler.display());
+    // Records of 200 KB need new pages: the first batch that cannot write them fails.
+    let big = gateway.url("/big?bytes=200000");
+    let mut refused = None;
+    let mut answered = Vec::new();
+    for i in 0..50 {
+        let key = format!("full-{i}");
+        let seen = send(keyed(&big, &key)).await;
+        if seen.status == 503 {
+            refused = Some(seen);
+            break;
+        }
+        assert!((200..300).contains(&seen.status), "{key}: {seen:?}");
+        answered.push(key);
+    }
+    let refused = refused.expect("no store error on a full disk");
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert!(gateway.running(), "the gateway died on a full disk");
+    eprintln!(
+        "full disk: {} requests answered before the first store error",
+        answered.len()
+    );
+    // Unkeyed requests never touch the store.
+    let unkeyed = send(client().post(gateway.url("/v1/pay"))).await;
+    assert_eq!(unkeyed.status, 201, "{unkeyed:?}");
+
+    std::fs::remove_file(&filler).unwrap();
+    let mut again = 0;
+    wait_until(
+        Duration::from_secs(10),
+        "a keyed request succeeds once there is room",
+        async || {
+            again += 1;
+            let seen = send(keyed(&gateway.url("/v1/pay"), &format!("after-{again}"))).await;
+            seen.status == 201
+        },
+    )
+    .await;
+    for key in &acknowledged {
+        let seen = send(keyed(&gateway.url("/v1/pay"), key)).await;
+        assert!(seen.replayed(), "{key} lost: {seen:?}");
+    }
+    // Answered while the disk was full: the completions that failed are sent again, and land.
+    for key in &answered {
+        wait_until(
+            Duration::from_secs(10),
+            "the record is written",
+            async || send(keyed(&big, key)).await.replayed(),
+        )
+        .await;
+    }
+    assert!(gateway.running());
 }
 
 /// `idemgate_store_commits_total` in a scrape.
