@@ -147,6 +147,7 @@ struct Inner {
     local_cache_hits: Counter,
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
+    store_commits: Counter,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
@@ -296,6 +297,12 @@ impl Metrics {
             "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
             local_cache_bytes.clone(),
         );
+        let store_commits = Counter::default();
+        registry.register(
+            "idemgate_store_commits",
+            "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
+            store_commits.clone(),
+        );
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
         Metrics {
@@ -315,6 +322,7 @@ impl Metrics {
                 local_cache_hits,
                 local_cache_entries,
                 local_cache_bytes,
+                store_commits,
             }),
         }
     }
@@ -422,6 +430,11 @@ impl Metrics {
     /// The counter of replays served from the local cache (given to the cache to count into).
     pub fn local_cache_hits(&self) -> Counter {
         self.inner.local_cache_hits.clone()
+    }
+
+    /// The counter of the embedded store's durable commits (given to the store to count into).
+    pub fn store_commits(&self) -> Counter {
+        self.inner.store_commits.clone()
     }
 
     /// Record the local cache's size (entries, bytes), just before a scrape.

@@ -214,6 +214,10 @@ async fn the_container_entrypoint_and_healthcheck_work_without_docker() {
     assert!(dockerfile.contains(r#"CMD ["--config", "/etc/idemgate/idemgate.toml"]"#));
     assert!(dockerfile.contains(r#""healthcheck", "--url", "http://127.0.0.1:9090/healthz""#));
     assert!(dockerfile.contains("USER 10001"));
+    // The embedded store's directory: owned by that user, and a volume.
+    assert!(dockerfile.contains("useradd --system --uid 10001"));
+    assert!(dockerfile.contains("install -d -o idemgate -g idemgate -m 0700 /var/lib/idemgate"));
+    assert!(dockerfile.contains(r#"VOLUME ["/var/lib/idemgate"]"#));
 
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml");
     // The binary binds both ports itself, after `free_port` let go of them: when another process

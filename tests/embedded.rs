@@ -3,10 +3,13 @@
 
 mod common;
 
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{client, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
+use common::{
+    client, send, wait_until, CountingUpstream, GatewayBinary, InProcessGateway, TestConfig,
+};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
@@ -116,6 +119,210 @@ async fn every_acknowledged_request_survives_a_kill_9() {
         completed.len(),
         slow.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path()).set("store.fsync", false);
+    let mut gateway = GatewayBinary::start(&config).await;
+    // Requests without a pause, so that the writer is never idle, for 3.5 s; then the kill.
+    let start = std::time::Instant::now();
+    let mut lanes = Vec::new();
+    for lane in 0..4 {
+        let url = gateway.url("/v1/pay");
+        lanes.push(tokio::spawn(async move {
+            let mut early = Vec::new();
+            for i in 0.. {
+                let key = format!("k-{lane}-{i}");
+                match keyed(&url, &key).send().await {
+                    Ok(r) if r.status().is_success() => {
+                        if start.elapsed() < Duration::from_millis(1500) {
+                            early.push(key);
+                        }
+                    }
+                    _ => return early,
+                }
+            }
+            early
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    gateway.kill9();
+    let mut early = Vec::new();
+    for lane in lanes {
+        early.extend(lane.await.unwrap());
+    }
+    assert!(early.len() >= 20, "only {} early", early.len());
+    let gateway = GatewayBinary::start(&config).await;
+    let mut lost = 0;
+    for key in &early {
+        if !send(keyed(&gateway.url("/v1/pay"), key)).await.replayed() {
+            lost += 1;
+        }
+    }
+    assert_eq!(
+        lost,
+        0,
+        "{lost} of {} records acknowledged 2 s before the kill were lost",
+        early.len()
+    );
+}
+
+/// The command prefix that runs the gateway in a mount namespace of its own with a tmpfs of
+/// `size` on `dir`: the mount goes with the process, whatever becomes of the test. As root,
+/// `unshare -m`; otherwise in a user namespace too (`-r`), where an unprivileged user may mount
+/// a tmpfs.
+fn on_tmpfs(dir: &Path, size: &str) -> Vec<String> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let root = status
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"));
+    let script = format!("mount -t tmpfs -o size={size} tmpfs \"$1\" && shift && exec \"$@\"");
+    let namespaces = if root { "-m" } else { "-rm" };
+    let dir = dir.display().to_string();
+    ["unshare", namespaces, "sh", "-c", &script, "sh", &dir]
+        .map(String::from)
+        .to_vec()
+}
+
+/// Write `path` until the file system is full; how many bytes it took.
+fn fill(path: &Path) -> u64 {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).unwrap();
+    let mut written = 0;
+    for chunk in [1 << 20, 4096, 512] {
+        let block = vec![0x5a; chunk];
+        while file.write_all(&block).and_then(|()| file.flush()).is_ok() {
+            written += chunk as u64;
+        }
+    }
+    written
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_is_a_store_error_and_the_store_works_again_once_there_is_room() {
+    let mount = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, &mount.path().join("store"));
+    let mut gateway = GatewayBinary::start_via(&config, &on_tmpfs(mount.path(), "8m")).await;
+    // The tmpfs as the gateway sees it, from outside its mount namespace.
+    let seen = Path::new(&format!("/proc/{}/root", gateway.pid())).join(
+        mount
+            .path()
+            .strip_prefix("/")
+            .expect("an absolute temporary directory"),
+    );
+    let acknowledged: Vec<String> = (0..10).map(|i| format!("before-{i}")).collect();
+    for key in &acknowledged {
+        let first = send(keyed(&gateway.url("/v1/pay"), key)).await;
+        assert_eq!(first.status, 201, "{first:?}");
+    }
+    let filler = seen.join("filler");
+    assert!(fill(&filler) > 0, "nothing written to {}", filler.display());
+    // Records of 200 KB need new pages: the first batch that cannot write them fails.
+    let big = gateway.url("/big?bytes=200000");
+    let mut refused = None;
+    let mut answered = Vec::new();
+    for i in 0..50 {
+        let key = format!("full-{i}");
+        let seen = send(keyed(&big, &key)).await;
+        if seen.status == 503 {
+            refused = Some(seen);
+            break;
+        }
+        assert!((200..300).contains(&seen.status), "{key}: {seen:?}");
+        answered.push(key);
+    }
+    let refused = refused.expect("no store error on a full disk");
+    assert_eq!(
+        refused.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert!(gateway.running(), "the gateway died on a full disk");
+    eprintln!(
+        "full disk: {} requests answered before the first store error",
+        answered.len()
+    );
+    // Unkeyed requests never touch the store.
+    let unkeyed = send(client().post(gateway.url("/v1/pay"))).await;
+    assert_eq!(unkeyed.status, 201, "{unkeyed:?}");
+
+    std::fs::remove_file(&filler).unwrap();
+    let mut again = 0;
+    wait_until(
+        Duration::from_secs(10),
+        "a keyed request succeeds once there is room",
+        async || {
+            again += 1;
+            let seen = send(keyed(&gateway.url("/v1/pay"), &format!("after-{again}"))).await;
+            seen.status == 201
+        },
+    )
+    .await;
+    for key in &acknowledged {
+        let seen = send(keyed(&gateway.url("/v1/pay"), key)).await;
+        assert!(seen.replayed(), "{key} lost: {seen:?}");
+    }
+    // Answered while the disk was full: the completions that failed are sent again, and land.
+    for key in &answered {
+        wait_until(
+            Duration::from_secs(10),
+            "the record is written",
+            async || send(keyed(&big, key)).await.replayed(),
+        )
+        .await;
+    }
+    assert!(gateway.running());
+}
+
+/// `idemgate_store_commits_total` in a scrape.
+fn commits_in(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_store_commits_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no idemgate_store_commits_total in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commits_metric_counts_fsyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = CountingUpstream::start().await;
+    let config = config(&upstream, dir.path())
+        .set("store.fsync", true)
+        .set("admin.listen", "127.0.0.1:0");
+    let gateway = InProcessGateway::start(&config).await;
+    let start = commits_in(&gateway.metrics().await);
+    // One after another, a miss is two commits: its claim before the upstream call, its record
+    // before the answer.
+    for i in 0..10 {
+        let seen = send(keyed(&gateway.url("/v1/pay"), &format!("seq-{i}"))).await;
+        assert_eq!(seen.status, 201, "{seen:?}");
+    }
+    let after = commits_in(&gateway.metrics().await);
+    assert_eq!(after - start, 20, "10 misses in a row");
+    // A replay reads a snapshot: no commit.
+    for i in 0..10 {
+        assert!(send(keyed(&gateway.url("/v1/pay"), &format!("seq-{i}")))
+            .await
+            .replayed());
+    }
+    assert_eq!(
+        commits_in(&gateway.metrics().await),
+        after,
+        "replays committed"
+    );
+    // Concurrent misses share commits: fewer than one per miss, not two.
+    let misses: Vec<_> = (0..64)
+        .map(|i| tokio::spawn(keyed(&gateway.url("/v1/pay"), &format!("par-{i}")).send()))
+        .collect();
+    for m in misses {
+        assert_eq!(m.await.unwrap().unwrap().status(), 201);
+    }
+    let shared = commits_in(&gateway.metrics().await) - after;
+    assert!(shared < 64, "{shared} commits for 64 concurrent misses");
 }
 
 /// `POST url` with `key` as its Idempotency-Key and its body.

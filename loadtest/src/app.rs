@@ -10,7 +10,7 @@ use axum::Router;
 use idemgate::{IdempotencyLayer, MemoryStore, Policy};
 
 /// Serve forever on `addr`: `POST /v1/payments` answers the JSON body of `body_size` bytes the
-/// upstream answers; with `layer`, through idemgate's layer on the embedded store.
+/// upstream answers; with `layer`, through idemgate's layer on the memory store.
 pub async fn serve(addr: SocketAddr, body_size: usize, layer: bool) -> std::io::Result<()> {
     let body = Bytes::from(crate::upstream::json_body(body_size));
     let handler = post(move |_request: Bytes| {

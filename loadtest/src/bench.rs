@@ -191,6 +191,45 @@ pub async fn phase(
     r
 }
 
+/// Check round `round` of scenario `i` of a section whose rounds are interleaved, and keep it: a
+/// new row in the first round (its index pushed to `rows`), a sample of its row after.
+pub fn keep_round(
+    b: &mut Bench,
+    rows: &mut Vec<usize>,
+    (i, scenario, round): (usize, &str, usize),
+    r: Report,
+) {
+    b.check(&format!("{scenario} (round {})", round + 1), &r, false);
+    eprintln!(
+        "  {scenario:<52} {:>9.0} /s  p50 {:.2} ms  p99 {:.2} ms  (round {})",
+        r.rps(),
+        r.ms(0.5),
+        r.ms(0.99),
+        round + 1
+    );
+    if round == 0 {
+        rows.push(b.rows.len());
+        b.rows.push(Row {
+            scenario: scenario.to_string(),
+            body: b.size,
+            closed: r.clone(),
+            samples: vec![r],
+            at_rate: None,
+        });
+    } else {
+        b.rows[rows[i]].samples.push(r);
+    }
+}
+
+/// Make each of `rows` show its median round (by req/s), once every round is kept.
+pub fn medians(b: &mut Bench, rows: &[usize]) {
+    for &i in rows {
+        let mut samples = b.rows[i].samples.clone();
+        samples.sort_by(|x, y| x.rps().total_cmp(&y.rps()));
+        b.rows[i].closed = samples[samples.len() / 2].clone();
+    }
+}
+
 /// `1 KiB`, `64 KiB`, or bytes.
 pub fn human(size: usize) -> String {
     if size >= 1024 && size.is_multiple_of(1024) {

@@ -6,7 +6,7 @@ use crate::bench::{human, phase, Bench};
 use crate::load::{self, Keys, Report};
 use crate::procs;
 
-/// What `fingerprint = "json"` costs over "exact": the miss path on the embedded store, with a
+/// What `fingerprint = "json"` costs over "exact": the miss path on the memory store, with a
 /// JSON request body of each size (a payments order with line items, see
 /// [`load::json_request`]) and two ignored fields, one inside the items array; interleaved
 /// rounds, the CPU per miss of the gateway side by side. The upstream answers 1 KiB.

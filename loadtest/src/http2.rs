@@ -77,7 +77,7 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     }
     if let [(_, h2, h2_cpu), (_, h1, h1_cpu)] = results[..] {
         b.notes.push(format!(
-            "replay over HTTP/2 / over HTTP/1.1 (1 KiB, h2load, one gateway on the embedded store) = {:.2} [CPU {:.2}] ({h2:.0} vs {h1:.0} req/s; gateway CPU {h2_cpu:.1} vs {h1_cpu:.1} µs per request)",
+            "replay over HTTP/2 / over HTTP/1.1 (1 KiB, h2load, one gateway on the memory store) = {:.2} [CPU {:.2}] ({h2:.0} vs {h1:.0} req/s; gateway CPU {h2_cpu:.1} vs {h1_cpu:.1} µs per request)",
             h2 / h1,
             h1_cpu / h2_cpu,
         ));

@@ -2,7 +2,8 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `storm`, `soak`, `cluster`, `postgres`, `failover`), on `bench` (the measuring they share),
+//! `fingerprint`, `storm`, `soak`, `cluster`, `postgres`, `embedded`, `failover`), on `bench` (the
+//! measuring they share),
 //! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
 //! `metrics`, and `table` (the printed results). `upstream` and `app` are the subcommands the
 //! harness runs as child processes.
@@ -10,6 +11,7 @@
 mod app;
 mod bench;
 mod cluster;
+mod embedded;
 mod failover;
 mod fingerprint;
 mod http2;
@@ -58,7 +60,8 @@ struct Cli {
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, storm, soak, cluster (2 gateways on a Redis Cluster against one
     /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
-    /// store's statements), failover (Redis Cluster and Sentinel; cluster only with --quick).
+    /// store's statements), embedded (the gateway on the durable embedded store with fsync against
+    /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The failover section's runs, as backend:wait_replicas (comma-separated), e.g.
@@ -226,6 +229,9 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("postgres") {
         postgres::run(&mut b, dir.path()).await;
+    }
+    if run("embedded") {
+        embedded::run(&mut b, dir.path(), cli.quick).await;
     }
     if run("failover") {
         failover::run(&mut b, dir.path(), cli.quick, &cli.failover).await;

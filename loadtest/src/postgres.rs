@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use hdrhistogram::Histogram;
 use testkit::PostgresServer;
 
-use crate::bench::{human, Bench, Row};
+use crate::bench::{human, keep_round, medians, Bench};
 use crate::cluster::started;
 use crate::load::{CpuPerRequest, Keys, Report};
 use crate::procs::{self, Proc};
@@ -93,14 +93,10 @@ pub async fn run(b: &mut Bench, dir: &Path) {
                     }
                 }
             };
-            record(b, &mut rows, (i, scenario, round), r);
+            keep_round(b, &mut rows, (i, scenario, round), r);
         }
     }
-    for &i in &rows {
-        let mut samples = b.rows[i].samples.clone();
-        samples.sort_by(|x, y| x.rps().total_cmp(&y.rps()));
-        b.rows[i].closed = samples[samples.len() / 2].clone();
-    }
+    medians(b, &rows);
     if rows.len() == scenarios.len() {
         b.notes.push(ratios(b, &rows, script.as_ref()));
     }
@@ -136,36 +132,6 @@ fn scenarios(c: usize) -> Vec<(String, What)> {
             What::PgBench(16),
         ),
     ]
-}
-
-/// Check round `round` of scenario `i` and keep it: a new row in the first round, a sample of
-/// its row after.
-fn record(
-    b: &mut Bench,
-    rows: &mut Vec<usize>,
-    (i, scenario, round): (usize, &str, usize),
-    r: Report,
-) {
-    b.check(&format!("{scenario} (round {})", round + 1), &r, false);
-    eprintln!(
-        "  {scenario:<52} {:>9.0} /s  p50 {:.2} ms  p99 {:.2} ms  (round {})",
-        r.rps(),
-        r.ms(0.5),
-        r.ms(0.99),
-        round + 1
-    );
-    if round == 0 {
-        rows.push(b.rows.len());
-        b.rows.push(Row {
-            scenario: scenario.to_string(),
-            body: b.size,
-            closed: r.clone(),
-            samples: vec![r],
-            at_rate: None,
-        });
-    } else {
-        b.rows[rows[i]].samples.push(r);
-    }
 }
 
 /// One closed-loop phase through `gw` (warmed up first with `warm`), with the CPU per request of

@@ -328,10 +328,13 @@ pub fn gateway_with_prefix(
 fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: &str) -> Proc {
     let addr = free_addr();
     // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first;
-    // PostgreSQL's has no key prefix).
+    // PostgreSQL's and the embedded store's have no key prefix).
+    let unprefixed = ["postgres", "embedded"]
+        .into_iter()
+        .find(|b| store.starts_with(&format!("backend = \"{b}\"")));
     let store_toml = if store == "memory" {
         "backend = \"memory\"".to_string()
-    } else if store.starts_with("backend = \"postgres\"") {
+    } else if unprefixed.is_some() {
         store.to_string()
     } else if store.starts_with("backend") {
         format!("{store}\nprefix = \"{prefix}\"")
@@ -346,8 +349,10 @@ fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: 
     std::fs::write(&path, conf).unwrap();
     let name = if store == "memory" {
         "gateway (memory)"
-    } else if store.starts_with("backend = \"postgres\"") {
+    } else if unprefixed == Some("postgres") {
         "gateway (postgres)"
+    } else if unprefixed == Some("embedded") {
+        "gateway (embedded)"
     } else {
         "gateway (redis)"
     };

@@ -13,10 +13,11 @@ use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
 use crate::metrics::Metrics;
 
-/// The configured store: the embedded one, or Redis with the process's local cache in front.
+/// The configured store: in memory, embedded, PostgreSQL, or Redis with the process's local
+/// cache in front.
 #[derive(Clone, Debug)]
 pub enum AnyStore {
-    /// The embedded store.
+    /// The in-process memory store.
     Memory(MemoryStore),
     /// Redis, with the process's local cache in front.
     Redis(CachedStore<RedisStore>),
@@ -38,7 +39,10 @@ impl AnyStore {
                     m.max_bytes,
                 )));
             }
-            StoreConfig::Embedded(e) => return Ok(AnyStore::Embedded(EmbeddedStore::open(e)?)),
+            StoreConfig::Embedded(e) => {
+                let store = EmbeddedStore::open_counted(e, metrics.store_commits())?;
+                return Ok(AnyStore::Embedded(store));
+            }
             StoreConfig::Redis(settings) => settings,
             StoreConfig::Postgres(settings) => return Self::open_postgres(settings).await,
         };

@@ -11,12 +11,16 @@
 //! Unix epoch, big-endian). Two indexes by expiry, claims and completed records apart, let the
 //! background purge and the bounds (`max_entries`, `max_bytes`, as in the memory store: the
 //! completed records closest to expiry go first, claims never) find entries without a scan.
+//!
+//! A failed commit (a full disk) leaves redb refusing everything, so the writer closes the file
+//! and opens it again, which recovers the last durable commit.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use prometheus_client::metrics::counter::Counter;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
 };
@@ -44,6 +48,14 @@ pub const FILE_NAME: &str = "idemgate.redb";
 /// How often expired entries are purged.
 pub const PURGE_EVERY: Duration = Duration::from_secs(1);
 
+/// Without `fsync`, a commit at least this long after the last durable one is made durable:
+/// redb keeps a non-durable commit in its own memory, so this bounds what a crash of the
+/// process, or of the machine, loses.
+pub const DURABLE_EVERY: Duration = Duration::from_secs(1);
+
+/// After a failed write, the file is reopened at most this often until it opens.
+const REOPEN_EVERY: Duration = Duration::from_secs(1);
+
 /// Most expired entries one purge transaction deletes (more follow at once when there are).
 const PURGE_BATCH: usize = 1000;
 
@@ -56,20 +68,65 @@ const QUEUE: usize = 8192;
 /// What an entry weighs besides its encoding: its key, its index row and B-tree overhead.
 const ENTRY_OVERHEAD: u64 = 128;
 
-/// Commits of every embedded store in this process (each one fsync when `fsync` is on).
 /// A handle to the embedded store; clones share one file and one writer. The writer thread and
 /// the purge task stop when the last handle goes, and the file's lock with them.
 #[derive(Debug, Clone)]
 pub struct EmbeddedStore {
-    db: Arc<Database>,
+    db: Arc<Slot>,
     // The writer's queue; the thread ends when every sender is gone.
     writer: mpsc::Sender<Op>,
     // How long an operation waits for its batch.
     timeout: Duration,
     // Aborts the purge task when the last handle is dropped; it holds only a weak sender.
     _purger: Option<Arc<AbortOnDropHandle<()>>>,
-    // Write transactions committed so far: with `fsync`, the fsyncs.
-    commits: Arc<AtomicU64>,
+    // Durable commits so far: the fsyncs.
+    commits: Counter,
+}
+
+/// The open database, shared by the handles and the writer; none between a failed write (after
+/// which redb refuses every operation until the file is reopened) and its reopening. Reads hold
+/// the lock for their whole read, so that the writer can close the file.
+#[derive(Debug)]
+struct Slot {
+    db: RwLock<Option<Database>>,
+    file: PathBuf,
+}
+
+impl Slot {
+    /// `f` on the open database, or a store error while it is being reopened.
+    fn with<T>(&self, f: impl FnOnce(&Database) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let db = self.db.read().unwrap_or_else(PoisonError::into_inner);
+        match db.as_ref() {
+            Some(db) => f(db),
+            None => Err(StoreError::Embedded(format!(
+                "{} is being reopened after a write failed",
+                self.file.display()
+            ))),
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        self.db
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    /// Close the file and open it again (redb recovers the last durable commit); when it will
+    /// not open, the store stays closed until the next try.
+    fn reopen(&self) {
+        let mut db = self.db.write().unwrap_or_else(PoisonError::into_inner);
+        drop(db.take());
+        match open_file(&self.file).and_then(|reopened| init(&reopened).map(|()| reopened)) {
+            Ok(reopened) => {
+                tracing::warn!(file = %self.file.display(), "embedded store reopened after a failed write");
+                *db = Some(reopened);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "embedded store: cannot reopen the file after a failed write; trying again with the next write");
+            }
+        }
+    }
 }
 
 /// A write for the writer, with where its answer goes.
@@ -128,18 +185,21 @@ impl EmbeddedStore {
     /// Open (or create) the store in `settings.path`. Fails when the directory cannot be made,
     /// the file is unreadable, or another process holds it.
     pub fn open(settings: &EmbeddedSettings) -> Result<Self, StoreError> {
+        Self::open_counted(settings, Counter::default())
+    }
+
+    /// [`open`](Self::open), counting its durable commits into `commits` (the gateway's
+    /// `idemgate_store_commits_total`).
+    pub fn open_counted(settings: &EmbeddedSettings, commits: Counter) -> Result<Self, StoreError> {
         let dir = &settings.path;
         std::fs::create_dir_all(dir).map_err(|e| failed(&dir.display().to_string(), e))?;
         let file = dir.join(FILE_NAME);
-        let db = Database::create(&file).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Embedded(format!(
-                "{} is held by another process (one gateway per store.path)",
-                file.display()
-            )),
-            e => failed(&file.display().to_string(), e),
-        })?;
-        let db = Arc::new(db);
+        let db = open_file(&file)?;
         init(&db)?;
+        let db = Arc::new(Slot {
+            db: RwLock::new(Some(db)),
+            file,
+        });
         let (writer, queue) = mpsc::channel(QUEUE);
         let limits = Limits {
             max_entries: settings.max_entries.max(1) as u64,
@@ -147,7 +207,6 @@ impl EmbeddedStore {
             fsync: settings.fsync,
         };
         let for_writer = db.clone();
-        let commits = Arc::new(AtomicU64::new(0));
         let counted = commits.clone();
         std::thread::Builder::new()
             .name("idemgate-store".into())
@@ -166,10 +225,11 @@ impl EmbeddedStore {
         })
     }
 
-    /// Write transactions this store has committed: with `fsync`, its fsyncs. Read beside the
-    /// claims served, it gives fsyncs per claim.
+    /// Durable commits this store has made: its fsyncs (with `fsync`, one per batch of requests;
+    /// without, about one every [`DURABLE_EVERY`]). Read beside the claims served, it gives
+    /// fsyncs per claim.
     pub fn commits(&self) -> u64 {
-        self.commits.load(Ordering::Relaxed)
+        self.commits.get()
     }
 
     /// Queue `what` for the writer and wait until its batch is committed.
@@ -195,12 +255,14 @@ impl EmbeddedStore {
 
     /// What `key` holds now, unexpired: its expiry (ms) and encoding, from a snapshot.
     fn read(&self, key: &ScopedKey) -> Result<Option<(u64, Bytes)>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| failed("read", e))?;
-        let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
-        let value = table.get(&key.0).map_err(|e| failed("read", e))?;
-        Ok(value
-            .and_then(|v| split(v.value()))
-            .filter(|(at, _)| *at > now_ms()))
+        self.db.with(|db| {
+            let txn = db.begin_read().map_err(|e| failed("read", e))?;
+            let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
+            let value = table.get(&key.0).map_err(|e| failed("read", e))?;
+            Ok(value
+                .and_then(|v| split(v.value()))
+                .filter(|(at, _)| *at > now_ms()))
+        })
     }
 
     /// Purge expired entries now (the background task does it every [`PURGE_EVERY`]); how
@@ -218,6 +280,17 @@ impl EmbeddedStore {
             other => unreachable!("a fenced write answered {other:?}"),
         }
     }
+}
+
+/// Open (or create) the database file; refused when another process holds it.
+fn open_file(file: &Path) -> Result<Database, StoreError> {
+    Database::create(file).map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Embedded(format!(
+            "{} is held by another process (one gateway per store.path)",
+            file.display()
+        )),
+        e => failed(&file.display().to_string(), e),
+    })
 }
 
 /// Create the tables when they are missing, so that reads find them.
@@ -306,8 +379,11 @@ struct Limits {
 }
 
 /// The writer thread: one transaction per batch of waiting operations, answered once committed.
-fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &AtomicU64) {
+fn write_loop(db: &Slot, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &Counter) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut last_durable = Instant::now();
+    // When the file was last reopened (or tried), after a failed write.
+    let mut reopened: Option<Instant> = None;
     while let Some(op) = queue.blocking_recv() {
         batch.push(op);
         while batch.len() < MAX_BATCH {
@@ -316,38 +392,70 @@ fn write_loop(db: &Database, mut queue: mpsc::Receiver<Op>, limits: Limits, comm
                 Err(_) => break,
             }
         }
+        // With fsync, every batch of requests is durable (purges alone wait for the next one);
+        // without, one at least every DURABLE_EVERY (the purge's tick makes one when idle).
+        let durable = match limits.fsync {
+            true => !batch.iter().all(|op| matches!(op.what, Write::Purge)),
+            false => last_durable.elapsed() >= DURABLE_EVERY,
+        };
+        // Closed by a reopening that failed: try again first, this batch may then succeed.
+        if !db.is_open() && reopen_due(&mut reopened) {
+            db.reopen();
+        }
         let mut outcomes = Vec::with_capacity(batch.len());
-        match apply_batch(db, &batch, limits, &mut outcomes) {
+        let applied = db.with(|open| {
+            apply_batch(open, &batch, durable, limits, &mut outcomes).map_err(StoreError::Embedded)
+        });
+        match applied {
             Ok(()) => {
-                commits.fetch_add(1, Ordering::Relaxed);
+                if durable {
+                    commits.inc();
+                    last_durable = Instant::now();
+                }
                 for (op, answer) in batch.drain(..).zip(outcomes) {
                     let _ = op.reply.send(answer);
                 }
             }
             Err(e) => {
                 tracing::error!(error = %e, "embedded store: a write failed; nothing of its batch was written");
+                let message = match e {
+                    StoreError::Embedded(m) => m,
+                    other => other.to_string(),
+                };
                 for op in batch.drain(..) {
-                    let _ = op.reply.send(Err(StoreError::Embedded(e.clone())));
+                    let _ = op.reply.send(Err(StoreError::Embedded(message.clone())));
+                }
+                // redb refuses everything after an I/O error until the file is reopened.
+                if reopen_due(&mut reopened) {
+                    db.reopen();
                 }
             }
         }
     }
 }
 
-/// Apply `batch` in one transaction and commit it; each operation's answer in `outcomes`.
-/// On a failure nothing is written and the error is every operation's.
+/// Whether a reopening may be tried now (none within [`REOPEN_EVERY`] of the last); if so, now
+/// is noted in `last`.
+fn reopen_due(last: &mut Option<Instant>) -> bool {
+    let due = last.is_none_or(|t| t.elapsed() >= REOPEN_EVERY);
+    if due {
+        *last = Some(Instant::now());
+    }
+    due
+}
+
+/// Apply `batch` in one transaction and commit it, `durable` or not; each operation's answer in
+/// `outcomes`. On a failure nothing is written and the error is every operation's.
 fn apply_batch(
     db: &Database,
     batch: &[Op],
+    durable: bool,
     limits: Limits,
     outcomes: &mut Vec<Result<Done, StoreError>>,
 ) -> Result<(), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
     let mut txn = db.begin_write().map_err(|e| fail("write", &e))?;
-    // With fsync, purges alone need no fsync of their own: the next batch's carries them.
-    // Without, the purge's commit (once a second) is the one that reaches the disk.
-    let only_purges = batch.iter().all(|op| matches!(op.what, Write::Purge));
-    let durability = match limits.fsync != only_purges {
+    let durability = match durable {
         true => Durability::Immediate,
         false => Durability::None,
     };
@@ -742,9 +850,7 @@ impl Store for EmbeddedStore {
 impl super::Inspect for EmbeddedStore {
     async fn ping(&self) -> Result<(), StoreError> {
         self.db
-            .begin_read()
-            .map(drop)
-            .map_err(|e| failed("read", e))
+            .with(|db| db.begin_read().map(drop).map_err(|e| failed("read", e)))
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {

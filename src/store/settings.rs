@@ -32,8 +32,8 @@ impl Default for MemorySettings {
 pub struct EmbeddedSettings {
     /// The directory the gateway owns (created if missing); the file is [`FILE_NAME`](super::embedded::FILE_NAME) in it.
     pub path: PathBuf,
-    /// Commit each batch to disk (fsync) before it counts. Off: a crash of the machine (not of
-    /// the process) may lose the last second of writes.
+    /// Commit each batch to disk (fsync) before it counts. Off: one durable commit a second at
+    /// most, and a crash of the process or of the machine may lose the last two seconds of writes.
     pub fsync: bool,
     /// Most entries kept; past it completed records are evicted (never in-flight claims).
     pub max_entries: usize,

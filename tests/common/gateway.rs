@@ -116,6 +116,13 @@ pub struct GatewayBinary {
 impl GatewayBinary {
     /// Start the binary with `config` on a free port, and wait until it accepts connections.
     pub async fn start(config: &TestConfig) -> Self {
+        Self::start_via(config, &[]).await
+    }
+
+    /// [`start`](Self::start) through the command `prefix` (a program and its arguments), which
+    /// ends by running the binary and its arguments given after it, e.g. `["unshare", "-m",
+    /// "sh", "-c", "... && exec \"$@\"", "sh"]`.
+    pub async fn start_via(config: &TestConfig, prefix: &[String]) -> Self {
         // The binary binds the port itself, after `free_port` let go of it: when another process
         // took it in between, the binary exits, and it is started again on a new port.
         for _ in 0..3 {
@@ -127,7 +134,15 @@ impl GatewayBinary {
                 config.clone().set("listen", &*listen).to_toml(),
             )
             .unwrap();
-            let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+            let binary = env!("CARGO_BIN_EXE_idemgate");
+            let mut command = match prefix.split_first() {
+                Some((program, args)) => {
+                    let mut c = Command::new(program);
+                    c.args(args).arg(binary);
+                    c
+                }
+                None => Command::new(binary),
+            };
             command
                 .arg("--config")
                 .arg(file.path())
@@ -166,6 +181,18 @@ impl GatewayBinary {
     /// `http://ADDR/path`
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Its process id (that of the prefix's program, which execs the binary).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
     }
 
     /// SIGKILL: no chance to clean up, as in a crash.
