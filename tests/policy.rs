@@ -223,18 +223,9 @@ fn with_admin(config: TestConfig) -> TestConfig {
         .set("admin.admin_token", TOKEN)
 }
 
-/// What the admin key view says about `key` (no scope headers), as JSON.
+/// What the admin key view says about `key` (no scope headers, no route), as JSON.
 async fn inspect(env: &TestEnv, key: &str) -> serde_json::Value {
-    let admin = env.gateway.admin.expect("admin listener");
-    env.client
-        .get(format!("http://{admin}/keys/{key}"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    inspect_at(env, key, "/").await
 }
 
 async fn a_body_key_names_the_same_record_as_a_header_key(b: Backend) {

@@ -63,6 +63,17 @@ pub(crate) const COMPRESS_FROM: usize = 1024;
 /// The most a compressed body may claim to expand to (a corrupt length must not allocate more).
 const MAX_EXPANDED: usize = 1 << 30;
 
+/// The encoded tombstone a record of `fingerprint` in `state`, kept as `keep` says, leaves, with
+/// how long from now it lives; `None` when it leaves none.
+pub(crate) fn encode_tombstone(
+    keep: crate::store::Keep,
+    fingerprint: &Fingerprint,
+    state: &EntryState,
+) -> Option<(Bytes, std::time::Duration)> {
+    let (entry, lives) = keep.tombstone_of(fingerprint, state)?;
+    Some((encode(fingerprint, &Token([0; 16]), &entry.state), lives))
+}
+
 /// Encode an entry (with its token) for the store, bodies as they are.
 pub(crate) fn encode(fingerprint: &Fingerprint, token: &Token, state: &EntryState) -> Bytes {
     encode_with(fingerprint, token, state, false)

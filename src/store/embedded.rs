@@ -810,10 +810,7 @@ impl Store for EmbeddedStore {
         keep: Keep,
     ) -> Result<bool, StoreError> {
         let value = codec::encode(fingerprint, token, state);
-        let tombstone = keep.tombstone_of(fingerprint, state).map(|(entry, lives)| {
-            let encoded = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
-            (encoded, lives)
-        });
+        let tombstone = codec::encode_tombstone(keep, fingerprint, state);
         self.yes(Write::Complete {
             key: *key,
             token: *token,

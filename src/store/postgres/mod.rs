@@ -495,13 +495,12 @@ impl Store for PostgresStore {
         let ttl = keep.ttl.finite().map(millis);
         let at = key.tombstone();
         let (key, token) = (&&key.0[..], &&token.0[..]);
-        let n = match keep.tombstone_of(fingerprint, state) {
+        let n = match codec::encode_tombstone(keep, fingerprint, state) {
             None => {
                 let sql = &self.shared.sql.complete;
                 s.execute(sql, &[key, token, &&record[..], &ttl]).await?
             }
-            Some((entry, lives)) => {
-                let tombstone = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
+            Some((tombstone, lives)) => {
                 let (at, lives) = (&&at.0[..], millis(lives));
                 let sql = &self.shared.sql.complete_with_tombstone;
                 let params: [&(dyn ToSql + Sync); 7] =

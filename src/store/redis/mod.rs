@@ -705,10 +705,7 @@ impl Store for RedisStore {
             state,
             self.options.compression == Compression::Lz4,
         );
-        let tombstone = keep.tombstone_of(fingerprint, state).map(|(entry, lives)| {
-            let encoded = codec::encode(fingerprint, &Token([0; 16]), &entry.state);
-            (encoded, lives)
-        });
+        let tombstone = codec::encode_tombstone(keep, fingerprint, state);
         if parts.len() >= STAGE_FROM {
             return self
                 .complete_staged(key, token, &parts, keep.ttl, tombstone)
