@@ -6,7 +6,18 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{header, HeaderValue, Response, StatusCode};
 
-use crate::idempotency::policy::ErrorFormat;
+/// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
+/// or an upstream's answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorFormat {
+    /// RFC 9457 `application/problem+json`.
+    #[default]
+    Problem,
+    /// Stripe's error object, `{"error": {"type", "message", "code"}}`, which Stripe's SDKs
+    /// read (a reused key raises their `IdempotencyError`).
+    Stripe,
+}
 
 /// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
 #[derive(Debug, thiserror::Error)]

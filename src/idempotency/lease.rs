@@ -12,12 +12,11 @@ use tracing::{debug, error, warn};
 
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, KeySource, ScopedKey};
-use super::policy::Policy;
-use super::policy::{AfterExpiry, Ttl};
+use super::policy::{AfterExpiry, Policy, Ttl};
 use super::record::{EntryState, Token};
 use super::shared::Shared;
 use crate::metrics::StoreOp;
-use crate::store::{Claim, Store, StoreError, Watch};
+use crate::store::{Claim, Keep, Store, StoreError, Watch};
 
 /// A claim on a key: what fences its store operations (key, token), what it records
 /// (fingerprint, under the route's policy), and what its warnings name (route, key tag).
@@ -127,7 +126,7 @@ impl<St: Store> Lease<St> {
     pub(super) async fn complete(&self, state: &EntryState, ttl: Ttl) {
         let (shared, held) = (&self.shared, &self.held);
         let route = &held.policy.route;
-        let keep = held.policy.keep(ttl);
+        let keep = keep(&held.policy, ttl);
         let complete =
             shared
                 .store
@@ -163,7 +162,7 @@ impl<St: Store> Lease<St> {
         while Instant::now() + delay < until {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(1));
-            let keep = held.policy.keep(ttl);
+            let keep = keep(&held.policy, ttl);
             let complete =
                 self.shared
                     .store
@@ -251,4 +250,11 @@ impl<St: Store> Drop for PendingClaim<St> {
             }
         }
     }
+}
+
+/// How a record kept for `ttl` on `policy`'s route is kept: with a tombstone for
+/// `tombstone_ttl` after it when the route refuses a retry after expiry.
+fn keep(policy: &Policy, ttl: Ttl) -> Keep {
+    let tombstone = (policy.after_expiry == AfterExpiry::Refuse).then_some(policy.tombstone_ttl);
+    Keep { ttl, tombstone }
 }

@@ -11,6 +11,7 @@ use super::json::Pointer;
 pub use super::key::KeySecret;
 use super::key::IDEMPOTENCY_KEY;
 use crate::error::ConfigError;
+pub use crate::error::ErrorFormat;
 
 /// The name of the upstream requests go to unless their route names another.
 pub const DEFAULT_UPSTREAM: &str = "default";
@@ -112,19 +113,6 @@ pub enum AfterExpiry {
     Run,
     /// Refused with 410 for `tombstone_ttl` after the record expires; never run again.
     Refuse,
-}
-
-/// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
-/// or an upstream's answer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ErrorFormat {
-    /// RFC 9457 `application/problem+json`.
-    #[default]
-    Problem,
-    /// Stripe's error object, `{"error": {"type", "message", "code"}}`, which Stripe's SDKs
-    /// read (a reused key raises their `IdempotencyError`).
-    Stripe,
 }
 
 /// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
@@ -316,13 +304,6 @@ impl Policy {
         .into_iter()
         .find(|(_, ttl)| *ttl == Ttl::Forever)
         .map(|(field, _)| field)
-    }
-
-    /// How a record kept for `ttl` on this route is kept: with a tombstone for
-    /// `tombstone_ttl` after it when the route refuses a retry after expiry.
-    pub fn keep(&self, ttl: Ttl) -> crate::store::Keep {
-        let tombstone = (self.after_expiry == AfterExpiry::Refuse).then_some(self.tombstone_ttl);
-        crate::store::Keep { ttl, tombstone }
     }
 
     /// Whether a request without a key header may carry its key in the body.
