@@ -83,7 +83,8 @@
 //!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
 //!   local caches told of evictions); the PostgreSQL backend: `store/postgres/mod.rs`
 //!   ([`store::PostgresStore`], its settings, pool and reaper), `store/postgres/schema.rs` (the
-//!   table, its version and migration, the statements).
+//!   table, its version and migration, the statements), `store/postgres/listen.rs` (evictions
+//!   heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,

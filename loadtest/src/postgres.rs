@@ -14,17 +14,28 @@ use crate::cluster::started;
 use crate::load::{CpuPerRequest, Keys, Report};
 use crate::procs::{self, Proc};
 
-/// One miss as the store runs it (`src/store/postgres/schema.rs`, the default table): the claim's
-/// `INSERT ... ON CONFLICT ... RETURNING` and the completion's `UPDATE`, their parameters as
-/// pgbench variables: a random key (32 bytes, as the gateway's scoped key) and token (16
-/// bytes), the records (`-D claimrec=`, `-D rec=`), the lease and the TTL in ms.
-const SCRIPT: &str = r#"\set k random(1, 9223372036854775806)
-\set t random(1, 9223372036854775806)
-INSERT INTO "idemgate_records" AS r (key, token, in_flight, record, expires_at) VALUES (sha256(int8send(:k)), int8send(:t) || int8send(:t), true, :claimrec, now() + (:lease::bigint * interval '1 millisecond')) ON CONFLICT (key) DO UPDATE SET token = CASE WHEN r.expires_at <= now() THEN excluded.token ELSE r.token END, in_flight = CASE WHEN r.expires_at <= now() THEN excluded.in_flight ELSE r.in_flight END, record = CASE WHEN r.expires_at <= now() THEN excluded.record ELSE r.record END, expires_at = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END RETURNING record, (extract(epoch FROM expires_at - now()) * 1000)::bigint;
-UPDATE "idemgate_records" SET record = CASE WHEN in_flight THEN :rec ELSE record END, expires_at = CASE WHEN in_flight THEN now() + (:ttl::bigint * interval '1 millisecond') ELSE expires_at END, in_flight = false WHERE key = sha256(int8send(:k)) AND token = int8send(:t) || int8send(:t) AND expires_at > now();
-"#;
+/// One miss as the store runs it, its two statements taken from the store itself
+/// ([`idemgate::store::postgres::miss_statements`], the default table), each its own
+/// transaction: their parameters as pgbench variables, a random key (32 bytes, as the gateway's
+/// scoped key) and token (16 bytes), the records (`-D claimrec=`, `-D rec=`), the lease and the
+/// TTL in ms.
+fn script() -> String {
+    let [claim, complete] =
+        idemgate::store::postgres::miss_statements(idemgate::store::postgres::DEFAULT_TABLE);
+    let with = |sql: &str, record: &str, ms: &str| {
+        sql.replace("$1", "(sha256(int8send(:k)))")
+            .replace("$2", "(int8send(:t) || int8send(:t))")
+            .replace("$3", &format!("(:{record})"))
+            .replace("$4", &format!("(:{ms})"))
+    };
+    format!(
+        "\\set k random(1, 9223372036854775806)\n\\set t random(1, 9223372036854775806)\n{};\n{};\n",
+        with(&claim, "claimrec", "lease"),
+        with(&complete, "rec", "ttl"),
+    )
+}
 
-/// The length of an in-flight record: the codec's fixed header (`store/redis/codec.rs`).
+/// The length of an in-flight record: the codec's fixed header (`store/codec.rs`).
 const CLAIM_RECORD: usize = 58;
 
 /// What one scenario measures each round.
@@ -216,7 +227,7 @@ struct Script {
 /// wrote (its first miss phase has run by now).
 fn write_script(pg: &PostgresServer, dir: &Path) -> Script {
     let path = dir.join("pgbench-miss.sql");
-    std::fs::write(&path, SCRIPT).unwrap();
+    std::fs::write(&path, script()).unwrap();
     let record = pg
         .psql("SELECT coalesce(max(length(record)), 0) FROM idemgate_records WHERE NOT in_flight")
         .parse()
@@ -405,6 +416,14 @@ mod tests {
         assert_eq!(r.elapsed, Duration::from_secs(1));
         assert_eq!(r.hist.len(), 2);
         assert!((r.ms(1.0) - 2.5).abs() < 0.01, "{}", r.ms(1.0));
+    }
+
+    #[test]
+    fn the_script_has_no_parameter_left() {
+        let s = script();
+        assert!(!s.contains('$'), "{s}");
+        assert_eq!(s.lines().count(), 4, "{s}");
+        assert!(s.contains(":claimrec") && s.contains(":rec") && s.contains(":ttl"));
     }
 
     #[test]

@@ -13,15 +13,16 @@ use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
 use crate::metrics::Metrics;
 
-/// The configured store: the embedded one, or Redis with the process's local cache in front.
+/// The configured store: in memory, embedded, or a shared one (Redis, PostgreSQL) with the
+/// process's local cache in front.
 #[derive(Clone, Debug)]
 pub enum AnyStore {
     /// The embedded store.
     Memory(MemoryStore),
     /// Redis, with the process's local cache in front.
     Redis(CachedStore<RedisStore>),
-    /// A PostgreSQL table.
-    Postgres(PostgresStore),
+    /// A PostgreSQL table, with the process's local cache in front.
+    Postgres(CachedStore<PostgresStore>),
     /// The durable embedded store.
     Embedded(EmbeddedStore),
 }
@@ -40,7 +41,7 @@ impl AnyStore {
             }
             StoreConfig::Embedded(e) => return Ok(AnyStore::Embedded(EmbeddedStore::open(e)?)),
             StoreConfig::Redis(settings) => settings,
-            StoreConfig::Postgres(settings) => return Self::open_postgres(settings).await,
+            StoreConfig::Postgres(settings) => return Self::open_postgres(settings, metrics).await,
         };
         let redis = match RedisStore::connect(settings).await {
             Ok(store) => store,
@@ -74,15 +75,29 @@ impl AnyStore {
 
     /// Connect to PostgreSQL and check its table. Unreachable, as for Redis: start anyway and
     /// check the table once it answers; refused (password, TLS, schema): fail.
-    async fn open_postgres(settings: &super::PostgresSettings) -> Result<Self, StoreError> {
-        match PostgresStore::connect(settings).await {
-            Ok(store) => Ok(AnyStore::Postgres(store)),
+    async fn open_postgres(
+        settings: &super::PostgresSettings,
+        metrics: &Metrics,
+    ) -> Result<Self, StoreError> {
+        let store = match PostgresStore::connect(settings).await {
+            Ok(store) => store,
             Err(StoreError::Postgres(e)) if e.unreachable() => {
                 error!(error = %e, "PostgreSQL is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
-                Ok(AnyStore::Postgres(PostgresStore::lazy(settings)?))
+                PostgresStore::lazy(settings)?
             }
-            Err(e) => Err(e),
-        }
+            Err(e) => return Err(e),
+        };
+        // As with Redis: one local cache for the process, told of every gateway's evictions.
+        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
+            .counting_hits(metrics.local_cache_hits());
+        let evicted = cache.clone();
+        store
+            .on_evicted(move |what| match what {
+                Evicted::Key(key) => evicted.invalidate(&key),
+                Evicted::All => evicted.clear(),
+            })
+            .await;
+        Ok(AnyStore::Postgres(CachedStore::new(store, cache)))
     }
 
     /// The handle one worker thread uses. With Redis, a connection of its own, so that its

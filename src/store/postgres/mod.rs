@@ -3,11 +3,13 @@
 //! its statement has committed).
 //!
 //! Each step is one statement (`schema.rs`): a claim is one `INSERT ... ON CONFLICT ...
-//! RETURNING` that also takes over an expired claim; completing, releasing and renewing are one
+//! RETURNING` that also takes over an expired claim, behind a read that leaves a live row as it
+//! is (run again when a concurrent claimant won the key meanwhile); completing, releasing and renewing are one
 //! `UPDATE`/`DELETE ... WHERE key = $1 AND token = $2`. Expired rows are ignored by every
 //! statement and deleted in the background by a reaper, in bounded batches, every
 //! [`REAP_EVERY`]. Every operation (pool checkout, connecting when needed, the statement) is
-//! bounded by `timeout`.
+//! bounded by `timeout`. Admin evictions are notified to every process on the table
+//! (`listen.rs`), for the local caches in front.
 
 use std::fmt;
 use std::sync::Arc;
@@ -27,9 +29,11 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
 
+mod listen;
 mod schema;
 
 use self::schema::Sql;
+use super::Evicted;
 
 /// How often each gateway deletes expired rows: an expired row is gone at most this long (plus
 /// the time to delete its batch) after it expired.
@@ -37,6 +41,10 @@ pub const REAP_EVERY: Duration = Duration::from_secs(2);
 
 /// Rows one reaper statement deletes at most; it goes on while batches come back full.
 pub const REAP_BATCH: u32 = 1000;
+
+/// How many times a claim runs its statement when concurrent claimants keep winning the key
+/// between its snapshot and its insert.
+const CLAIM_RUNS: usize = 4;
 
 /// Table used when none is given.
 pub const DEFAULT_TABLE: &str = "idemgate_records";
@@ -59,6 +67,11 @@ pub struct PostgresSettings {
     /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
     /// CA(s) to trust instead of the system's.
     pub tls_ca_file: Option<String>,
+    /// Bytes of completed responses each gateway process keeps to replay without a statement
+    /// (0 turns the local cache off).
+    pub local_cache: u64,
+    /// The longest a response stays in the local cache.
+    pub local_cache_ttl: Duration,
 }
 
 impl PostgresSettings {
@@ -70,6 +83,8 @@ impl PostgresSettings {
             pool_size: DEFAULT_POOL_SIZE,
             timeout: super::settings::DEFAULT_TIMEOUT,
             tls_ca_file: None,
+            local_cache: super::cached::DEFAULT_BYTES,
+            local_cache_ttl: super::cached::DEFAULT_MAX_AGE,
         }
     }
 
@@ -98,6 +113,14 @@ impl fmt::Debug for PostgresSettings {
                 &format_args!("{}", humantime::format_duration(self.timeout)),
             )
             .field("tls_ca_file", &self.tls_ca_file)
+            .field(
+                "local_cache",
+                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
+            )
+            .field(
+                "local_cache_ttl",
+                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
+            )
             .finish()
     }
 }
@@ -114,6 +137,9 @@ pub enum PostgresError {
     /// No answer within `store.timeout`.
     #[error("no answer within {0:?} (store.timeout)")]
     Timeout(Duration),
+    /// Concurrent claimants took the key from under every run of a claim.
+    #[error("the claim lost the key to concurrent claimants {CLAIM_RUNS} times in a row")]
+    Contended,
     /// The URL or the TLS setup cannot work.
     #[error("{0}")]
     Config(String),
@@ -176,6 +202,9 @@ pub struct PostgresStore {
 
 struct Shared {
     pool: Pool,
+    connector: Connector,
+    // Hears other gateways' evictions, once asked to (`on_evicted`); stops with the store.
+    listener: std::sync::OnceLock<AbortOnDropHandle<()>>,
     sql: Sql,
     table: String,
     timeout: Duration,
@@ -203,40 +232,75 @@ pub(crate) fn connect_config(url: &str) -> Result<tokio_postgres::Config, String
         .map_err(|e| format!("not a PostgreSQL connection URL: {}", describe(&e)))
 }
 
-/// The pool `settings` describe; nothing is connected yet.
-fn pool(settings: &PostgresSettings) -> Result<Pool, PostgresError> {
-    let mut config = connect_config(&settings.url)
-        .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
-    config.connect_timeout(settings.timeout);
-    if config.get_options().is_none() {
-        // The server, too, gives up on a statement the gateway stopped waiting for.
-        config.options(format!(
-            "-c statement_timeout={}",
-            settings.timeout.as_millis()
-        ));
+/// The two statements of a miss on `table`: the claim's and the completion's, with their
+/// parameters `$1` key, `$2` token, `$3` record and `$4` lease or TTL in milliseconds. For
+/// benchmarks that run them without the gateway (loadtest's pgbench script).
+pub fn miss_statements(table: &str) -> [String; 2] {
+    let sql = Sql::for_table(table, REAP_BATCH);
+    [sql.claim, sql.complete]
+}
+
+/// How to open a connection: the pool's, and the eviction listener's of its own.
+#[derive(Clone)]
+struct Connector {
+    config: tokio_postgres::Config,
+    // None with sslmode=disable.
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
+    timeout: Duration,
+}
+
+impl Connector {
+    /// The connections `settings` describe.
+    fn new(settings: &PostgresSettings) -> Result<Self, PostgresError> {
+        let mut config = connect_config(&settings.url)
+            .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
+        config.connect_timeout(settings.timeout);
+        if config.get_options().is_none() {
+            // The server, too, gives up on a statement the gateway stopped waiting for.
+            config.options(format!(
+                "-c statement_timeout={}",
+                settings.timeout.as_millis()
+            ));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("idemgate");
+        }
+        let tls = match config.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Disable => None,
+            _ => {
+                let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
+                    .map_err(|(_, why)| {
+                        PostgresError::Config(format!("store.tls_ca_file: {why}"))
+                    })?;
+                Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+            }
+        };
+        Ok(Connector {
+            config,
+            tls,
+            timeout: settings.timeout,
+        })
     }
-    if config.get_application_name().is_none() {
-        config.application_name("idemgate");
+
+    /// A pool of up to `size` connections; nothing is connected yet.
+    fn pool(&self, size: usize) -> Result<Pool, PostgresError> {
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let config = self.config.clone();
+        let manager = match &self.tls {
+            None => Manager::from_config(config, tokio_postgres::NoTls, manager_config),
+            Some(tls) => Manager::from_config(config, tls.clone(), manager_config),
+        };
+        Pool::builder(manager)
+            .max_size(size.max(1))
+            .wait_timeout(Some(self.timeout))
+            .create_timeout(Some(self.timeout))
+            .recycle_timeout(Some(self.timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| PostgresError::Config(e.to_string()))
     }
-    let manager_config = ManagerConfig {
-        recycling_method: RecyclingMethod::Fast,
-    };
-    let manager = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
-        Manager::from_config(config, tokio_postgres::NoTls, manager_config)
-    } else {
-        let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
-            .map_err(|(_, why)| PostgresError::Config(format!("store.tls_ca_file: {why}")))?;
-        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls);
-        Manager::from_config(config, tls, manager_config)
-    };
-    Pool::builder(manager)
-        .max_size(settings.pool_size.max(1))
-        .wait_timeout(Some(settings.timeout))
-        .create_timeout(Some(settings.timeout))
-        .recycle_timeout(Some(settings.timeout))
-        .runtime(Runtime::Tokio1)
-        .build()
-        .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
 impl PostgresStore {
@@ -251,8 +315,11 @@ impl PostgresStore {
     /// The store without connecting: the table is checked by the first operation that reaches
     /// PostgreSQL. For a server that is down at start-up.
     pub fn lazy(settings: &PostgresSettings) -> Result<Self, StoreError> {
+        let connector = Connector::new(settings)?;
         let shared = Arc::new(Shared {
-            pool: pool(settings)?,
+            pool: connector.pool(settings.pool_size)?,
+            connector,
+            listener: std::sync::OnceLock::new(),
             sql: Sql::for_table(&settings.table, REAP_BATCH),
             table: settings.table.clone(),
             timeout: settings.timeout,
@@ -284,6 +351,29 @@ impl PostgresStore {
     /// Delete expired rows, a batch at a time; how many (the reaper's step, public for tests).
     pub async fn reap(&self) -> Result<u64, StoreError> {
         Handle(&self.shared).reap().await
+    }
+
+    /// Hear of evictions from now on, from this process and every other on the table, over a
+    /// connection of its own (kept until the store is dropped; made again when it fails). Each
+    /// time it is made, `f` first hears [`Evicted::All`]. Returns once it listens, or after the
+    /// timeout (at once when the store has not reached PostgreSQL yet). The first call wins;
+    /// outside a tokio runtime, nothing is heard.
+    pub async fn on_evicted(&self, f: impl Fn(Evicted) + Send + Sync + 'static) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = &self.shared;
+        let (tx, mut listening) = tokio::sync::watch::channel(false);
+        let mut first = false;
+        shared.listener.get_or_init(|| {
+            first = true;
+            let (connector, channel) = (shared.connector.clone(), listen::channel(&shared.table));
+            let task = listen::listen(connector, channel, Arc::new(f), tx);
+            AbortOnDropHandle::new(rt.spawn(task))
+        });
+        if first && shared.ready.initialized() {
+            let _ = tokio::time::timeout(shared.timeout, listening.wait_for(|l| *l)).await;
+        }
     }
 
     /// The table the records are in.
@@ -437,17 +527,18 @@ impl Store for PostgresStore {
     ) -> Result<Claim, StoreError> {
         let record = codec::encode(fingerprint, token, &EntryState::InFlight);
         let s = Handle(&self.shared);
-        let rows = s
-            .query(
-                &self.shared.sql.claim,
-                &[&&key.0[..], &&token.0[..], &&record[..], &millis(lease)],
-            )
-            .await?;
-        let row = rows
-            .first()
-            .ok_or(super::DecodeError("the claim returned no row"))?;
-        let (held, holder) = entry_of(row)?;
-        Ok(Claim::decide(held, &holder, fingerprint, token))
+        let params: [&(dyn ToSql + Sync); 4] =
+            [&&key.0[..], &&token.0[..], &&record[..], &millis(lease)];
+        // No row: another claimant won the key after this statement's snapshot was taken; the
+        // next run sees its row. Each lost race means the key changed hands in between.
+        for _ in 0..CLAIM_RUNS {
+            let rows = s.query(&self.shared.sql.claim, &params).await?;
+            if let Some(row) = rows.first() {
+                let (held, holder) = entry_of(row)?;
+                return Ok(Claim::decide(held, &holder, fingerprint, token));
+            }
+        }
+        Err(PostgresError::Contended.into())
     }
 
     async fn complete(
@@ -523,8 +614,9 @@ impl Inspect for PostgresStore {
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
-        Handle(&self.shared)
-            .execute(&self.shared.sql.evict_all, &[])
-            .await
+        let rows = Handle(&self.shared)
+            .query(&self.shared.sql.evict_all, &[])
+            .await?;
+        Ok(rows.first().map_or(0, |r| r.get::<_, i64>(0).max(0) as u64))
     }
 }
