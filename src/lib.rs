@@ -76,7 +76,8 @@
 //!   `store/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
 //!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
 //!   backend), `store/memory.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
-//!   local cache of completed records in front of another store), `store/codec.rs` (the
+//!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups
+//!   for requests waiting on an in-flight key), `store/codec.rs` (the
 //!   record's binary encoding, whose offsets the scripts in `store/redis/lua/` read),
 //!   `store/embedded.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
 //!   commit), and the Redis backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/topology.rs`

@@ -550,3 +550,45 @@ async fn an_eviction_reaches_every_gateways_local_cache() {
     assert_eq!(env.upstream.calls(), 4);
     other.stop().await;
 }
+
+/// Waiters (`on_in_flight = "wait"`) on the gateway that runs the request they wait for are
+/// woken by its completion: each answered within 50 ms of it (polling looks every 100 ms at
+/// most after the first few looks, so five such waits all within 50 ms by luck are unlikely).
+/// A waiter on another gateway polls, and gets the replay all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_woken_by_their_gateways_completion() {
+    let config = TestConfig::new()
+        .set("defaults.on_in_flight", "wait")
+        .set("defaults.wait_timeout", "5s");
+    let env = TestEnv::start(Backend::Postgres, config).await;
+    let other = InProcessGateway::start(&env.config()).await;
+    let timed = |req: reqwest::RequestBuilder| async move {
+        let seen = send(req.body("x")).await;
+        (seen, Instant::now())
+    };
+    let path = "/v1/p?delay_ms=400";
+    let firsts: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(timed(env.post_keyed(path, &format!("wake-{i}")))))
+        .collect();
+    env.upstream.wait_for_calls(5).await;
+    let waiters: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(timed(env.post_keyed(path, &format!("wake-{i}")))))
+        .collect();
+    let far = env
+        .client
+        .post(other.url(path))
+        .header("idempotency-key", "wake-0");
+    let far = tokio::spawn(timed(far));
+    for (first, waiter) in firsts.into_iter().zip(waiters) {
+        let (first, first_at) = first.await.unwrap();
+        let (waited, waiter_at) = waiter.await.unwrap();
+        assert_eq!(first.status, 201);
+        assert!(waited.replayed(), "{waited:?}");
+        assert_eq!(waited.body, first.body);
+        let after = waiter_at.saturating_duration_since(first_at);
+        assert!(after <= Duration::from_millis(50), "{after:?}");
+    }
+    assert!(far.await.unwrap().0.replayed());
+    assert_eq!(env.upstream.calls(), 5);
+    other.stop().await;
+}

@@ -24,7 +24,8 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec;
 use super::settings::redact_url;
-use super::{Claim, Inspect, Inspected, Store, StoreError};
+use super::watch::{Local, Signals};
+use super::{Claim, Inspect, Inspected, Store, StoreError, Watch};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
@@ -203,6 +204,8 @@ pub struct PostgresStore {
 struct Shared {
     pool: Pool,
     connector: Connector,
+    // This process's requests waiting on a key, woken by its completions and releases.
+    waiters: Arc<Signals>,
     // Hears other gateways' evictions, once asked to (`on_evicted`); stops with the store.
     listener: std::sync::OnceLock<AbortOnDropHandle<()>>,
     sql: Sql,
@@ -319,6 +322,7 @@ impl PostgresStore {
         let shared = Arc::new(Shared {
             pool: connector.pool(settings.pool_size)?,
             connector,
+            waiters: Arc::default(),
             listener: std::sync::OnceLock::new(),
             sql: Sql::for_table(&settings.table, REAP_BATCH),
             table: settings.table.clone(),
@@ -557,6 +561,7 @@ impl Store for PostgresStore {
                 &[&&key.0[..], &&token.0[..], &&record[..], &millis(ttl)],
             )
             .await?;
+        self.shared.waiters.wake(&key.0);
         Ok(n == 1)
     }
 
@@ -565,7 +570,15 @@ impl Store for PostgresStore {
         let n = s
             .execute(&self.shared.sql.release, &[&&key.0[..], &&token.0[..]])
             .await?;
+        self.shared.waiters.wake(&key.0);
         Ok(n == 1)
+    }
+
+    /// Wakes the waiters of this process when this process completes or releases the key;
+    /// waiters on another gateway's request poll (a `NOTIFY` per completion would serialise
+    /// the commits of every gateway on the server: it holds a server-wide lock until commit).
+    async fn watch(&self, key: &ScopedKey) -> Option<Watch> {
+        Some(Local::watch(&self.shared.waiters, &key.0))
     }
 
     async fn renew(
