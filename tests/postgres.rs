@@ -592,3 +592,30 @@ async fn waiters_are_woken_by_their_gateways_completion() {
     assert_eq!(env.upstream.calls(), 5);
     other.stop().await;
 }
+
+/// Each worker thread has its own share of `pool_size`: under many concurrent misses the whole
+/// process holds at most `pool_size` connections for requests, plus the one that checked the
+/// table and the one listening for evictions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_size_bounds_the_whole_process() {
+    let upstream = common::CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(200));
+    let config = TestConfig::new()
+        .set("workers", 2)
+        .set("store.pool_size", 4)
+        .set("store.timeout", "10s");
+    let env = TestEnv::start_with(Backend::Postgres, upstream, config).await;
+    let sent: Vec<_> = (0..30)
+        .map(|i| tokio::spawn(send(env.post_keyed("/v1/p", &format!("pool-{i}")).body("x"))))
+        .collect();
+    for seen in sent {
+        assert_eq!(seen.await.unwrap().status, 201);
+    }
+    let open: u64 = env
+        .postgres()
+        .psql("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'")
+        .parse()
+        .unwrap();
+    assert!((3..=6).contains(&open), "{open} connections");
+}

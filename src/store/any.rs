@@ -100,16 +100,24 @@ impl AnyStore {
         Ok(AnyStore::Postgres(CachedStore::new(store, cache)))
     }
 
-    /// The handle one worker thread uses. With Redis, a connection of its own, so that its
-    /// commands stay on its thread; a worker that cannot connect (Redis went away since
-    /// start-up) shares the first handle, which reconnects by itself.
-    pub async fn for_worker(&self) -> Self {
+    /// The handle one of `workers` worker threads uses. With Redis, a connection of its own,
+    /// so that its commands stay on its thread; a worker that cannot connect (Redis went away
+    /// since start-up) shares the first handle, which reconnects by itself. With PostgreSQL, a
+    /// pool of its own, its share of `pool_size`, for the same reason.
+    pub async fn for_worker(&self, workers: usize) -> Self {
         match self {
-            AnyStore::Memory(_) | AnyStore::Postgres(_) | AnyStore::Embedded(_) => self.clone(),
+            AnyStore::Memory(_) | AnyStore::Embedded(_) => self.clone(),
             AnyStore::Redis(shared) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
                 Err(e) => {
                     warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
+                    self.clone()
+                }
+            },
+            AnyStore::Postgres(shared) => match shared.inner().for_worker(workers) {
+                Ok(own) => AnyStore::Postgres(CachedStore::new(own, shared.cache().clone())),
+                Err(e) => {
+                    warn!(error = %e, "worker could not make its own PostgreSQL pool; sharing the first");
                     self.clone()
                 }
             },

@@ -52,11 +52,11 @@ pub(super) async fn listen(
         let why = match &connector.tls {
             None => match connector.config.connect(tokio_postgres::NoTls).await {
                 Ok((client, conn)) => session.run(client, conn).await,
-                Err(e) => e.to_string(),
+                Err(e) => super::describe(&e),
             },
             Some(tls) => match connector.config.connect(tls.clone()).await {
                 Ok((client, conn)) => session.run(client, conn).await,
-                Err(e) => e.to_string(),
+                Err(e) => super::describe(&e),
             },
         };
         failures += 1;
@@ -84,7 +84,7 @@ type Pending<'c> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'c>>
 fn ask(client: &Client, sql: String, timeout: Duration) -> Pending<'_> {
     Box::pin(async move {
         match tokio::time::timeout(timeout, client.batch_execute(&sql)).await {
-            Ok(done) => done.map_err(|e| e.to_string()),
+            Ok(done) => done.map_err(|e| super::describe(&e)),
             Err(_) => Err(format!("no answer within {timeout:?} (store.timeout)")),
         }
     })
@@ -110,7 +110,7 @@ impl Session<'_> {
                 message = poll_fn(|cx| conn.poll_message(cx)) => match message {
                     Some(Ok(AsyncMessage::Notification(n))) => self.deliver(n.payload()),
                     Some(Ok(_)) => {}
-                    Some(Err(e)) => return e.to_string(),
+                    Some(Err(e)) => return super::describe(&e),
                     None => return "the connection closed".into(),
                 },
                 done = async { pending.as_mut().expect("pending").await }, if pending.is_some() => {

@@ -191,19 +191,23 @@ impl PostgresError {
     }
 }
 
-/// A handle to the PostgreSQL store; clones share one pool. The reaper runs on the runtime the
-/// store was made on, while a handle lives.
+/// A handle to the PostgreSQL store; clones share one pool, and [`PostgresStore::for_worker`]
+/// gives a worker thread a pool of its own. The reaper runs on the runtime the store was made
+/// on, while a handle lives.
 #[derive(Clone)]
 pub struct PostgresStore {
     shared: Arc<Shared>,
+    // Its connections' tasks run on the runtime that made them: the pool's users' own, so that
+    // a statement's answer wakes no other thread.
+    pool: Pool,
     // Stops the reaper when the last handle goes; the task holds only a weak reference. None
     // when made outside a tokio runtime: expired rows are then only ignored, not deleted.
     _reaper: Option<Arc<AbortOnDropHandle<()>>>,
 }
 
 struct Shared {
-    pool: Pool,
     connector: Connector,
+    pool_size: usize,
     // This process's requests waiting on a key, woken by its completions and releases.
     waiters: Arc<Signals>,
     // Hears other gateways' evictions, once asked to (`on_evicted`); stops with the store.
@@ -319,9 +323,10 @@ impl PostgresStore {
     /// PostgreSQL. For a server that is down at start-up.
     pub fn lazy(settings: &PostgresSettings) -> Result<Self, StoreError> {
         let connector = Connector::new(settings)?;
+        let pool = connector.pool(settings.pool_size)?;
         let shared = Arc::new(Shared {
-            pool: connector.pool(settings.pool_size)?,
             connector,
+            pool_size: settings.pool_size,
             waiters: Arc::default(),
             listener: std::sync::OnceLock::new(),
             sql: Sql::for_table(&settings.table, REAP_BATCH),
@@ -329,13 +334,13 @@ impl PostgresStore {
             timeout: settings.timeout,
             ready: tokio::sync::OnceCell::new(),
         });
-        let weak = Arc::downgrade(&shared);
+        let (weak, reaping) = (Arc::downgrade(&shared), pool.clone());
         let reaper = tokio::runtime::Handle::try_current().ok().map(|rt| rt.spawn(async move {
             let mut tick = tokio::time::interval(REAP_EVERY);
             loop {
                 tick.tick().await;
                 let Some(shared) = weak.upgrade() else { return };
-                let store = Handle(&shared);
+                let store = Handle { shared: &shared, pool: &reaping };
                 if let Err(e) = store.reap().await {
                     tracing::debug!(error = %e, "the PostgreSQL reaper could not delete expired rows");
                 }
@@ -343,18 +348,39 @@ impl PostgresStore {
         }));
         Ok(PostgresStore {
             shared,
+            pool,
             _reaper: reaper.map(|task| Arc::new(AbortOnDropHandle::new(task))),
         })
     }
 
+    /// The handle one of `workers` worker threads uses: this store with a pool of its own of
+    /// `pool_size / workers` connections (rounded up), made and driven on the calling thread's
+    /// runtime. Waiters, the table check and the reaper stay shared.
+    pub fn for_worker(&self, workers: usize) -> Result<Self, StoreError> {
+        let size = self.shared.pool_size.div_ceil(workers.max(1));
+        Ok(PostgresStore {
+            shared: self.shared.clone(),
+            pool: self.shared.connector.pool(size)?,
+            _reaper: self._reaper.clone(),
+        })
+    }
+
+    /// How to run statements on this store's pool.
+    fn handle(&self) -> Handle<'_> {
+        Handle {
+            shared: &self.shared,
+            pool: &self.pool,
+        }
+    }
+
     /// The table exists at our version (checked once per store, then remembered).
     async fn ready(&self) -> Result<(), StoreError> {
-        Handle(&self.shared).ready().await
+        self.handle().ready().await
     }
 
     /// Delete expired rows, a batch at a time; how many (the reaper's step, public for tests).
     pub async fn reap(&self) -> Result<u64, StoreError> {
-        Handle(&self.shared).reap().await
+        self.handle().reap().await
     }
 
     /// Hear of evictions from now on, from this process and every other on the table, over a
@@ -386,12 +412,16 @@ impl PostgresStore {
     }
 }
 
-/// The shared state, borrowed: what the reaper task and the handles run statements with.
-struct Handle<'a>(&'a Shared);
+/// The shared state and a pool, borrowed: what the reaper task and the handles run statements
+/// with.
+struct Handle<'a> {
+    shared: &'a Shared,
+    pool: &'a Pool,
+}
 
 impl Handle<'_> {
     async fn ready(&self) -> Result<(), StoreError> {
-        let shared = self.0;
+        let shared = self.shared;
         shared
             .ready
             .get_or_try_init(|| async {
@@ -415,9 +445,9 @@ impl Handle<'_> {
         &self,
         deadline: Instant,
     ) -> Result<deadpool_postgres::Client, PostgresError> {
-        let timeout = self.0.timeout;
+        let timeout = self.shared.timeout;
         bounded(deadline, timeout, async {
-            self.0.pool.get().await.map_err(|e| match e {
+            self.pool.get().await.map_err(|e| match e {
                 deadpool_postgres::PoolError::Backend(e) => PostgresError::Db(e),
                 deadpool_postgres::PoolError::Timeout(_) => PostgresError::Timeout(timeout),
                 other => PostgresError::Pool(other.to_string()),
@@ -460,7 +490,7 @@ impl Handle<'_> {
         rows: bool,
     ) -> Result<Answer, StoreError> {
         self.ready().await?;
-        let deadline = Instant::now() + self.0.timeout;
+        let deadline = Instant::now() + self.shared.timeout;
         let client = self.checkout(deadline).await?;
         let run = async {
             let prepared = client.prepare_cached(statement).await?;
@@ -473,7 +503,7 @@ impl Handle<'_> {
             Ok(answer) => Ok(answer.map_err(PostgresError::Db)?),
             Err(_) => {
                 drop(deadpool_postgres::Object::take(client));
-                Err(PostgresError::Timeout(self.0.timeout).into())
+                Err(PostgresError::Timeout(self.shared.timeout).into())
             }
         }
     }
@@ -481,7 +511,7 @@ impl Handle<'_> {
     async fn reap(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let n = self.execute(&self.0.sql.reap, &[]).await?;
+            let n = self.execute(&self.shared.sql.reap, &[]).await?;
             total += n;
             if n < u64::from(REAP_BATCH) {
                 return Ok(total);
@@ -530,7 +560,7 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let record = codec::encode(fingerprint, token, &EntryState::InFlight);
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let params: [&(dyn ToSql + Sync); 4] =
             [&&key.0[..], &&token.0[..], &&record[..], &millis(lease)];
         // No row: another claimant won the key after this statement's snapshot was taken; the
@@ -554,7 +584,7 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let record = codec::encode(fingerprint, token, state);
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let n = s
             .execute(
                 &self.shared.sql.complete,
@@ -566,7 +596,7 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let n = s
             .execute(&self.shared.sql.release, &[&&key.0[..], &&token.0[..]])
             .await?;
@@ -587,7 +617,7 @@ impl Store for PostgresStore {
         token: &Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let n = s
             .execute(
                 &self.shared.sql.renew,
@@ -600,11 +630,12 @@ impl Store for PostgresStore {
 
 impl Inspect for PostgresStore {
     async fn ping(&self) -> Result<(), StoreError> {
-        Handle(&self.shared).query("SELECT 1", &[]).await.map(drop)
+        self.handle().query("SELECT 1", &[]).await.map(drop)
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
-        let rows = Handle(&self.shared)
+        let rows = self
+            .handle()
             .query(&self.shared.sql.inspect, &[&&key.0[..]])
             .await?;
         let Some(row) = rows.first() else {
@@ -620,16 +651,15 @@ impl Inspect for PostgresStore {
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        let rows = Handle(&self.shared)
+        let rows = self
+            .handle()
             .query(&self.shared.sql.evict, &[&&key.0[..]])
             .await?;
         Ok(rows.iter().any(|r| r.get::<_, bool>(0)))
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
-        let rows = Handle(&self.shared)
-            .query(&self.shared.sql.evict_all, &[])
-            .await?;
+        let rows = self.handle().query(&self.shared.sql.evict_all, &[]).await?;
         Ok(rows.first().map_or(0, |r| r.get::<_, i64>(0).max(0) as u64))
     }
 }
