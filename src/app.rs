@@ -162,7 +162,7 @@ async fn serve(
                     }
                 };
                 runtime.block_on(async move {
-                    let layer = layer.with_store(layer.store().for_worker().await);
+                    let layer = layer.with_store(layer.store().for_worker(config.workers).await);
                     worker(listener, config, layer, cap, stop, ready).await;
                 });
                 drop(done);

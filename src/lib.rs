@@ -76,14 +76,16 @@
 //!   `store/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
 //!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
 //!   backend), `store/memory.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
-//!   local cache of completed records in front of another store), `store/codec.rs` (the
+//!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups
+//!   for requests waiting on an in-flight key), `store/codec.rs` (the
 //!   record's binary encoding, whose offsets the scripts in `store/redis/lua/` read),
 //!   `store/embedded.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
 //!   commit), and the Redis backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/topology.rs`
 //!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
 //!   local caches told of evictions); the PostgreSQL backend: `store/postgres/mod.rs`
 //!   ([`store::PostgresStore`], its settings, pool and reaper), `store/postgres/schema.rs` (the
-//!   table, its version and migration, the statements).
+//!   table, its version and migration, the statements), `store/postgres/listen.rs` (evictions
+//!   heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,

@@ -353,3 +353,284 @@ async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
     assert_eq!(code, Some(1), "{logs}");
     assert!(logs.contains("TLS"), "{logs}");
 }
+
+/// The row `key` holds as PostgreSQL versions it: its `xmin` (the transaction that wrote this
+/// version) and `xmax` (one that deleted, updated or locked it; 0 when none).
+fn row_version(server: &PostgresServer, key: &ScopedKey) -> String {
+    let hex: String = key.0.iter().map(|b| format!("{b:02x}")).collect();
+    server.psql(&format!(
+        "SELECT xmin::text || '/' || xmax::text FROM idemgate_records WHERE key = '\\x{hex}'"
+    ))
+}
+
+/// A live row is read, never written: in-flight answers, mismatches and replays leave its
+/// version as it was, without even a row lock; completing writes a new version, and so does
+/// taking over an expired claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_row_is_read_not_rewritten() {
+    let server = PostgresServer::start().await;
+    let s = store(&server).await;
+    let (k, fp, t) = (ScopedKey([8; 32]), Fingerprint([8; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    let claimed = row_version(&server, &k);
+    let other = Fingerprint([9; 32]);
+    for _ in 0..3 {
+        let c = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+        assert!(matches!(c, Claim::InFlight), "{c:?}");
+        let c = s.claim(&k, &other, &Token::random(), LEASE).await.unwrap();
+        assert!(matches!(c, Claim::Mismatch), "{c:?}");
+    }
+    assert_eq!(row_version(&server, &k), claimed);
+    assert!(s
+        .complete(&k, &fp, &t, &EntryState::NotReplayable, LEASE.into())
+        .await
+        .unwrap());
+    let completed = row_version(&server, &k);
+    assert_ne!(completed, claimed);
+    assert!(completed.ends_with("/0"), "{completed}");
+    for _ in 0..3 {
+        let c = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+        assert!(matches!(c, Claim::NotReplayable), "{c:?}");
+    }
+    assert_eq!(row_version(&server, &k), completed);
+    // An expired claim is taken over by the next claim: a new version, with the new token.
+    let short = ScopedKey([10; 32]);
+    let lease = Duration::from_millis(100);
+    s.claim(&short, &fp, &Token::random(), lease).await.unwrap();
+    let first = row_version(&server, &short);
+    tokio::time::sleep(lease * 2).await;
+    let next = Token::random();
+    assert!(matches!(
+        s.claim(&short, &fp, &next, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    assert_ne!(row_version(&server, &short), first);
+    assert!(s.renew(&short, &next, LEASE).await.unwrap());
+}
+
+/// Many claims of one key at once, on a free key and on an expired claim: exactly one wins, and
+/// every other is told the key is in flight (it reads the winner's row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_have_exactly_one_winner() {
+    let server = PostgresServer::start().await;
+    let s = store(&server).await;
+    let fp = Fingerprint([3; 32]);
+    let race = async |key: ScopedKey| {
+        let claims: Vec<_> = (0..12)
+            .map(|_| {
+                let s = s.clone();
+                tokio::spawn(async move { s.claim(&key, &fp, &Token::random(), LEASE).await })
+            })
+            .collect();
+        let mut won = 0;
+        for c in claims {
+            match c.await.unwrap().unwrap() {
+                Claim::Claimed => won += 1,
+                Claim::InFlight => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        won
+    };
+    for i in 0..10u8 {
+        let key = ScopedKey([i; 32]);
+        assert_eq!(race(key).await, 1, "a free key");
+        // The winner's lease runs out: the key is taken over by exactly one of the next ones.
+        s.evict(&key).await.unwrap();
+        s.claim(&key, &fp, &Token::random(), Duration::from_millis(50))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert_eq!(race(key).await, 1, "an expired claim");
+    }
+}
+
+const ADMIN_TOKEN: &str = "postgres-admin-token-0123456789";
+
+/// `idemgate_local_cache_hits_total` of `gateway`: replays it served from its local cache.
+async fn local_cache_hits(gateway: &InProcessGateway) -> u64 {
+    gateway
+        .metrics()
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_local_cache_hits_total "))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// `DELETE /keys/{key}` on `gateway`'s admin listener: how many it evicted.
+async fn evict(gateway: &InProcessGateway, key: &str) -> u64 {
+    let admin = gateway.admin.expect("an admin listener");
+    let resp = common::client()
+        .delete(format!("http://{admin}/keys/{key}"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    body["evicted"].as_u64().unwrap()
+}
+
+fn with_admin() -> TestConfig {
+    TestConfig::new()
+        .set("admin.listen", "127.0.0.1:0")
+        .set("admin.admin_token", ADMIN_TOKEN)
+}
+
+/// After the first replay through a process, the next ones come from its local cache: they
+/// are answered with PostgreSQL stopped in its tracks (SIGSTOP), and counted as hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_come_from_the_local_cache_without_a_statement() {
+    let env = TestEnv::start(
+        Backend::Postgres,
+        with_admin().set("store.timeout", "500ms"),
+    )
+    .await;
+    let first = send(env.post_keyed("/v1/p", "cached").body("x")).await;
+    assert_eq!(first.status, 201);
+    // The record is written as the response ends: the first replay shows it is there.
+    wait_until(Duration::from_secs(5), "the first replay", async || {
+        send(env.post_keyed("/v1/p", "cached").body("x"))
+            .await
+            .replayed()
+    })
+    .await;
+    let hits = local_cache_hits(&env.gateway).await;
+    env.postgres().pause();
+    for _ in 0..5 {
+        let again = send(env.post_keyed("/v1/p", "cached").body("x")).await;
+        assert!(again.replayed(), "{again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    // A request the cache cannot answer reaches the stalled server: a store error.
+    assert_eq!(
+        send(env.post_keyed("/v1/p", "other").body("x"))
+            .await
+            .status,
+        503
+    );
+    env.postgres().resume();
+    assert_eq!(local_cache_hits(&env.gateway).await, hits + 5);
+    assert_eq!(env.upstream.calls(), 1);
+}
+
+/// An admin eviction drops the key from the local cache of the process that served it at once,
+/// and from every other gateway's on the table when the notification arrives: the next request
+/// runs again, whichever gateway it reaches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_reaches_every_gateways_local_cache() {
+    let env = TestEnv::start(Backend::Postgres, with_admin()).await;
+    let other = InProcessGateway::start(&env.config()).await;
+    let post = |g: &InProcessGateway, key: &str| {
+        env.client
+            .post(g.url("/v1/p"))
+            .header("idempotency-key", key.to_string())
+            .body("x")
+    };
+    for key in ["here", "there"] {
+        assert_eq!(send(post(&env.gateway, key)).await.status, 201);
+        // Replayed twice through each gateway: the second comes from its local cache.
+        for g in [&env.gateway, &other] {
+            let hits = local_cache_hits(g).await;
+            wait_until(Duration::from_secs(5), "a replay", async || {
+                send(post(g, key)).await.replayed()
+            })
+            .await;
+            assert!(send(post(g, key)).await.replayed());
+            assert_eq!(local_cache_hits(g).await, hits + 1, "{key}");
+        }
+    }
+    assert_eq!(env.upstream.calls(), 2);
+    // Evicted through the gateway that then gets the retry: gone from its cache at once.
+    assert_eq!(evict(&env.gateway, "here").await, 1);
+    let again = send(post(&env.gateway, "here")).await;
+    assert_eq!(again.status, 201);
+    assert!(!again.replayed());
+    assert_eq!(env.upstream.calls(), 3);
+    // Evicted through the other gateway: this one hears of it.
+    assert_eq!(evict(&other, "there").await, 1);
+    wait_until(
+        Duration::from_secs(2),
+        "the eviction reaches the other gateway",
+        async || !send(post(&env.gateway, "there")).await.replayed(),
+    )
+    .await;
+    assert_eq!(env.upstream.calls(), 4);
+    other.stop().await;
+}
+
+/// Waiters (`on_in_flight = "wait"`) on the gateway that runs the request they wait for are
+/// woken by its completion: each answered within 50 ms of it (polling looks every 100 ms at
+/// most after the first few looks, so five such waits all within 50 ms by luck are unlikely).
+/// A waiter on another gateway polls, and gets the replay all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_woken_by_their_gateways_completion() {
+    let config = TestConfig::new()
+        .set("defaults.on_in_flight", "wait")
+        .set("defaults.wait_timeout", "5s");
+    let env = TestEnv::start(Backend::Postgres, config).await;
+    let other = InProcessGateway::start(&env.config()).await;
+    let timed = |req: reqwest::RequestBuilder| async move {
+        let seen = send(req.body("x")).await;
+        (seen, Instant::now())
+    };
+    let path = "/v1/p?delay_ms=400";
+    let firsts: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(timed(env.post_keyed(path, &format!("wake-{i}")))))
+        .collect();
+    env.upstream.wait_for_calls(5).await;
+    let waiters: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(timed(env.post_keyed(path, &format!("wake-{i}")))))
+        .collect();
+    let far = env
+        .client
+        .post(other.url(path))
+        .header("idempotency-key", "wake-0");
+    let far = tokio::spawn(timed(far));
+    for (first, waiter) in firsts.into_iter().zip(waiters) {
+        let (first, first_at) = first.await.unwrap();
+        let (waited, waiter_at) = waiter.await.unwrap();
+        assert_eq!(first.status, 201);
+        assert!(waited.replayed(), "{waited:?}");
+        assert_eq!(waited.body, first.body);
+        let after = waiter_at.saturating_duration_since(first_at);
+        assert!(after <= Duration::from_millis(50), "{after:?}");
+    }
+    assert!(far.await.unwrap().0.replayed());
+    assert_eq!(env.upstream.calls(), 5);
+    other.stop().await;
+}
+
+/// Each worker thread has its own share of `pool_size`: under many concurrent misses the whole
+/// process holds at most `pool_size` connections for requests, plus the one that checked the
+/// table and the one listening for evictions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_size_bounds_the_whole_process() {
+    let upstream = common::CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(200));
+    let config = TestConfig::new()
+        .set("workers", 2)
+        .set("store.pool_size", 4)
+        .set("store.timeout", "10s");
+    let env = TestEnv::start_with(Backend::Postgres, upstream, config).await;
+    let sent: Vec<_> = (0..30)
+        .map(|i| {
+            tokio::spawn(send(
+                env.post_keyed("/v1/p", &format!("pool-{i}")).body("x"),
+            ))
+        })
+        .collect();
+    for seen in sent {
+        assert_eq!(seen.await.unwrap().status, 201);
+    }
+    let open: u64 = env
+        .postgres()
+        .psql("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'")
+        .parse()
+        .unwrap();
+    assert!((3..=6).contains(&open), "{open} connections");
+}

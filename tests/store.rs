@@ -1,6 +1,7 @@
 //! The store contract, written once over any `S: Store` and run against the in-memory store, the
 //! durable embedded store (a redb file in a temporary directory), a real redis-server (with
-//! native and with scripted claims), Redis behind the local cache and a private PostgreSQL server:
+//! native and with scripted claims), Redis behind the local cache and a private PostgreSQL server
+//! (alone and behind the local cache):
 //! atomic claims and token fencing (a holder whose lease ran out can neither overwrite nor delete
 //! a newer claim).
 
@@ -81,6 +82,19 @@ macro_rules! contract {
                 async fn $name() {
                     let server = super::RedisServer::start().await;
                     let store = super::redis_store(&server, "t:").await;
+                    let cache = super::LocalCache::new(1 << 20, std::time::Duration::from_secs(60));
+                    super::$name(super::CachedStore::new(store, cache)).await
+                }
+            )*
+        }
+        /// PostgreSQL behind the local cache, as the gateway runs it.
+        mod postgres_behind_the_local_cache {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let server = super::common::PostgresServer::start().await;
+                    let settings = idemgate::store::PostgresSettings::new(server.url());
+                    let store = idemgate::store::PostgresStore::connect(&settings).await.unwrap();
                     let cache = super::LocalCache::new(1 << 20, std::time::Duration::from_secs(60));
                     super::$name(super::CachedStore::new(store, cache)).await
                 }

@@ -120,6 +120,9 @@ enum Cmd {
         #[arg(long)]
         request_bytes: Option<usize>,
     },
+    /// Run a private PostgreSQL (the tests' fixture: `initdb` into a temporary directory, a free
+    /// port) until SIGTERM or Ctrl-C; print its URL on the first line (for `loadtest/callgrind`).
+    Postgres,
 }
 
 fn main() -> ExitCode {
@@ -173,6 +176,10 @@ fn main() -> ExitCode {
             rate,
             request_bytes,
         ));
+        return ExitCode::SUCCESS;
+    }
+    if let Some(Cmd::Postgres) = cli.command {
+        rt.block_on(postgres::serve());
         return ExitCode::SUCCESS;
     }
     rt.block_on(bench(cli))

@@ -14,77 +14,92 @@ use crate::cluster::started;
 use crate::load::{CpuPerRequest, Keys, Report};
 use crate::procs::{self, Proc};
 
-/// One miss as the store runs it (`src/store/postgres/schema.rs`, the default table): the claim's
-/// `INSERT ... ON CONFLICT ... RETURNING` and the completion's `UPDATE`, their parameters as
-/// pgbench variables: a random key (32 bytes, as the gateway's scoped key) and token (16
-/// bytes), the records (`-D claimrec=`, `-D rec=`), the lease and the TTL in ms.
-const SCRIPT: &str = r#"\set k random(1, 9223372036854775806)
-\set t random(1, 9223372036854775806)
-INSERT INTO "idemgate_records" AS r (key, token, in_flight, record, expires_at) VALUES (sha256(int8send(:k)), int8send(:t) || int8send(:t), true, :claimrec, now() + (:lease::bigint * interval '1 millisecond')) ON CONFLICT (key) DO UPDATE SET token = CASE WHEN r.expires_at <= now() THEN excluded.token ELSE r.token END, in_flight = CASE WHEN r.expires_at <= now() THEN excluded.in_flight ELSE r.in_flight END, record = CASE WHEN r.expires_at <= now() THEN excluded.record ELSE r.record END, expires_at = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END RETURNING record, (extract(epoch FROM expires_at - now()) * 1000)::bigint;
-UPDATE "idemgate_records" SET record = CASE WHEN in_flight THEN :rec ELSE record END, expires_at = CASE WHEN in_flight THEN now() + (:ttl::bigint * interval '1 millisecond') ELSE expires_at END, in_flight = false WHERE key = sha256(int8send(:k)) AND token = int8send(:t) || int8send(:t) AND expires_at > now();
-"#;
+/// One miss as the store runs it, its two statements taken from the store itself
+/// ([`idemgate::store::postgres::miss_statements`], the default table), each its own
+/// transaction: their parameters as pgbench variables, a random key (32 bytes, as the gateway's
+/// scoped key) and token (16 bytes), the records (`-D claimrec=`, `-D rec=`), the lease and the
+/// TTL in ms.
+fn script() -> String {
+    let [claim, complete] =
+        idemgate::store::postgres::miss_statements(idemgate::store::postgres::DEFAULT_TABLE);
+    let with = |sql: &str, record: &str, ms: &str| {
+        sql.replace("$1", "(sha256(int8send(:k)))")
+            .replace("$2", "(int8send(:t) || int8send(:t))")
+            .replace("$3", &format!("(:{record})"))
+            .replace("$4", &format!("(:{ms})"))
+    };
+    format!(
+        "\\set k random(1, 9223372036854775806)\n\\set t random(1, 9223372036854775806)\n{};\n{};\n",
+        with(&claim, "claimrec", "lease"),
+        with(&complete, "rec", "ttl"),
+    )
+}
 
-/// The length of an in-flight record: the codec's fixed header (`store/redis/codec.rs`).
+/// The length of an in-flight record: the codec's fixed header (`store/codec.rs`).
 const CLAIM_RECORD: usize = 58;
 
 /// What one scenario measures each round.
 #[derive(Clone, Copy)]
 enum What {
-    Http(usize, bool),
-    /// pgbench at this many clients.
-    PgBench(usize),
+    /// Through process `via` (nginx, then the gateways), whose store is server `on`: a miss
+    /// or a replay.
+    Http { via: usize, on: usize, miss: bool },
+    /// pgbench at this many clients on server `on`.
+    PgBench { clients: usize, on: usize },
 }
+
+/// The two servers: the tests' settings (fsync off), and PostgreSQL's own (fsync on).
+const FAST: usize = 0;
+const DURABLE: usize = 1;
 
 /// Section `postgres`: nginx, the gateway's miss (pool of `connections`, and the default 16)
 /// and replay on a private PostgreSQL, and pgbench with the miss's two statements at
-/// `connections` clients; the ratios miss / pgbench and replay / nginx, with CPU per request.
+/// `connections` clients; the miss and pgbench again on a server with fsync on; the ratios
+/// miss / pgbench and replay / nginx, with CPU per request.
 pub async fn run(b: &mut Bench, dir: &Path) {
-    let pg = match started(PostgresServer::start()).await {
-        Ok(pg) => pg,
+    let servers = match servers().await {
+        Ok(servers) => servers,
         Err(e) => {
             b.insane.push(format!("postgres: {e}"));
             return;
         }
     };
-    // The gateways' pools and pgbench's clients side by side: more than the default 100.
-    pg.psql("ALTER SYSTEM SET max_connections = 400");
-    pg.restart().await;
     let redis_pids = std::mem::take(&mut b.redis_pids);
     b.size = 1024;
     b.request = crate::load::small_request();
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
     let nginx = procs::nginx(dir, up.addr);
-    let store = |pool: usize| {
-        format!(
-            "backend = \"postgres\"\nurl = \"{}\"\npool_size = {pool}",
-            pg.url()
-        )
-    };
-    let gws: Vec<Proc> = [b.connections, 16]
-        .iter()
-        .map(|&pool| procs::gateway(dir, &store(pool), up.addr, ""))
-        .collect();
-    let procs_of: Vec<&Proc> = vec![&nginx, &gws[0], &gws[1]];
     let c = b.connections;
+    let gws: Vec<Proc> = [(c, FAST), (16, FAST), (c, DURABLE)]
+        .iter()
+        .map(|&(pool, on)| {
+            let store = format!(
+                "backend = \"postgres\"\nurl = \"{}\"\npool_size = {pool}",
+                servers[on].url()
+            );
+            procs::gateway(dir, &store, up.addr, "")
+        })
+        .collect();
+    let procs_of: Vec<&Proc> = std::iter::once(&nginx).chain(&gws).collect();
     let scenarios = scenarios(c);
     let mut rows = Vec::new();
     let mut script = None;
     'rounds: for round in 0..b.rounds {
         for (i, (scenario, what)) in scenarios.iter().enumerate() {
             let r = match *what {
-                What::Http(p, miss) => {
-                    let keys = match (miss, p) {
+                What::Http { via, on, miss } => {
+                    let keys = match (miss, via) {
                         (true, _) => Keys::Unique(b.prefix("pg-miss")),
                         (false, 0) => Keys::None,
                         // 1000 keys, executed once by the first warm-up, replayed after.
                         (false, _) => Keys::Hot(format!("hot-pg-{}", b.size), 1000),
                     };
-                    http(b, &pg, procs_of[p], keys, round == 0).await
+                    http(b, &servers[on], procs_of[via], keys, round == 0).await
                 }
-                What::PgBench(clients) => {
-                    let script = &*script.get_or_insert_with(|| write_script(&pg, dir));
-                    match pgbench(b, &pg, script, (clients, round == 0)).await {
+                What::PgBench { clients, on } => {
+                    let script = &*script.get_or_insert_with(|| write_script(&servers[FAST], dir));
+                    match pgbench(b, &servers[on], script, (clients, round == 0)).await {
                         Ok(r) => r,
                         Err(e) => {
                             b.insane.push(format!("{scenario}: {e}"));
@@ -101,35 +116,71 @@ pub async fn run(b: &mut Bench, dir: &Path) {
         b.notes.push(ratios(b, &rows, script.as_ref()));
     }
     b.notes.push(format!(
-        "postgres: gateway RSS after the phases: pool_size {c} {} MiB, pool_size 16 {} MiB; rows in the table at the end: {}",
+        "postgres: gateway RSS after the phases: pool_size {c} {} MiB, pool_size 16 {} MiB; rows in the table at the end: {} (fsync on: {})",
         gws[0].rss_kib() / 1024,
         gws[1].rss_kib() / 1024,
-        pg.psql("SELECT count(*) FROM idemgate_records"),
+        servers[FAST].psql("SELECT count(*) FROM idemgate_records"),
+        servers[DURABLE].psql("SELECT count(*) FROM idemgate_records"),
     ));
-    drop((gws, nginx, up, pg));
+    drop((gws, nginx, up, servers));
     b.redis_pids = redis_pids;
+}
+
+/// The two servers ([`FAST`], [`DURABLE`]), each taking the gateways' pools and pgbench's
+/// clients side by side: more connections than the default 100.
+async fn servers() -> Result<[PostgresServer; 2], String> {
+    let fast = started(PostgresServer::start()).await?;
+    let durable = started(PostgresServer::start_durable()).await?;
+    for pg in [&fast, &durable] {
+        pg.psql("ALTER SYSTEM SET max_connections = 400");
+        pg.restart().await;
+    }
+    Ok([fast, durable])
+}
+
+/// A private PostgreSQL until SIGTERM or Ctrl-C, its URL printed first; stopped on the way out.
+pub async fn serve() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let pg = PostgresServer::start().await;
+    println!("{}", pg.url());
+    let mut term = signal(SignalKind::terminate()).unwrap();
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    drop(pg);
 }
 
 /// The scenarios, in the order each round runs them; `c` is the run's connections.
 fn scenarios(c: usize) -> Vec<(String, What)> {
+    let http = |via, on, miss| What::Http { via, on, miss };
+    let pgbench = |clients, on| What::PgBench { clients, on };
     vec![
-        ("nginx proxy, beside postgres".into(), What::Http(0, false)),
+        ("nginx proxy, beside postgres".into(), http(0, FAST, false)),
         (
             format!("gateway miss, postgres (pool_size {c})"),
-            What::Http(1, true),
+            http(1, FAST, true),
         ),
         (
             "gateway miss, postgres (pool_size 16, the default)".into(),
-            What::Http(2, true),
+            http(2, FAST, true),
         ),
-        ("gateway replay, postgres".into(), What::Http(1, false)),
+        ("gateway replay, postgres".into(), http(1, FAST, false)),
         (
             format!("pgbench, the miss's 2 statements ({c} clients)"),
-            What::PgBench(c),
+            pgbench(c, FAST),
         ),
         (
             "pgbench, the miss's 2 statements (16 clients)".into(),
-            What::PgBench(16),
+            pgbench(16, FAST),
+        ),
+        (
+            format!("gateway miss, postgres fsync on (pool_size {c})"),
+            http(3, DURABLE, true),
+        ),
+        (
+            format!("pgbench, the miss's 2 statements, fsync on ({c} clients)"),
+            pgbench(c, DURABLE),
         ),
     ]
 }
@@ -174,7 +225,6 @@ fn since(before: &HashMap<u32, u64>, after: &HashMap<u32, u64>) -> u64 {
 /// The pgbench script, with the record lengths the gateway's misses wrote.
 struct Script {
     path: PathBuf,
-    port: u16,
     record: usize,
 }
 
@@ -182,16 +232,12 @@ struct Script {
 /// wrote (its first miss phase has run by now).
 fn write_script(pg: &PostgresServer, dir: &Path) -> Script {
     let path = dir.join("pgbench-miss.sql");
-    std::fs::write(&path, SCRIPT).unwrap();
+    std::fs::write(&path, script()).unwrap();
     let record = pg
         .psql("SELECT coalesce(max(length(record)), 0) FROM idemgate_records WHERE NOT in_flight")
         .parse()
         .unwrap_or(0);
-    Script {
-        path,
-        port: pg.port,
-        record,
-    }
+    Script { path, record }
 }
 
 /// `\x` and `n` random bytes in hex: a bytea value as text.
@@ -232,7 +278,7 @@ async fn pgbench(
         .arg(format!("--log-prefix={}", logs.path().join("tx").display()))
         .arg("-f")
         .arg(&script.path)
-        .args(["-h", "127.0.0.1", "-p", &script.port.to_string()])
+        .args(["-h", "127.0.0.1", "-p", &pg.port.to_string()])
         .args(["-U", testkit::postgres::USER])
         .arg("-D")
         .arg(format!("claimrec={}", random_bytea(CLAIM_RECORD)))
@@ -329,20 +375,25 @@ fn ratios(b: &Bench, rows: &[usize], script: Option<&Script>) -> String {
     };
     let c = b.connections;
     format!(
-        "postgres ({} body, {c} connections / clients, {} rounds; PostgreSQL with fsync=off and full_page_writes=off as testkit starts it; in the CPU lines the \"Redis\" share is PostgreSQL's processes, the load generator's is pgbench on its row): gateway miss / pgbench = {} with pool_size {c} against {c} clients (goal >= 0.7), {} with pool_size 16 against 16 clients; replay / nginx = {} (goal >= 1.0); CPU µs per miss: gateway {:.1} and PostgreSQL {:.1} with pool_size {c}, {:.1} and {:.1} with 16; per pgbench transaction, PostgreSQL and pgbench: {:.1} and {:.1} at {c} clients, {:.1} and {:.1} at 16; pgbench's completed record {} bytes, the claim's {CLAIM_RECORD}",
+        "postgres ({} body, {c} connections / clients, {} rounds; PostgreSQL with fsync=off and full_page_writes=off as testkit starts it, and with its defaults (fsync on) where said; in the CPU lines the \"Redis\" share is PostgreSQL's processes, the load generator's is pgbench on its row): gateway miss / pgbench = {} with pool_size {c} against {c} clients (goal >= 0.7), {} with pool_size 16 against 16 clients, {} with fsync on; replay / nginx = {} (goal >= 1.0); CPU µs per miss: gateway {:.1} and PostgreSQL {:.1} with pool_size {c}, {:.1} and {:.1} with 16, {:.1} and {:.1} with fsync on; per pgbench transaction, PostgreSQL and pgbench: {:.1} and {:.1} at {c} clients, {:.1} and {:.1} at 16, {:.1} and {:.1} with fsync on; pgbench's completed record {} bytes, the claim's {CLAIM_RECORD}",
         human(b.size),
         b.rounds,
         ratio(1, 4),
         ratio(2, 5),
+        ratio(6, 7),
         ratio(3, 0),
         cpu(1).proxy,
         cpu(1).redis,
         cpu(2).proxy,
         cpu(2).redis,
+        cpu(6).proxy,
+        cpu(6).redis,
         cpu(4).redis,
         cpu(4).load,
         cpu(5).redis,
         cpu(5).load,
+        cpu(7).redis,
+        cpu(7).load,
         script.map_or(0, |s| s.record),
     )
 }
@@ -371,6 +422,14 @@ mod tests {
         assert_eq!(r.elapsed, Duration::from_secs(1));
         assert_eq!(r.hist.len(), 2);
         assert!((r.ms(1.0) - 2.5).abs() < 0.01, "{}", r.ms(1.0));
+    }
+
+    #[test]
+    fn the_script_has_no_parameter_left() {
+        let s = script();
+        assert!(!s.contains('$'), "{s}");
+        assert_eq!(s.lines().count(), 4, "{s}");
+        assert!(s.contains(":claimrec") && s.contains(":rec") && s.contains(":ttl"));
     }
 
     #[test]

@@ -285,6 +285,8 @@ struct PostgresTable {
     pool_size: Option<Checked<checked::AtLeastOne>>,
     timeout: Option<Checked<NonZero>>,
     tls_ca_file: Option<Checked<ExistingFile>>,
+    local_cache: Option<HumanSize>,
+    local_cache_ttl: Option<HumanDuration>,
 }
 
 impl Table for PostgresTable {
@@ -307,6 +309,12 @@ impl Table for PostgresTable {
                 return Err(refused("tls_ca_file", "needs TLS (not sslmode=disable)"));
             }
             settings.tls_ca_file = Some(path.into_inner());
+        }
+        if let Some(HumanSize(n)) = self.local_cache {
+            settings.local_cache = n;
+        }
+        if let Some(HumanDuration(d)) = self.local_cache_ttl {
+            settings.local_cache_ttl = d;
         }
         Ok(StoreConfig::Postgres(settings))
     }
@@ -409,10 +417,27 @@ mod postgres_tests {
             (p.table.as_str(), p.pool_size, p.timeout),
             ("idemgate_records", 16, std::time::Duration::from_secs(2))
         );
+        assert_eq!(
+            (p.local_cache, p.local_cache_ttl),
+            (64 << 20, std::time::Duration::from_secs(60))
+        );
         assert_eq!(c.store.backend(), "postgres");
         let shown = format!("{:?} {:#?} {}", c.store, p, c.store.describe());
         assert!(!shown.contains("pa55"), "{shown}");
         assert!(shown.contains("postgres://gw:***@db:5432/pay"), "{shown}");
+        // The local cache, as in front of Redis.
+        let c = Config::from_toml(&format!(
+            "{BASE}url = \"postgres://db/x\"\nlocal_cache = \"1MiB\"\nlocal_cache_ttl = \"5s\"\n"
+        ))
+        .unwrap();
+        let StoreConfig::Postgres(p) = &c.store else {
+            panic!("a PostgreSQL store")
+        };
+        assert_eq!(
+            (p.local_cache, p.local_cache_ttl),
+            (1 << 20, std::time::Duration::from_secs(5))
+        );
+        assert!(format!("{p:#?}").contains("local_cache_ttl: 5s"), "{p:#?}");
     }
 
     #[test]

@@ -13,16 +13,16 @@ use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
 use crate::metrics::Metrics;
 
-/// The configured store: in memory, embedded, PostgreSQL, or Redis with the process's local
-/// cache in front.
+/// The configured store: in memory, embedded, or a shared one (Redis, PostgreSQL) with the
+/// process's local cache in front.
 #[derive(Clone, Debug)]
 pub enum AnyStore {
     /// The in-process memory store.
     Memory(MemoryStore),
     /// Redis, with the process's local cache in front.
     Redis(CachedStore<RedisStore>),
-    /// A PostgreSQL table.
-    Postgres(PostgresStore),
+    /// A PostgreSQL table, with the process's local cache in front.
+    Postgres(CachedStore<PostgresStore>),
     /// The durable embedded store.
     Embedded(EmbeddedStore),
 }
@@ -44,7 +44,7 @@ impl AnyStore {
                 return Ok(AnyStore::Embedded(store));
             }
             StoreConfig::Redis(settings) => settings,
-            StoreConfig::Postgres(settings) => return Self::open_postgres(settings).await,
+            StoreConfig::Postgres(settings) => return Self::open_postgres(settings, metrics).await,
         };
         let redis = match RedisStore::connect(settings).await {
             Ok(store) => store,
@@ -78,27 +78,49 @@ impl AnyStore {
 
     /// Connect to PostgreSQL and check its table. Unreachable, as for Redis: start anyway and
     /// check the table once it answers; refused (password, TLS, schema): fail.
-    async fn open_postgres(settings: &super::PostgresSettings) -> Result<Self, StoreError> {
-        match PostgresStore::connect(settings).await {
-            Ok(store) => Ok(AnyStore::Postgres(store)),
+    async fn open_postgres(
+        settings: &super::PostgresSettings,
+        metrics: &Metrics,
+    ) -> Result<Self, StoreError> {
+        let store = match PostgresStore::connect(settings).await {
+            Ok(store) => store,
             Err(StoreError::Postgres(e)) if e.unreachable() => {
                 error!(error = %e, "PostgreSQL is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
-                Ok(AnyStore::Postgres(PostgresStore::lazy(settings)?))
+                PostgresStore::lazy(settings)?
             }
-            Err(e) => Err(e),
-        }
+            Err(e) => return Err(e),
+        };
+        // As with Redis: one local cache for the process, told of every gateway's evictions.
+        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
+            .counting_hits(metrics.local_cache_hits());
+        let evicted = cache.clone();
+        store
+            .on_evicted(move |what| match what {
+                Evicted::Key(key) => evicted.invalidate(&key),
+                Evicted::All => evicted.clear(),
+            })
+            .await;
+        Ok(AnyStore::Postgres(CachedStore::new(store, cache)))
     }
 
-    /// The handle one worker thread uses. With Redis, a connection of its own, so that its
-    /// commands stay on its thread; a worker that cannot connect (Redis went away since
-    /// start-up) shares the first handle, which reconnects by itself.
-    pub async fn for_worker(&self) -> Self {
+    /// The handle one of `workers` worker threads uses. With Redis, a connection of its own,
+    /// so that its commands stay on its thread; a worker that cannot connect (Redis went away
+    /// since start-up) shares the first handle, which reconnects by itself. With PostgreSQL, a
+    /// pool of its own, its share of `pool_size`, for the same reason.
+    pub async fn for_worker(&self, workers: usize) -> Self {
         match self {
-            AnyStore::Memory(_) | AnyStore::Postgres(_) | AnyStore::Embedded(_) => self.clone(),
+            AnyStore::Memory(_) | AnyStore::Embedded(_) => self.clone(),
             AnyStore::Redis(shared) => match shared.inner().sibling().await {
                 Ok(own) => AnyStore::Redis(CachedStore::new(own, shared.cache().clone())),
                 Err(e) => {
                     warn!(error = %e, "worker could not open its own Redis connection; sharing the first");
+                    self.clone()
+                }
+            },
+            AnyStore::Postgres(shared) => match shared.inner().for_worker(workers) {
+                Ok(own) => AnyStore::Postgres(CachedStore::new(own, shared.cache().clone())),
+                Err(e) => {
+                    warn!(error = %e, "worker could not make its own PostgreSQL pool; sharing the first");
                     self.clone()
                 }
             },

@@ -22,17 +22,19 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 mod settings;
+mod watch;
 
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
 pub use self::embedded::EmbeddedStore;
 pub use self::memory::MemoryStore;
 pub use self::postgres::{PostgresSettings, PostgresStore};
+pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
-pub use self::redis::{Evicted, Watch};
 pub use self::settings::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
 };
+pub use self::watch::Watch;
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from
 /// the entry the key holds and the request's fingerprint, the one place that decision is made.

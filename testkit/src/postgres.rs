@@ -34,13 +34,27 @@ pub struct PostgresServer {
     child: Mutex<Option<Child>>,
     /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1).
     pub ca_file: Option<PathBuf>,
+    // PostgreSQL's own durability settings rather than the tests' (fsync off).
+    durable: bool,
 }
 
 impl PostgresServer {
     /// Start a server with the database `idemgate` owned by the role `idemgate`.
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// [`start`](Self::start) with PostgreSQL's own defaults for durability (`fsync = on`,
+    /// `full_page_writes = on`, `synchronous_commit = on`): each commit waits for its WAL to
+    /// reach the disk. For benchmarks that must pay what production pays.
+    pub async fn start_durable() -> Self {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(durable: bool) -> Self {
         for _ in 0..ATTEMPTS {
-            let server = Self::new(free_port());
+            let mut server = Self::new(free_port());
+            server.durable = durable;
             if server.spawn().await {
                 return server;
             }
@@ -94,6 +108,7 @@ impl PostgresServer {
             dir,
             child: Mutex::new(None),
             ca_file: None,
+            durable: false,
         }
     }
 
@@ -125,11 +140,13 @@ impl PostgresServer {
             .arg("-k")
             .arg(self.dir.path())
             .args(["-c", "listen_addresses=127.0.0.1"])
-            // Tests need no durability against power loss: a killed process's writes are in
-            // the page cache still.
-            .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        if !self.durable {
+            // Tests need no durability against power loss: a killed process's writes are in
+            // the page cache still.
+            cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
+        }
         if let Some(cert) = &self.ca_file {
             cmd.args(["-c", "ssl=on"])
                 .arg("-c")

@@ -3,11 +3,13 @@
 //! its statement has committed).
 //!
 //! Each step is one statement (`schema.rs`): a claim is one `INSERT ... ON CONFLICT ...
-//! RETURNING` that also takes over an expired claim; completing, releasing and renewing are one
+//! RETURNING` that also takes over an expired claim, behind a read that leaves a live row as it
+//! is (run again when a concurrent claimant won the key meanwhile); completing, releasing and renewing are one
 //! `UPDATE`/`DELETE ... WHERE key = $1 AND token = $2`. Expired rows are ignored by every
 //! statement and deleted in the background by a reaper, in bounded batches, every
 //! [`REAP_EVERY`]. Every operation (pool checkout, connecting when needed, the statement) is
-//! bounded by `timeout`.
+//! bounded by `timeout`. Admin evictions are notified to every process on the table
+//! (`listen.rs`), for the local caches in front.
 
 use std::fmt;
 use std::sync::Arc;
@@ -22,14 +24,17 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec;
 use super::settings::redact_url;
-use super::{Claim, Inspect, Inspected, Keep, Store, StoreError};
+use super::watch::{Local, Signals};
+use super::{Claim, Inspect, Inspected, Keep, Store, StoreError, Watch};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
 
+mod listen;
 mod schema;
 
 use self::schema::Sql;
+use super::Evicted;
 
 /// How often each gateway deletes expired rows: an expired row is gone at most this long (plus
 /// the time to delete its batch) after it expired.
@@ -37,6 +42,10 @@ pub const REAP_EVERY: Duration = Duration::from_secs(2);
 
 /// Rows one reaper statement deletes at most; it goes on while batches come back full.
 pub const REAP_BATCH: u32 = 1000;
+
+/// How many times a claim runs its statement when concurrent claimants keep winning the key
+/// between its snapshot and its insert.
+const CLAIM_RUNS: usize = 4;
 
 /// Table used when none is given.
 pub const DEFAULT_TABLE: &str = "idemgate_records";
@@ -59,6 +68,11 @@ pub struct PostgresSettings {
     /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
     /// CA(s) to trust instead of the system's.
     pub tls_ca_file: Option<String>,
+    /// Bytes of completed responses each gateway process keeps to replay without a statement
+    /// (0 turns the local cache off).
+    pub local_cache: u64,
+    /// The longest a response stays in the local cache.
+    pub local_cache_ttl: Duration,
 }
 
 impl PostgresSettings {
@@ -70,6 +84,8 @@ impl PostgresSettings {
             pool_size: DEFAULT_POOL_SIZE,
             timeout: super::settings::DEFAULT_TIMEOUT,
             tls_ca_file: None,
+            local_cache: super::cached::DEFAULT_BYTES,
+            local_cache_ttl: super::cached::DEFAULT_MAX_AGE,
         }
     }
 
@@ -98,6 +114,14 @@ impl fmt::Debug for PostgresSettings {
                 &format_args!("{}", humantime::format_duration(self.timeout)),
             )
             .field("tls_ca_file", &self.tls_ca_file)
+            .field(
+                "local_cache",
+                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
+            )
+            .field(
+                "local_cache_ttl",
+                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
+            )
             .finish()
     }
 }
@@ -114,6 +138,9 @@ pub enum PostgresError {
     /// No answer within `store.timeout`.
     #[error("no answer within {0:?} (store.timeout)")]
     Timeout(Duration),
+    /// Concurrent claimants took the key from under every run of a claim.
+    #[error("the claim lost the key to concurrent claimants {CLAIM_RUNS} times in a row")]
+    Contended,
     /// The URL or the TLS setup cannot work.
     #[error("{0}")]
     Config(String),
@@ -164,18 +191,27 @@ impl PostgresError {
     }
 }
 
-/// A handle to the PostgreSQL store; clones share one pool. The reaper runs on the runtime the
-/// store was made on, while a handle lives.
+/// A handle to the PostgreSQL store; clones share one pool, and [`PostgresStore::for_worker`]
+/// gives a worker thread a pool of its own. The reaper runs on the runtime the store was made
+/// on, while a handle lives.
 #[derive(Clone)]
 pub struct PostgresStore {
     shared: Arc<Shared>,
+    // Its connections' tasks run on the runtime that made them: the pool's users' own, so that
+    // a statement's answer wakes no other thread.
+    pool: Pool,
     // Stops the reaper when the last handle goes; the task holds only a weak reference. None
     // when made outside a tokio runtime: expired rows are then only ignored, not deleted.
     _reaper: Option<Arc<AbortOnDropHandle<()>>>,
 }
 
 struct Shared {
-    pool: Pool,
+    connector: Connector,
+    pool_size: usize,
+    // This process's requests waiting on a key, woken by its completions and releases.
+    waiters: Arc<Signals>,
+    // Hears other gateways' evictions, once asked to (`on_evicted`); stops with the store.
+    listener: std::sync::OnceLock<AbortOnDropHandle<()>>,
     sql: Sql,
     table: String,
     timeout: Duration,
@@ -203,40 +239,75 @@ pub(crate) fn connect_config(url: &str) -> Result<tokio_postgres::Config, String
         .map_err(|e| format!("not a PostgreSQL connection URL: {}", describe(&e)))
 }
 
-/// The pool `settings` describe; nothing is connected yet.
-fn pool(settings: &PostgresSettings) -> Result<Pool, PostgresError> {
-    let mut config = connect_config(&settings.url)
-        .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
-    config.connect_timeout(settings.timeout);
-    if config.get_options().is_none() {
-        // The server, too, gives up on a statement the gateway stopped waiting for.
-        config.options(format!(
-            "-c statement_timeout={}",
-            settings.timeout.as_millis()
-        ));
+/// The two statements of a miss on `table`: the claim's and the completion's, with their
+/// parameters `$1` key, `$2` token, `$3` record and `$4` lease or TTL in milliseconds. For
+/// benchmarks that run them without the gateway (loadtest's pgbench script).
+pub fn miss_statements(table: &str) -> [String; 2] {
+    let sql = Sql::for_table(table, REAP_BATCH);
+    [sql.claim, sql.complete]
+}
+
+/// How to open a connection: the pool's, and the eviction listener's of its own.
+#[derive(Clone)]
+struct Connector {
+    config: tokio_postgres::Config,
+    // None with sslmode=disable.
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
+    timeout: Duration,
+}
+
+impl Connector {
+    /// The connections `settings` describe.
+    fn new(settings: &PostgresSettings) -> Result<Self, PostgresError> {
+        let mut config = connect_config(&settings.url)
+            .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
+        config.connect_timeout(settings.timeout);
+        if config.get_options().is_none() {
+            // The server, too, gives up on a statement the gateway stopped waiting for.
+            config.options(format!(
+                "-c statement_timeout={}",
+                settings.timeout.as_millis()
+            ));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("idemgate");
+        }
+        let tls = match config.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Disable => None,
+            _ => {
+                let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
+                    .map_err(|(_, why)| {
+                        PostgresError::Config(format!("store.tls_ca_file: {why}"))
+                    })?;
+                Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+            }
+        };
+        Ok(Connector {
+            config,
+            tls,
+            timeout: settings.timeout,
+        })
     }
-    if config.get_application_name().is_none() {
-        config.application_name("idemgate");
+
+    /// A pool of up to `size` connections; nothing is connected yet.
+    fn pool(&self, size: usize) -> Result<Pool, PostgresError> {
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let config = self.config.clone();
+        let manager = match &self.tls {
+            None => Manager::from_config(config, tokio_postgres::NoTls, manager_config),
+            Some(tls) => Manager::from_config(config, tls.clone(), manager_config),
+        };
+        Pool::builder(manager)
+            .max_size(size.max(1))
+            .wait_timeout(Some(self.timeout))
+            .create_timeout(Some(self.timeout))
+            .recycle_timeout(Some(self.timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| PostgresError::Config(e.to_string()))
     }
-    let manager_config = ManagerConfig {
-        recycling_method: RecyclingMethod::Fast,
-    };
-    let manager = if config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable {
-        Manager::from_config(config, tokio_postgres::NoTls, manager_config)
-    } else {
-        let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
-            .map_err(|(_, why)| PostgresError::Config(format!("store.tls_ca_file: {why}")))?;
-        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls);
-        Manager::from_config(config, tls, manager_config)
-    };
-    Pool::builder(manager)
-        .max_size(settings.pool_size.max(1))
-        .wait_timeout(Some(settings.timeout))
-        .create_timeout(Some(settings.timeout))
-        .recycle_timeout(Some(settings.timeout))
-        .runtime(Runtime::Tokio1)
-        .build()
-        .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
 impl PostgresStore {
@@ -251,20 +322,25 @@ impl PostgresStore {
     /// The store without connecting: the table is checked by the first operation that reaches
     /// PostgreSQL. For a server that is down at start-up.
     pub fn lazy(settings: &PostgresSettings) -> Result<Self, StoreError> {
+        let connector = Connector::new(settings)?;
+        let pool = connector.pool(settings.pool_size)?;
         let shared = Arc::new(Shared {
-            pool: pool(settings)?,
+            connector,
+            pool_size: settings.pool_size,
+            waiters: Arc::default(),
+            listener: std::sync::OnceLock::new(),
             sql: Sql::for_table(&settings.table, REAP_BATCH),
             table: settings.table.clone(),
             timeout: settings.timeout,
             ready: tokio::sync::OnceCell::new(),
         });
-        let weak = Arc::downgrade(&shared);
+        let (weak, reaping) = (Arc::downgrade(&shared), pool.clone());
         let reaper = tokio::runtime::Handle::try_current().ok().map(|rt| rt.spawn(async move {
             let mut tick = tokio::time::interval(REAP_EVERY);
             loop {
                 tick.tick().await;
                 let Some(shared) = weak.upgrade() else { return };
-                let store = Handle(&shared);
+                let store = Handle { shared: &shared, pool: &reaping };
                 if let Err(e) = store.reap().await {
                     tracing::debug!(error = %e, "the PostgreSQL reaper could not delete expired rows");
                 }
@@ -272,18 +348,62 @@ impl PostgresStore {
         }));
         Ok(PostgresStore {
             shared,
+            pool,
             _reaper: reaper.map(|task| Arc::new(AbortOnDropHandle::new(task))),
         })
     }
 
+    /// The handle one of `workers` worker threads uses: this store with a pool of its own of
+    /// `pool_size / workers` connections (rounded up), made and driven on the calling thread's
+    /// runtime. Waiters, the table check and the reaper stay shared.
+    pub fn for_worker(&self, workers: usize) -> Result<Self, StoreError> {
+        let size = self.shared.pool_size.div_ceil(workers.max(1));
+        Ok(PostgresStore {
+            shared: self.shared.clone(),
+            pool: self.shared.connector.pool(size)?,
+            _reaper: self._reaper.clone(),
+        })
+    }
+
+    /// How to run statements on this store's pool.
+    fn handle(&self) -> Handle<'_> {
+        Handle {
+            shared: &self.shared,
+            pool: &self.pool,
+        }
+    }
+
     /// The table exists at our version (checked once per store, then remembered).
     async fn ready(&self) -> Result<(), StoreError> {
-        Handle(&self.shared).ready().await
+        self.handle().ready().await
     }
 
     /// Delete expired rows, a batch at a time; how many (the reaper's step, public for tests).
     pub async fn reap(&self) -> Result<u64, StoreError> {
-        Handle(&self.shared).reap().await
+        self.handle().reap().await
+    }
+
+    /// Hear of evictions from now on, from this process and every other on the table, over a
+    /// connection of its own (kept until the store is dropped; made again when it fails). Each
+    /// time it is made, `f` first hears [`Evicted::All`]. Returns once it listens, or after the
+    /// timeout (at once when the store has not reached PostgreSQL yet). The first call wins;
+    /// outside a tokio runtime, nothing is heard.
+    pub async fn on_evicted(&self, f: impl Fn(Evicted) + Send + Sync + 'static) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = &self.shared;
+        let (tx, mut listening) = tokio::sync::watch::channel(false);
+        let mut first = false;
+        shared.listener.get_or_init(|| {
+            first = true;
+            let (connector, channel) = (shared.connector.clone(), listen::channel(&shared.table));
+            let task = listen::listen(connector, channel, Arc::new(f), tx);
+            AbortOnDropHandle::new(rt.spawn(task))
+        });
+        if first && shared.ready.initialized() {
+            let _ = tokio::time::timeout(shared.timeout, listening.wait_for(|l| *l)).await;
+        }
     }
 
     /// The table the records are in.
@@ -292,12 +412,16 @@ impl PostgresStore {
     }
 }
 
-/// The shared state, borrowed: what the reaper task and the handles run statements with.
-struct Handle<'a>(&'a Shared);
+/// The shared state and a pool, borrowed: what the reaper task and the handles run statements
+/// with.
+struct Handle<'a> {
+    shared: &'a Shared,
+    pool: &'a Pool,
+}
 
 impl Handle<'_> {
     async fn ready(&self) -> Result<(), StoreError> {
-        let shared = self.0;
+        let shared = self.shared;
         shared
             .ready
             .get_or_try_init(|| async {
@@ -321,9 +445,9 @@ impl Handle<'_> {
         &self,
         deadline: Instant,
     ) -> Result<deadpool_postgres::Client, PostgresError> {
-        let timeout = self.0.timeout;
+        let timeout = self.shared.timeout;
         bounded(deadline, timeout, async {
-            self.0.pool.get().await.map_err(|e| match e {
+            self.pool.get().await.map_err(|e| match e {
                 deadpool_postgres::PoolError::Backend(e) => PostgresError::Db(e),
                 deadpool_postgres::PoolError::Timeout(_) => PostgresError::Timeout(timeout),
                 other => PostgresError::Pool(other.to_string()),
@@ -366,7 +490,7 @@ impl Handle<'_> {
         rows: bool,
     ) -> Result<Answer, StoreError> {
         self.ready().await?;
-        let deadline = Instant::now() + self.0.timeout;
+        let deadline = Instant::now() + self.shared.timeout;
         let client = self.checkout(deadline).await?;
         let run = async {
             let prepared = client.prepare_cached(statement).await?;
@@ -379,7 +503,7 @@ impl Handle<'_> {
             Ok(answer) => Ok(answer.map_err(PostgresError::Db)?),
             Err(_) => {
                 drop(deadpool_postgres::Object::take(client));
-                Err(PostgresError::Timeout(self.0.timeout).into())
+                Err(PostgresError::Timeout(self.shared.timeout).into())
             }
         }
     }
@@ -387,7 +511,7 @@ impl Handle<'_> {
     async fn reap(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let n = self.execute(&self.0.sql.reap, &[]).await?;
+            let n = self.execute(&self.shared.sql.reap, &[]).await?;
             total += n;
             if n < u64::from(REAP_BATCH) {
                 return Ok(total);
@@ -430,7 +554,7 @@ fn entry_of(row: &Row) -> Result<(crate::idempotency::record::Entry, Token), Sto
 impl PostgresStore {
     /// The live entry at `at` (a tombstone's address), if any.
     async fn live(&self, at: &ScopedKey) -> Result<Option<Row>, StoreError> {
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let rows = s
             .query(&self.shared.sql.inspect, &[&&at.0[..], &&at.0[..]])
             .await?;
@@ -468,18 +592,19 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let record = codec::encode(fingerprint, token, &EntryState::InFlight);
-        let s = Handle(&self.shared);
-        let rows = s
-            .query(
-                &self.shared.sql.claim,
-                &[&&key.0[..], &&token.0[..], &&record[..], &millis(lease)],
-            )
-            .await?;
-        let row = rows
-            .first()
-            .ok_or(super::DecodeError("the claim returned no row"))?;
-        let (held, holder) = entry_of(row)?;
-        Ok(Claim::decide(held, &holder, fingerprint, token))
+        let s = self.handle();
+        let params: [&(dyn ToSql + Sync); 4] =
+            [&&key.0[..], &&token.0[..], &&record[..], &millis(lease)];
+        // No row: another claimant won the key after this statement's snapshot was taken; the
+        // next run sees its row. Each lost race means the key changed hands in between.
+        for _ in 0..CLAIM_RUNS {
+            let rows = s.query(&self.shared.sql.claim, &params).await?;
+            if let Some(row) = rows.first() {
+                let (held, holder) = entry_of(row)?;
+                return Ok(Claim::decide(held, &holder, fingerprint, token));
+            }
+        }
+        Err(PostgresError::Contended.into())
     }
 
     async fn complete(
@@ -491,32 +616,41 @@ impl Store for PostgresStore {
         keep: Keep,
     ) -> Result<bool, StoreError> {
         let record = codec::encode(fingerprint, token, state);
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let ttl = keep.ttl.finite().map(millis);
         let at = key.tombstone();
-        let (key, token) = (&&key.0[..], &&token.0[..]);
+        let (k, t) = (&&key.0[..], &&token.0[..]);
         let n = match codec::encode_tombstone(keep, fingerprint, state) {
             None => {
                 let sql = &self.shared.sql.complete;
-                s.execute(sql, &[key, token, &&record[..], &ttl]).await?
+                s.execute(sql, &[k, t, &&record[..], &ttl]).await?
             }
             Some((tombstone, lives)) => {
                 let (at, lives) = (&&at.0[..], millis(lives));
                 let sql = &self.shared.sql.complete_with_tombstone;
                 let params: [&(dyn ToSql + Sync); 7] =
-                    [key, token, &&record[..], &ttl, at, &&tombstone[..], &lives];
+                    [k, t, &&record[..], &ttl, at, &&tombstone[..], &lives];
                 s.execute(sql, &params).await?
             }
         };
+        self.shared.waiters.wake(&key.0);
         Ok(n == 1)
     }
 
     async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let n = s
             .execute(&self.shared.sql.release, &[&&key.0[..], &&token.0[..]])
             .await?;
+        self.shared.waiters.wake(&key.0);
         Ok(n == 1)
+    }
+
+    /// Wakes the waiters of this process when this process completes or releases the key;
+    /// waiters on another gateway's request poll (a `NOTIFY` per completion would serialise
+    /// the commits of every gateway on the server: it holds a server-wide lock until commit).
+    async fn watch(&self, key: &ScopedKey) -> Option<Watch> {
+        Some(Local::watch(&self.shared.waiters, &key.0))
     }
 
     async fn renew(
@@ -525,7 +659,7 @@ impl Store for PostgresStore {
         token: &Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let s = Handle(&self.shared);
+        let s = self.handle();
         let n = s
             .execute(
                 &self.shared.sql.renew,
@@ -538,12 +672,13 @@ impl Store for PostgresStore {
 
 impl Inspect for PostgresStore {
     async fn ping(&self) -> Result<(), StoreError> {
-        Handle(&self.shared).query("SELECT 1", &[]).await.map(drop)
+        self.handle().query("SELECT 1", &[]).await.map(drop)
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
         let at = key.tombstone();
-        let rows = Handle(&self.shared)
+        let rows = self
+            .handle()
             .query(&self.shared.sql.inspect, &[&&key.0[..], &&at.0[..]])
             .await?;
         let Some(row) = rows.first() else {
@@ -559,7 +694,8 @@ impl Inspect for PostgresStore {
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        let rows = Handle(&self.shared)
+        let rows = self
+            .handle()
             .query(
                 &self.shared.sql.evict,
                 &[&&key.0[..], &&key.tombstone().0[..]],
@@ -569,8 +705,7 @@ impl Inspect for PostgresStore {
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
-        Handle(&self.shared)
-            .execute(&self.shared.sql.evict_all, &[])
-            .await
+        let rows = self.handle().query(&self.shared.sql.evict_all, &[]).await?;
+        Ok(rows.first().map_or(0, |r| r.get::<_, i64>(0).max(0) as u64))
     }
 }

@@ -1,6 +1,6 @@
 //! The records table: its shape, the version it carries, and the statements run on it.
 //!
-//! One row per key. The record itself is the Redis store's encoding (`store/redis/codec.rs`),
+//! One row per key. The record itself is the Redis store's encoding (`store/codec.rs`),
 //! so both stores keep the same bytes and a replay is decoded by one function; the columns
 //! beside it are what the statements' conditions read:
 //!
@@ -54,22 +54,26 @@ fn ms(n: u8) -> String {
 
 impl Sql {
     pub(super) fn for_table(t: &str, reap_batch: u32) -> Self {
-        // The claim: insert, or on a key already there take it over only when it has expired;
-        // the row is rewritten as it was otherwise, so that RETURNING always gives what the key
-        // holds now (under the row's lock, not an older snapshot): enough to decide.
-        let expired = "r.expires_at <= now()";
-        let take =
-            |col: &str| format!("{col} = CASE WHEN {expired} THEN excluded.{col} ELSE r.{col} END");
+        // The claim, one statement: a live row (claim or record) is read from the statement's
+        // snapshot and left alone (a replay writes nothing and takes no lock); otherwise insert,
+        // or take over a row that has expired, deciding on its latest version under its lock.
+        // When a concurrent claimant won after the snapshot, neither part returns a row: the
+        // caller runs the statement again, whose new snapshot sees the winner's row.
         let claim = format!(
-            "INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-             VALUES ($1, $2, true, $3, now() + {lease}) \
-             ON CONFLICT (key) DO UPDATE SET {token}, {in_flight}, {record}, {expires_at} \
-             RETURNING record, {LEFT_MS}",
+            "WITH live AS (\
+                 SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
+                 WHERE key = $1 AND expires_at > now()\
+             ), taken AS (\
+                 INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+                 SELECT $1::bytea, $2::bytea, true, $3::bytea, now() + {lease} \
+                 WHERE NOT EXISTS (SELECT 1 FROM live) \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = true, \
+                 record = excluded.record, expires_at = excluded.expires_at \
+                 WHERE r.expires_at <= now() \
+                 RETURNING record, {LEFT_MS} AS left_ms\
+             ) \
+             SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live",
             lease = ms(4),
-            token = take("token"),
-            in_flight = take("in_flight"),
-            record = take("record"),
-            expires_at = take("expires_at"),
         );
         // Our live claim becomes the record, kept for `$4` milliseconds (NULL: forever); our own
         // completion already there (a retried call whose answer was lost) is left as it is and
@@ -93,6 +97,7 @@ impl Sql {
             lives = ms(7),
         );
         let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";
+        let channel = super::listen::channel(t);
         Sql {
             claim,
             complete,
@@ -107,10 +112,17 @@ impl Sql {
                 "SELECT record, {LEFT_MS} FROM \"{t}\" WHERE key IN ($1, $2) \
                  AND expires_at > now() ORDER BY key = $1 DESC LIMIT 1"
             ),
+            // The record at $1 and its tombstone at $2. Every gateway listening on the table
+            // hears of it once the deletion commits (listen.rs), whether a row was there or not.
             evict: format!(
-                "DELETE FROM \"{t}\" WHERE key IN ($1, $2) RETURNING expires_at > now()"
+                "WITH gone AS (DELETE FROM \"{t}\" WHERE key IN ($1, $2) RETURNING expires_at > now() AS live) \
+                 SELECT coalesce(bool_or(live), false), pg_notify('{channel}', encode($1, 'hex')) FROM gone"
             ),
-            evict_all: format!("DELETE FROM \"{t}\""),
+            evict_all: format!(
+                "WITH gone AS (DELETE FROM \"{t}\" RETURNING 1) \
+                 SELECT count(*), pg_notify('{channel}', '{all}') FROM gone",
+                all = super::listen::ALL,
+            ),
             // A batch of expired rows, skipping any a statement holds: row locks only, never
             // the table's.
             reap: format!(

@@ -7,14 +7,13 @@
 //! message costs latency, never correctness. Evictions are published on one plain channel per
 //! prefix, which a cluster delivers to every node.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use redis::{PushInfo, PushKind, Value};
-use tokio::sync::watch;
 
 use super::topology::{Conn, Opening, PushFn};
 use crate::idempotency::key::ScopedKey;
+use crate::store::watch::{Signals, Watch};
 
 /// What an eviction message names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,9 +26,6 @@ pub enum Evicted {
 
 type OnEvict = Box<dyn Fn(Evicted) + Send + Sync>;
 
-/// A channel's wake-up signal, and how many waiters watch it.
-type Watched = (watch::Sender<()>, usize);
-
 /// One process's subscriptions, shared by its store handles.
 pub(crate) struct Events {
     shared: Arc<Shared>,
@@ -41,8 +37,8 @@ pub(crate) struct Events {
 
 #[derive(Default)]
 struct Shared {
-    // Channels waited on, with how many waiters watch each.
-    watched: Mutex<HashMap<Vec<u8>, Watched>>,
+    // Channels waited on.
+    signals: Signals,
     evict_channel: Vec<u8>,
     on_evict: OnceLock<OnEvict>,
 }
@@ -65,8 +61,8 @@ impl Shared {
                     Err(_) => on_evict(Evicted::All),
                 }
             }
-        } else if let Some((tx, _)) = self.watched.lock().unwrap().get(&channel) {
-            tx.send_replace(());
+        } else {
+            self.signals.wake(&channel);
         }
     }
 }
@@ -132,25 +128,18 @@ impl Events {
     /// Watch `channel` until the returned [`Watch`] is dropped.
     pub(crate) async fn watch(self: &Arc<Self>, channel: String) -> Watch {
         let channel = channel.into_bytes();
-        let (rx, first) = {
-            let mut watched = self.shared.watched.lock().unwrap();
-            let entry = watched
-                .entry(channel.clone())
-                .or_insert_with(|| (watch::Sender::new(()), 0));
-            entry.1 += 1;
-            (entry.0.subscribe(), entry.1 == 1)
-        };
+        let (rx, first) = self.shared.signals.subscribe(&channel);
         if first {
             let name = String::from_utf8_lossy(&channel).into_owned();
             if let Err(e) = self.conn.clone().subscribe(&name, self.sharded).await {
                 tracing::debug!(error = %e, "could not subscribe; the waiter polls");
             }
         }
-        Watch {
-            rx,
+        let guard = Subscribed {
             channel,
             events: self.clone(),
-        }
+        };
+        Watch::new(rx, guard)
     }
 }
 
@@ -172,48 +161,15 @@ fn keep_following(conn: &Conn, shared: &Arc<Shared>) {
 /// The channel suffix, after the prefix, of admin evictions.
 const EVICTED: &str = "evicted";
 
-/// A waiter's subscription: [`Watch::changed`] resolves when its key was completed or released
-/// (or may have been: callers look again).
-pub struct Watch {
-    rx: watch::Receiver<()>,
+/// A waiter's subscription to a channel; the last one to go unsubscribes.
+struct Subscribed {
     channel: Vec<u8>,
     events: Arc<Events>,
 }
 
-impl std::fmt::Debug for Watch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watch")
-            .field("channel", &String::from_utf8_lossy(&self.channel))
-            .finish()
-    }
-}
-
-impl Watch {
-    /// Resolves at the next message on the channel since the last call.
-    pub async fn changed(&mut self) {
-        if self.rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
-impl Drop for Watch {
+impl Drop for Subscribed {
     fn drop(&mut self) {
-        let last = {
-            let mut watched = self.events.shared.watched.lock().unwrap();
-            match watched.get_mut(&self.channel) {
-                Some(entry) if entry.1 > 1 => {
-                    entry.1 -= 1;
-                    false
-                }
-                Some(_) => {
-                    watched.remove(&self.channel);
-                    true
-                }
-                None => false,
-            }
-        };
-        if last {
+        if self.events.shared.signals.unsubscribe(&self.channel) {
             let events = self.events.clone();
             let name = String::from_utf8_lossy(&self.channel).into_owned();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -30,10 +30,11 @@ mod events;
 mod topology;
 
 use self::events::Events;
-pub use self::events::{Evicted, Watch};
+pub use self::events::Evicted;
 use self::topology::{Conn, Opening};
 use super::settings::{Compression, RedisSettings, Topology};
 pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
+use super::Watch;
 use super::{Claim, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
