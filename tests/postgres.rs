@@ -95,9 +95,9 @@ async fn the_reaper_deletes_expired_rows_and_only_those_never_a_record_kept_fore
 async fn a_newer_schema_is_refused_and_a_foreign_table_too() {
     let server = PostgresServer::start().await;
     drop(store(&server).await);
-    server.psql("COMMENT ON TABLE idemgate_records IS 'idemgate schema 2'");
+    server.psql("COMMENT ON TABLE idemgate_records IS 'idemgate schema 3'");
     match PostgresStore::connect(&PostgresSettings::new(server.url())).await {
-        Err(StoreError::Postgres(PostgresError::SchemaTooNew { found: 2, .. })) => {}
+        Err(StoreError::Postgres(PostgresError::SchemaTooNew { found: 3, .. })) => {}
         other => panic!("expected the newer schema refused, got {other:?}"),
     }
     // The binary exits 1 saying so.
@@ -106,7 +106,7 @@ async fn a_newer_schema_is_refused_and_a_foreign_table_too() {
         .upstream("http://127.0.0.1:9");
     let (code, logs) = run_binary(&config);
     assert_eq!(code, Some(1), "{logs}");
-    assert!(logs.contains("schema version 2"), "{logs}");
+    assert!(logs.contains("schema version 3"), "{logs}");
     assert!(!logs.contains(testkit::postgres::PASSWORD), "{logs}");
     // A table of the same name that is not ours is never written to.
     server.psql("CREATE TABLE ledger (id int)");
@@ -115,6 +115,50 @@ async fn a_newer_schema_is_refused_and_a_foreign_table_too() {
         Err(StoreError::Postgres(PostgresError::NotOurs { .. })) => {}
         other => panic!("expected a foreign table refused, got {other:?}"),
     }
+}
+
+/// A table an idemgate of schema 1 made (its index on every row's expiry) is migrated at start:
+/// its records replay, and the expiry index leaves out the rows kept forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
+    let server = PostgresServer::start().await;
+    let s = store(&server).await;
+    let (k, fp, t) = (ScopedKey([5; 32]), Fingerprint([1; 32]), Token::random());
+    s.claim(&k, &fp, &t, LEASE).await.unwrap();
+    assert!(s
+        .complete(&k, &fp, &t, &EntryState::NotReplayable, LEASE.into())
+        .await
+        .unwrap());
+    drop(s);
+    // Schema 1, as that idemgate made it.
+    server.psql(
+        "DROP INDEX idemgate_records_expiring; \
+         CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at); \
+         COMMENT ON TABLE idemgate_records IS 'idemgate schema 1'",
+    );
+    let s = store(&server).await;
+    let comment = "SELECT obj_description('idemgate_records'::regclass, 'pg_class')";
+    assert_eq!(server.psql(comment), "idemgate schema 2");
+    let indexes = "SELECT string_agg(indexname || ':' || indexdef, ' | ' ORDER BY indexname) \
+                   FROM pg_indexes WHERE tablename = 'idemgate_records'";
+    let indexes = server.psql(indexes);
+    assert!(
+        !indexes.contains("idemgate_records_expires_at"),
+        "{indexes}"
+    );
+    assert!(
+        indexes.contains("WHERE (expires_at <> 'infinity"),
+        "{indexes}"
+    );
+    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    assert!(
+        matches!(again, Claim::NotReplayable),
+        "the record survived: {again:?}"
+    );
+    // A second start finds it migrated and changes nothing.
+    drop(s);
+    drop(store(&server).await);
+    assert_eq!(server.psql(comment), "idemgate schema 2");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,9 +12,15 @@
 //!     record     bytea NOT NULL,        -- the encoded entry
 //!     expires_at timestamptz NOT NULL   -- lease end for a claim, TTL end for a record
 //! ) WITH (fillfactor = 80);
-//! CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at);
-//! COMMENT ON TABLE idemgate_records IS 'idemgate schema 1';
+//! -- what the reaper reads; records kept forever ('infinity') are not in it
+//! CREATE INDEX idemgate_records_expiring ON idemgate_records (expires_at)
+//!     WHERE expires_at <> 'infinity';
+//! COMMENT ON TABLE idemgate_records IS 'idemgate schema 2';
 //! ```
+//!
+//! Versions: 1 indexed every row's `expires_at`; 2 leaves out the rows kept forever, which the
+//! reaper never deletes (an audit table of millions of them would otherwise carry an index of
+//! millions of entries nobody reads). A table of version 1 is migrated at start.
 //!
 //! Time is the server's (`now()`), so gateways whose clocks disagree still agree on expiry.
 
@@ -23,7 +29,15 @@ use deadpool_postgres::Client;
 use super::PostgresError;
 
 /// The schema version this build writes and reads.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
+
+/// The statements that bring a table of version N-1 to version N, in order from version 2; each
+/// runs in the start's transaction, under its advisory lock, with `{t}` the table's name.
+const MIGRATIONS: [&str; 1] = [
+    // 1 -> 2: the expiry index without the rows kept forever.
+    "CREATE INDEX \"{t}_expiring\" ON \"{t}\" (expires_at) WHERE expires_at <> 'infinity'; \
+     DROP INDEX IF EXISTS \"{t}_expires_at\";",
+];
 
 /// What the table's comment says before its version number.
 const MARK: &str = "idemgate schema ";
@@ -127,7 +141,8 @@ impl Sql {
             // the table's.
             reap: format!(
                 "DELETE FROM \"{t}\" WHERE key IN (SELECT key FROM \"{t}\" \
-                 WHERE expires_at <= now() LIMIT {reap_batch} FOR UPDATE SKIP LOCKED)"
+                 WHERE expires_at <= now() AND expires_at <> 'infinity' \
+                 LIMIT {reap_batch} FOR UPDATE SKIP LOCKED)"
             ),
         }
     }
@@ -150,7 +165,24 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
         .await?;
     let (exists, comment): (bool, Option<String>) = (row.get(0), row.get(1));
     if exists {
-        return check_version(table, comment.as_deref());
+        let found = check_version(table, comment.as_deref())?;
+        if found < VERSION {
+            for step in &MIGRATIONS[(found - 1) as usize..] {
+                tx.batch_execute(&step.replace("{t}", table)).await?;
+            }
+            tx.batch_execute(&format!(
+                "COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}'"
+            ))
+            .await?;
+            tx.commit().await?;
+            tracing::info!(
+                table,
+                from = found,
+                to = VERSION,
+                "migrated the PostgreSQL records table"
+            );
+        }
+        return Ok(());
     }
     tx.batch_execute(&format!(
         "CREATE TABLE \"{table}\" (\
@@ -160,7 +192,8 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
              record bytea NOT NULL, \
              expires_at timestamptz NOT NULL\
          ) WITH (fillfactor = 80); \
-         CREATE INDEX \"{table}_expires_at\" ON \"{table}\" (expires_at); \
+         CREATE INDEX \"{table}_expiring\" ON \"{table}\" (expires_at) \
+             WHERE expires_at <> 'infinity'; \
          COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}';"
     ))
     .await?;
@@ -173,18 +206,19 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
     Ok(())
 }
 
-/// Whether a table whose comment is `comment` is one this build can use.
-fn check_version(table: &str, comment: Option<&str>) -> Result<(), PostgresError> {
+/// The version of a table whose comment is `comment`, when this build can use it (as it is, or
+/// once migrated).
+fn check_version(table: &str, comment: Option<&str>) -> Result<u32, PostgresError> {
     let found = comment
         .and_then(|c| c.strip_prefix(MARK))
         .and_then(|v| v.trim().parse::<u32>().ok());
     match found {
-        Some(VERSION) => Ok(()),
+        Some(found @ 1..=VERSION) => Ok(found),
         Some(found) if found > VERSION => Err(PostgresError::SchemaTooNew {
             table: table.to_string(),
             found,
         }),
-        // Version 1 is the first: anything else is not a table of ours.
+        // Version 1 is the first: anything else (0 included) is not a table of ours.
         _ => Err(PostgresError::NotOurs {
             table: table.to_string(),
         }),
@@ -197,10 +231,20 @@ mod tests {
 
     #[test]
     fn versions_are_read_from_the_comment() {
-        assert!(check_version("t", Some("idemgate schema 1")).is_ok());
+        assert_eq!(check_version("t", Some("idemgate schema 1")).ok(), Some(1));
+        assert_eq!(check_version("t", Some("idemgate schema 2")).ok(), Some(2));
+        assert_eq!(
+            MIGRATIONS.len() as u32,
+            VERSION - 1,
+            "one migration per version"
+        );
         assert!(matches!(
-            check_version("t", Some("idemgate schema 2")),
-            Err(PostgresError::SchemaTooNew { found: 2, .. })
+            check_version("t", Some("idemgate schema 3")),
+            Err(PostgresError::SchemaTooNew { found: 3, .. })
+        ));
+        assert!(matches!(
+            check_version("t", Some("idemgate schema 0")),
+            Err(PostgresError::NotOurs { .. })
         ));
         assert!(matches!(
             check_version("t", Some("payments ledger")),
