@@ -607,7 +607,11 @@ async fn pool_size_bounds_the_whole_process() {
         .set("store.timeout", "10s");
     let env = TestEnv::start_with(Backend::Postgres, upstream, config).await;
     let sent: Vec<_> = (0..30)
-        .map(|i| tokio::spawn(send(env.post_keyed("/v1/p", &format!("pool-{i}")).body("x"))))
+        .map(|i| {
+            tokio::spawn(send(
+                env.post_keyed("/v1/p", &format!("pool-{i}")).body("x"),
+            ))
+        })
         .collect();
     for seen in sent {
         assert_eq!(seen.await.unwrap().status, 201);
