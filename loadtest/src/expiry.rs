@@ -11,19 +11,20 @@ use redis::aio::MultiplexedConnection;
 
 use crate::bench::{human, keep_round, medians, Bench};
 use crate::load::{self, Keys, Report};
-use crate::metrics::{commandstats, moved, store_operations};
+use crate::metrics::{commandstats_field, moved, store_operations};
 use crate::procs::{self, Proc};
 
 /// The routes' `after_expiry`, in the order of the rows.
 const MODES: [&str; 2] = ["run", "refuse"];
 
 /// What one miss phase moved on top of its report: the gateway's store operations by
-/// operation, and Redis's calls by command.
+/// operation, and Redis's calls and µs by command.
 #[derive(Clone)]
 struct Moved {
     requests: u64,
     ops: HashMap<String, u64>,
     commands: HashMap<String, u64>,
+    usec: HashMap<String, u64>,
 }
 
 impl Moved {
@@ -100,16 +101,21 @@ async fn phase(
         false => keys,
     };
     let admin = gw.admin.expect("the gateway has an admin listener");
-    let (ops, commands) = (store_operations(admin), commandstats(conn).await);
+    let ops = store_operations(admin);
+    let commands = commandstats_field(conn, "calls").await;
+    let usec = commandstats_field(conn, "usec").await;
     let r = b.closed(gw.addr, keys, &gw.pids()).await;
-    let mut commands = moved(&commands, &commandstats(conn).await);
+    let mut commands = moved(&commands, &commandstats_field(conn, "calls").await);
+    let mut usec = moved(&usec, &commandstats_field(conn, "usec").await);
     // The harness's own INFO calls.
     commands.remove("info");
+    usec.remove("info");
     let ops = moved(&ops, &store_operations(admin));
     let m = Moved {
         requests: r.requests,
         ops,
         commands,
+        usec,
     };
     (r, m)
 }
@@ -153,7 +159,8 @@ fn median(phases: &[(Report, Moved)], f: impl Fn(&Report) -> f64) -> f64 {
     v[v.len() / 2]
 }
 
-/// The note: the ratios refuse / run, CPU per miss of each, round trips and commands per miss.
+/// The note: the ratios refuse / run, CPU per miss of each, round trips, Redis's commands and
+/// their time per miss.
 fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usize) -> String {
     let rps = |i: usize| b.rows[rows[i]].closed.rps();
     let cpu = |i: usize, f: fn(&load::CpuPerRequest) -> f64| {
@@ -182,29 +189,8 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
             op("complete")
         )
     };
-    let commands = |i: usize| -> String {
-        let mut names: Vec<&String> = phases[i]
-            .iter()
-            .flat_map(|(_, m)| m.commands.keys())
-            .collect();
-        names.sort();
-        names.dedup();
-        let mut parts: Vec<(String, f64)> = names
-            .into_iter()
-            .map(|k| {
-                (
-                    k.clone(),
-                    per_miss(&phases[i], |m| m.commands.get(k).copied().unwrap_or(0)),
-                )
-            })
-            .filter(|(_, v)| *v > 0.001)
-            .collect();
-        parts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let parts: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
-        parts.join(", ")
-    };
     format!(
-        "expiry ({} body, Redis, {} connections, {rounds} rounds, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}",
+        "expiry ({} body, Redis, {} connections, {rounds} rounds, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}; Redis µs per miss in each command (evalsha's include its script's commands): run: {}; refuse: {}",
         human(b.size),
         b.connections,
         rps(1) / rps(0).max(f64::MIN_POSITIVE),
@@ -217,7 +203,24 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
         cpu(1, |c| c.redis),
         trips(0),
         trips(1),
-        commands(0),
-        commands(1),
+        by_command(&phases[0], |m| &m.commands),
+        by_command(&phases[1], |m| &m.commands),
+        by_command(&phases[0], |m| &m.usec),
+        by_command(&phases[1], |m| &m.usec),
     )
+}
+
+/// `name n, ...` of what `of` counts by command, per miss over `phases`, largest first.
+fn by_command(phases: &[(Report, Moved)], of: fn(&Moved) -> &HashMap<String, u64>) -> String {
+    let mut names: Vec<&String> = phases.iter().flat_map(|(_, m)| of(m).keys()).collect();
+    names.sort();
+    names.dedup();
+    let mut parts: Vec<(&String, f64)> = names
+        .into_iter()
+        .map(|k| (k, per_miss(phases, |m| of(m).get(k).copied().unwrap_or(0))))
+        .filter(|(_, v)| *v > 0.001)
+        .collect();
+    parts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+    let parts: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+    parts.join(", ")
 }

@@ -91,6 +91,15 @@ pub async fn get_text(addr: SocketAddr, path: &str) -> String {
 
 /// `INFO commandstats` of the Redis behind `conn`: calls by command.
 pub async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashMap<String, u64> {
+    commandstats_field(conn, "calls").await
+}
+
+/// `INFO commandstats` of the Redis behind `conn`: `field` (`calls`, `usec`: µs spent in the
+/// command, for `evalsha` those of the commands its script ran included) by command.
+pub async fn commandstats_field(
+    conn: &mut redis::aio::MultiplexedConnection,
+    field: &str,
+) -> HashMap<String, u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -99,12 +108,12 @@ pub async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashM
     info.lines()
         .filter_map(|l| {
             let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = rest
+            let n = rest
                 .split(',')
-                .find_map(|kv| kv.strip_prefix("calls="))?
+                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?
                 .parse()
                 .ok()?;
-            Some((name.to_string(), calls))
+            Some((name.to_string(), n))
         })
         .collect()
 }
