@@ -190,9 +190,10 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
         )
     };
     format!(
-        "expiry ({} body, Redis, {} connections, {rounds} rounds, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}; Redis µs per miss in each command (evalsha's include its script's commands): run: {}; refuse: {}",
+        "expiry ({} body, Redis, {} connections, {rounds} round{}, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}; Redis µs per miss in each command (evalsha's include its script's commands): run: {}; refuse: {}",
         human(b.size),
         b.connections,
+        if rounds == 1 { "" } else { "s" },
         rps(1) / rps(0).max(f64::MIN_POSITIVE),
         all(0) / all(1).max(f64::MIN_POSITIVE),
         gw(0),
