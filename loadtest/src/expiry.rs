@@ -2,7 +2,8 @@
 //! (`"run"`). Two gateways on the run's Redis, one route each, unique keys at the run's
 //! connections; rounds interleaved, their order swapped every round. Per phase, the gateway's
 //! own store operations (each one Redis round trip: a pipeline or a script call) and Redis's
-//! commands (those run inside scripts included), per miss.
+//! commands (those run inside scripts included), per miss. Then (not with --quick) as many
+//! rounds at one fixed rate for both, so that their CPU per miss is compared at the same load.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -10,7 +11,7 @@ use std::path::Path;
 use redis::aio::MultiplexedConnection;
 
 use crate::bench::{human, keep_round, medians, Bench};
-use crate::load::{self, Keys, Report};
+use crate::load::{self, Keys, Pace, Report};
 use crate::metrics::{commandstats_field, moved, store_operations};
 use crate::procs::{self, Proc};
 
@@ -70,7 +71,25 @@ pub async fn run(
     medians(b, &rows);
     check(b, &phases);
     if rows.len() == MODES.len() {
-        let note = note(b, &rows, &phases, rounds);
+        // Half the slower's maximum: both serve the same misses per second, so that their CPU
+        // per miss is compared at the same load (it grows as the throughput falls).
+        let rate = (rows
+            .iter()
+            .map(|&r| b.rows[r].closed.rps())
+            .fold(f64::MAX, f64::min)
+            / 2.0)
+            .max(100.0);
+        let paced = match quick {
+            true => Vec::new(),
+            false => at_one_rate(b, &gws, rate, rounds).await,
+        };
+        for (i, reports) in paced.iter().enumerate() {
+            b.rows[rows[i]].at_rate = Some(reports[median_at(reports, gateway_cpu)].clone());
+        }
+        let mut note = note(b, &rows, &phases, rounds);
+        if !paced.is_empty() {
+            note.push_str(&paced_note(rate, &paced));
+        }
         b.notes.push(note);
     }
     drop((gws, up));
@@ -85,6 +104,75 @@ async fn flush(conn: &mut MultiplexedConnection) {
         .query_async(conn)
         .await
         .unwrap();
+}
+
+/// `rounds` rounds of misses at `rate` per second through each gateway, interleaved (order
+/// swapped each round), each with its CPU per miss: their reports, by gateway.
+async fn at_one_rate(b: &mut Bench, gws: &[Proc], rate: f64, rounds: usize) -> Vec<Vec<Report>> {
+    let mut reports = vec![Vec::new(); gws.len()];
+    for round in 0..rounds {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let keys = Keys::Unique(b.prefix("exp-rate"));
+            let r = b
+                .measured(&[gws[i].addr], keys, &gws[i].pids(), Pace::Rate(rate))
+                .await;
+            let name = format!(
+                "after_expiry {} at {rate:.0}/s (round {})",
+                MODES[i],
+                round + 1
+            );
+            b.check(&name, &r, false);
+            eprintln!(
+                "  {name:<52} p50 {:.2} ms  p99 {:.2} ms  gateway {:.1} µs/miss",
+                r.ms(0.5),
+                r.ms(0.99),
+                gateway_cpu(&r)
+            );
+            reports[i].push(r);
+        }
+    }
+    reports
+}
+
+fn gateway_cpu(r: &Report) -> f64 {
+    r.cpu.map_or(0.0, |c| c.proxy)
+}
+
+/// The index of the report whose `f` is the median.
+fn median_at(reports: &[Report], f: fn(&Report) -> f64) -> usize {
+    let mut at: Vec<usize> = (0..reports.len()).collect();
+    at.sort_by(|&x, &y| f(&reports[x]).total_cmp(&f(&reports[y])));
+    at[at.len() / 2]
+}
+
+/// The note's part on the phases at one rate: gateway and Redis CPU per miss, and latency.
+fn paced_note(rate: f64, paced: &[Vec<Report>]) -> String {
+    let med = |i: usize, f: fn(&Report) -> f64| f(&paced[i][median_at(&paced[i], f)]);
+    let redis = |r: &Report| r.cpu.map_or(0.0, |c| c.redis);
+    let paired: Vec<String> = paced[0]
+        .iter()
+        .zip(&paced[1])
+        .map(|(run, refuse)| {
+            format!(
+                "{:.3}",
+                gateway_cpu(refuse) / gateway_cpu(run).max(f64::MIN_POSITIVE)
+            )
+        })
+        .collect();
+    format!(
+        "; at {rate:.0} misses/s each (half the slower's maximum; medians of rounds): gateway CPU µs per miss run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss run {:.1}, refuse {:.1}; p50 ms run {:.2}, refuse {:.2}; p99 ms run {:.2}, refuse {:.2}",
+        med(0, gateway_cpu),
+        med(1, gateway_cpu),
+        med(1, gateway_cpu) / med(0, gateway_cpu).max(f64::MIN_POSITIVE),
+        paired.join(", "),
+        med(0, redis),
+        med(1, redis),
+        med(0, |r| r.ms(0.5)),
+        med(1, |r| r.ms(0.5)),
+        med(0, |r| r.ms(0.99)),
+        med(1, |r| r.ms(0.99)),
+    )
 }
 
 /// One closed-loop miss phase through `gw` (warmed up first when `first`), with what the
@@ -172,8 +260,10 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
         .iter()
         .zip(&phases[1])
         .map(|((run, _), (refuse, _))| {
-            let c = |r: &Report| r.cpu.map_or(0.0, |c| c.proxy);
-            format!("{:.3}", c(refuse) / c(run).max(f64::MIN_POSITIVE))
+            format!(
+                "{:.3}",
+                gateway_cpu(refuse) / gateway_cpu(run).max(f64::MIN_POSITIVE)
+            )
         })
         .collect();
     let trips = |i: usize| -> String {
