@@ -93,6 +93,18 @@ impl Bench {
 
     /// [`Bench::closed`] against several replicas, the connections spread over them.
     pub async fn closed_spread(&self, addrs: &[SocketAddr], keys: Keys, proxy: &[u32]) -> Report {
+        self.measured(addrs, keys, proxy, Pace::Closed).await
+    }
+
+    /// A phase at `pace` against `addrs` (the connections spread over them), with the CPU time
+    /// per request of `proxy`, the upstream, Redis and the load generator.
+    pub async fn measured(
+        &self,
+        addrs: &[SocketAddr],
+        keys: Keys,
+        proxy: &[u32],
+        pace: Pace,
+    ) -> Report {
         let me = [std::process::id()];
         let sample = || {
             [
@@ -110,7 +122,7 @@ impl Bench {
             keys,
             self.connections,
             self.secs,
-            Pace::Closed,
+            pace,
         )
         .await;
         let after = sample();

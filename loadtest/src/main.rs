@@ -2,8 +2,8 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `storm`, `soak`, `cluster`, `postgres`, `embedded`, `failover`), on `bench` (the
-//! measuring they share),
+//! `fingerprint`, `expiry`, `storm`, `soak`, `cluster`, `postgres`, `embedded`, `failover`), on
+//! `bench` (the measuring they share),
 //! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
 //! `metrics`, and `table` (the printed results). `upstream` and `app` are the subcommands the
 //! harness runs as child processes.
@@ -12,6 +12,7 @@ mod app;
 mod bench;
 mod cluster;
 mod embedded;
+mod expiry;
 mod failover;
 mod fingerprint;
 mod http2;
@@ -58,7 +59,8 @@ struct Cli {
     #[arg(long)]
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
-    /// library, fingerprint, storm, soak, cluster (2 gateways on a Redis Cluster against one
+    /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
+    /// default), storm, soak, cluster (2 gateways on a Redis Cluster against one
     /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
     /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
@@ -227,6 +229,11 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("fingerprint") {
         fingerprint::run(&mut b, dir.path(), sizes).await;
+    }
+    if run("expiry") {
+        // The run's Redis, for its CPU per miss: a section before may have set others (none).
+        b.redis_pids = redis.pid().into_iter().collect();
+        expiry::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
     }
     if run("storm") {
         storm::run(&mut b, dir.path(), &redis_url).await;

@@ -37,6 +37,34 @@ pub fn round_trips(admin: SocketAddr) -> u64 {
     ops - hits
 }
 
+/// The gateway's store operations so far by operation (`claim`, `complete`, ...), from the
+/// counts of `idemgate_store_operation_seconds` in its `/metrics`.
+pub fn store_operations(admin: SocketAddr) -> HashMap<String, u64> {
+    operations_in(&scrape(admin))
+}
+
+fn operations_in(text: &str) -> HashMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("idemgate_store_operation_seconds_count{")?;
+            let (labels, value) = rest.split_once("} ")?;
+            let op = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("operation=\""))?
+                .trim_end_matches('"');
+            Some((op.to_string(), value.trim().parse::<f64>().ok()? as u64))
+        })
+        .collect()
+}
+
+/// `after` less `before`, by name (counters: a name missing before counts from 0).
+pub fn moved(before: &HashMap<String, u64>, after: &HashMap<String, u64>) -> HashMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0).min(*v)))
+        .collect()
+}
+
 /// `GET path` from `addr`, the body as text.
 pub async fn get_text(addr: SocketAddr, path: &str) -> String {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -63,6 +91,15 @@ pub async fn get_text(addr: SocketAddr, path: &str) -> String {
 
 /// `INFO commandstats` of the Redis behind `conn`: calls by command.
 pub async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashMap<String, u64> {
+    commandstats_field(conn, "calls").await
+}
+
+/// `INFO commandstats` of the Redis behind `conn`: `field` (`calls`, `usec`: µs spent in the
+/// command, for `evalsha` those of the commands its script ran included) by command.
+pub async fn commandstats_field(
+    conn: &mut redis::aio::MultiplexedConnection,
+    field: &str,
+) -> HashMap<String, u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -71,12 +108,12 @@ pub async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashM
     info.lines()
         .filter_map(|l| {
             let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = rest
+            let n = rest
                 .split(',')
-                .find_map(|kv| kv.strip_prefix("calls="))?
+                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?
                 .parse()
                 .ok()?;
-            Some((name.to_string(), calls))
+            Some((name.to_string(), n))
         })
         .collect()
 }
@@ -167,5 +204,22 @@ pub fn errors_text(errors: &HashMap<String, u64>) -> String {
         "none".into()
     } else {
         e.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_store_operations_of_a_scrape() {
+        let text = "# TYPE idemgate_store_operation_seconds histogram\nidemgate_store_operation_seconds_sum{operation=\"claim\"} 0.5\nidemgate_store_operation_seconds_count{operation=\"claim\"} 100\nidemgate_store_operation_seconds_bucket{operation=\"claim\",le=\"0.001\"} 90\nidemgate_store_operation_seconds_count{operation=\"complete\"} 99\n";
+        let ops = operations_in(text);
+        assert_eq!(ops.len(), 2);
+        assert_eq!(ops["claim"], 100);
+        assert_eq!(ops["complete"], 99);
+        let before = HashMap::from([("claim".to_string(), 40)]);
+        let m = moved(&before, &ops);
+        assert_eq!((m["claim"], m["complete"]), (60, 99));
     }
 }
