@@ -26,6 +26,8 @@ struct Moved {
     ops: HashMap<String, u64>,
     commands: HashMap<String, u64>,
     usec: HashMap<String, u64>,
+    // The times the gateway's threads, then Redis's, went to sleep.
+    sleeps: (u64, u64),
 }
 
 impl Moved {
@@ -192,7 +194,11 @@ async fn phase(
     let ops = store_operations(admin);
     let commands = commandstats_field(conn, "calls").await;
     let usec = commandstats_field(conn, "usec").await;
+    let sleeps = || (procs::sleeps(&gw.pids()), procs::sleeps(&b.redis_pids));
+    let slept = sleeps();
     let r = b.closed(gw.addr, keys, &gw.pids()).await;
+    let now = sleeps();
+    let slept = (now.0 - slept.0, now.1 - slept.1);
     let mut commands = moved(&commands, &commandstats_field(conn, "calls").await);
     let mut usec = moved(&usec, &commandstats_field(conn, "usec").await);
     // The harness's own INFO calls.
@@ -204,6 +210,7 @@ async fn phase(
         ops,
         commands,
         usec,
+        sleeps: slept,
     };
     (r, m)
 }
@@ -280,7 +287,7 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
         )
     };
     format!(
-        "expiry ({} body, Redis, {} connections, {rounds} round{}, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}; Redis µs per miss in each command (evalsha's include its script's commands): run: {}; refuse: {}",
+        "expiry ({} body, Redis, {} connections, {rounds} round{}, order swapped each round): refuse / run req/s = {:.3} [CPU {:.3}]; gateway CPU µs per miss (median of rounds): run {:.1}, refuse {:.1}, refuse / run = {:.3} (goal <= 1.03), by round {}; Redis CPU µs per miss: run {:.1}, refuse {:.1}; sleeps per miss (gateway's threads / Redis): run {:.2} / {:.2}, refuse {:.2} / {:.2}; Redis round trips per miss (the gateway's store operations / misses; goal 2): run {}, refuse {}; Redis commands per miss (those inside scripts included): run: {}; refuse: {}; Redis µs per miss in each command (evalsha's include its script's commands): run: {}; refuse: {}",
         human(b.size),
         b.connections,
         if rounds == 1 { "" } else { "s" },
@@ -292,6 +299,10 @@ fn note(b: &Bench, rows: &[usize], phases: &[Vec<(Report, Moved)>], rounds: usiz
         paired.join(", "),
         cpu(0, |c| c.redis),
         cpu(1, |c| c.redis),
+        per_miss(&phases[0], |m| m.sleeps.0),
+        per_miss(&phases[0], |m| m.sleeps.1),
+        per_miss(&phases[1], |m| m.sleeps.0),
+        per_miss(&phases[1], |m| m.sleeps.1),
         trips(0),
         trips(1),
         by_command(&phases[0], |m| &m.commands),

@@ -128,6 +128,27 @@ pub fn cpu_ns(pids: &[u32]) -> u64 {
     total
 }
 
+/// How many times the threads of `pids` have gone to sleep waiting (for a socket, a timer, a
+/// lock): `voluntary_ctxt_switches` of `/proc/<pid>/task/<tid>/status`. Per request, how much
+/// work each wake-up found.
+pub fn sleeps(pids: &[u32]) -> u64 {
+    let mut total = 0;
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            total += status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    total
+}
+
 fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
     let child = cmd
         .stdout(Stdio::null())
