@@ -62,17 +62,8 @@ impl AnyStore {
                 info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
             }
         }
-        // One local cache of completed records for the whole process, told of every gateway's
-        // evictions.
-        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
-            .counting_hits(metrics.local_cache_hits());
-        let evicted = cache.clone();
-        redis
-            .on_evicted(move |what| match what {
-                Evicted::Key(key) => evicted.invalidate(&key),
-                Evicted::All => evicted.clear(),
-            })
-            .await;
+        let (cache, forget) = local_cache(settings.local_cache, settings.local_cache_ttl, metrics);
+        redis.on_evicted(forget).await;
         Ok(AnyStore::Redis(CachedStore::new(redis, cache)))
     }
 
@@ -90,16 +81,8 @@ impl AnyStore {
             }
             Err(e) => return Err(e),
         };
-        // As with Redis: one local cache for the process, told of every gateway's evictions.
-        let cache = LocalCache::new(settings.local_cache, settings.local_cache_ttl)
-            .counting_hits(metrics.local_cache_hits());
-        let evicted = cache.clone();
-        store
-            .on_evicted(move |what| match what {
-                Evicted::Key(key) => evicted.invalidate(&key),
-                Evicted::All => evicted.clear(),
-            })
-            .await;
+        let (cache, forget) = local_cache(settings.local_cache, settings.local_cache_ttl, metrics);
+        store.on_evicted(forget).await;
         Ok(AnyStore::Postgres(CachedStore::new(store, cache)))
     }
 
@@ -138,6 +121,22 @@ macro_rules! on_store {
             AnyStore::Embedded($s) => $call,
         }
     };
+}
+
+/// One local cache of completed records for the whole process (`bytes`, `max_age`), and what
+/// drops its entries when any gateway evicts: the shared stores tell it of every eviction.
+fn local_cache(
+    bytes: u64,
+    max_age: std::time::Duration,
+    metrics: &Metrics,
+) -> (LocalCache, impl Fn(Evicted) + Send + Sync + 'static) {
+    let cache = LocalCache::new(bytes, max_age).counting_hits(metrics.local_cache_hits());
+    let evicted = cache.clone();
+    let forget = move |what| match what {
+        Evicted::Key(key) => evicted.invalidate(&key),
+        Evicted::All => evicted.clear(),
+    };
+    (cache, forget)
 }
 
 impl Store for AnyStore {
