@@ -268,17 +268,7 @@ impl GatewayError {
         let body = serde_json::json!({
             "error": { "type": kind, "message": self.to_string(), "code": code },
         });
-        let mut resp = Response::new(Body::from(body.to_string()));
-        *resp.status_mut() = status;
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Some(d) = self.retry_after() {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, retry_after_secs(d));
-        }
-        resp
+        answer(status, "application/json", &body, self.retry_after())
     }
 }
 
@@ -318,18 +308,32 @@ impl Problem {
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
-        let mut resp = Response::new(Body::from(body.to_string()));
-        *resp.status_mut() = self.status;
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        if let Some(d) = self.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, retry_after_secs(d));
-        }
-        resp
+        answer(
+            self.status,
+            "application/problem+json",
+            &body,
+            self.retry_after,
+        )
     }
+}
+
+/// An answer the gateway gives itself: `body` as `content_type` with `status`, and when set, a
+/// `Retry-After` of whole seconds (rounded up, at least 1).
+fn answer(
+    status: StatusCode,
+    content_type: &'static str,
+    body: &serde_json::Value,
+    retry_after: Option<Duration>,
+) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body.to_string()));
+    *resp.status_mut() = status;
+    let headers = resp.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    if let Some(d) = retry_after {
+        let secs = d.as_secs_f64().ceil().max(1.0) as u64;
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    resp
 }
 
 /// A time in ms since the Unix epoch as an HTTP-date.
@@ -343,11 +347,6 @@ fn status_text(status: &Option<StatusCode>) -> String {
         Some(s) => s.as_u16().to_string(),
         None => "unknown (the response was too large to keep)".to_string(),
     }
-}
-
-/// `Retry-After` for `d`: whole seconds, rounded up, at least 1.
-fn retry_after_secs(d: Duration) -> HeaderValue {
-    HeaderValue::from(d.as_secs_f64().ceil().max(1.0) as u64)
 }
 
 impl axum::response::IntoResponse for Problem {

@@ -27,13 +27,18 @@ impl fmt::Debug for HumanDuration {
     }
 }
 
+/// `s` as a duration, clamped to [`MAX_DURATION`] so that deadline arithmetic can never
+/// overflow; refused saying what it should look like (`like`).
+fn parse_duration<E: de::Error>(s: &str, like: &str) -> Result<Duration, E> {
+    humantime::parse_duration(s.trim())
+        .map(|d| d.min(MAX_DURATION))
+        .map_err(|e| E::custom(format!("{s:?} is not a duration like {like} ({e})")))
+}
+
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        // Clamped to MAX_DURATION so that deadline arithmetic can never overflow.
-        humantime::parse_duration(s.trim())
-            .map(|d| HumanDuration(d.min(MAX_DURATION)))
-            .map_err(|e| de::Error::custom(format!("{s:?} is not a duration like \"30s\" ({e})")))
+        parse_duration(&s, "\"30s\"").map(HumanDuration)
     }
 }
 
@@ -47,12 +52,7 @@ impl<'de> Deserialize<'de> for HumanTtl {
         if s.trim().eq_ignore_ascii_case("forever") {
             return Ok(HumanTtl(Ttl::Forever));
         }
-        let d = humantime::parse_duration(s.trim()).map_err(|e| {
-            de::Error::custom(format!(
-                "{s:?} is not a duration like \"30s\" or \"forever\" ({e})"
-            ))
-        })?;
-        Ok(HumanTtl(Ttl::For(d.min(MAX_DURATION))))
+        parse_duration(&s, "\"30s\" or \"forever\"").map(|d| HumanTtl(Ttl::For(d)))
     }
 }
 

@@ -552,10 +552,8 @@ impl super::Inspect for RedisStore {
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
-        let (record, tombstone) = (
-            self.redis_key(key),
-            Self::tombstone_key(&self.redis_key(key)),
-        );
+        let record = self.redis_key(key);
+        let tombstone = Self::tombstone_key(&record);
         let (raw, pttl, tomb, tomb_pttl): (Option<Vec<u8>>, i64, Option<Vec<u8>>, i64) =
             redis::pipe()
                 .get(&record)
