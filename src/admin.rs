@@ -32,7 +32,7 @@ use crate::idempotency::key::{hex, IdempotencyKey};
 use crate::idempotency::record::EntryState;
 use crate::idempotency::Routes;
 use crate::metrics::Metrics;
-use crate::store::Inspect;
+use crate::store::{Inspect, StoreError};
 
 /// What the admin handlers share.
 pub struct AdminState<S> {
@@ -234,11 +234,14 @@ async fn inspect<S: Inspect>(
     let found = match s.store.inspect(&scoped).await {
         Ok(found) => found,
         Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                &e.to_string(),
-            )
+            let (status, kind) = match e {
+                StoreError::Unreadable(_) => {
+                    (StatusCode::INTERNAL_SERVER_ERROR, "record-unreadable")
+                }
+                StoreError::Decode(_) => (StatusCode::INTERNAL_SERVER_ERROR, "corrupt-record"),
+                _ => (StatusCode::SERVICE_UNAVAILABLE, "store-unavailable"),
+            };
+            return problem(status, kind, &e.to_string());
         }
     };
     let Some(found) = found else {

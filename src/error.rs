@@ -115,6 +115,11 @@ pub enum GatewayError {
     /// length, or it cannot be decoded). Refused rather than sent; the request is not run again.
     #[error("the stored response for this Idempotency-Key is damaged and cannot be replayed; the request was not run again")]
     CorruptRecord,
+    /// 500: the stored record of this key does not open (sealed records: changed in the store,
+    /// copied from another key, sealed with a key the gateway does not hold, or in clear where
+    /// `seal = "required"`). Never replayed; the request is not run again.
+    #[error("the stored response for this Idempotency-Key cannot be opened (it was changed in the store, or sealed with a key this gateway does not hold); it is not replayed, and the request was not run again")]
+    RecordUnreadable,
     /// 503 with `Retry-After`: the idempotency store is unavailable; nothing was forwarded.
     #[error("the idempotency store is unavailable; nothing was forwarded, retry later")]
     StoreUnavailable,
@@ -135,7 +140,7 @@ impl GatewayError {
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
             }
-            Self::CorruptRecord => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::CorruptRecord | Self::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
@@ -162,6 +167,7 @@ impl GatewayError {
             Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
             Self::UnsupportedMethod(_) => "unsupported-method",
             Self::CorruptRecord => "corrupt-record",
+            Self::RecordUnreadable => "record-unreadable",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::Mismatch { .. } => "mismatch",
             Self::InFlight { .. } => "in-flight",
@@ -187,6 +193,7 @@ impl GatewayError {
             Self::UnsupportedTransferCoding => "Transfer coding not supported",
             Self::UnsupportedMethod(_) => "Method not supported",
             Self::CorruptRecord => "Stored response damaged",
+            Self::RecordUnreadable => "Stored response unreadable",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",
@@ -248,6 +255,7 @@ impl GatewayError {
             | Self::UnsupportedMethod(_)
             | Self::BodyTooLarge { .. } => ("invalid_request_error", self.status()),
             Self::CorruptRecord
+            | Self::RecordUnreadable
             | Self::Upstream
             | Self::UpstreamInvalidResponse(_)
             | Self::UpstreamTls

@@ -79,6 +79,7 @@
 //!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups
 //!   for requests waiting on an in-flight key), `store/codec.rs` (the
 //!   record's binary encoding, whose offsets the scripts in `store/redis/lua/` read),
+//!   `store/seal.rs` (records sealed at rest with AES-256-GCM: [`Seal`], the keys),
 //!   `store/embedded.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
 //!   commit), and the Redis backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/topology.rs`
 //!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
@@ -133,4 +134,4 @@ pub use idempotency::{
     OnInFlight, OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
 pub use metrics::Metrics;
-pub use store::{MemoryStore, RedisStore, Store, StoreError, Topology};
+pub use store::{MemoryStore, RedisStore, Seal, SealKeys, SealMode, Store, StoreError, Topology};

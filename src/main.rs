@@ -141,6 +141,9 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         StoreConfig::Postgres(settings) => println!("[store] {settings:#?}"),
         StoreConfig::Embedded(settings) => println!("[store] {settings:#?}"),
     }
+    if let Some(seal) = config.store.seal() {
+        println!("seal           = {}", seal.describe());
+    }
     println!("admin          = {:?}", config.admin);
     match &config.key_secret {
         Some(_) => println!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),

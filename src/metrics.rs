@@ -76,6 +76,11 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct OpLabels {
     operation: StoreOp,
 }
@@ -148,6 +153,7 @@ struct Inner {
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
     store_commits: Counter,
+    unreadable: Family<ReasonLabels, Counter>,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
@@ -303,6 +309,12 @@ impl Metrics {
             "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
             store_commits.clone(),
         );
+        let unreadable = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "idemgate_records_unreadable",
+            "Stored records that did not open (reason: tampered, unknown_key, clear) and were refused, never replayed nor run again",
+            unreadable.clone(),
+        );
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
         Metrics {
@@ -323,6 +335,7 @@ impl Metrics {
                 local_cache_entries,
                 local_cache_bytes,
                 store_commits,
+                unreadable,
             }),
         }
     }
@@ -417,6 +430,14 @@ impl Metrics {
     /// Count a keyed request forwarded without idempotency because the store was down.
     pub fn store_error_passed(&self) {
         self.inner.store_errors_passed.inc();
+    }
+
+    /// Count a stored record that did not open, by why (`tampered`, `unknown_key`, `clear`).
+    pub fn unreadable(&self, reason: &'static str) {
+        self.inner
+            .unreadable
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 
     /// Count a claim or completion that too few replicas acknowledged (`wait_replicas`).

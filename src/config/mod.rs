@@ -31,7 +31,9 @@ pub use crate::idempotency::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
 };
 pub use human::{HumanDuration, HumanSize, MAX_DURATION};
-pub use store::{redact_url, Compression, MemorySettings, RedisSettings, StoreConfig, Topology};
+pub use store::{
+    redact_url, Compression, MemorySettings, RedisSettings, SealMode, StoreConfig, Topology,
+};
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use checked::Checked;
@@ -44,6 +46,17 @@ pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Co
 
 /// The environment variable the key secret comes from (never a file: it is a secret).
 pub const KEY_SECRET_VAR: &str = "IDEMGATE_KEY_SECRET";
+
+pub use crate::store::SEAL_KEYS_VAR;
+
+/// The secrets the gateway takes from its environment, never from a file.
+#[derive(Clone, Copy, Default)]
+pub struct Secrets<'a> {
+    /// What `IDEMGATE_KEY_SECRET` holds: derived keys are made with it.
+    pub key_secret: Option<&'a [u8]>,
+    /// What `IDEMGATE_SEAL_KEYS` holds: the keys records are sealed with (`[store] seal`).
+    pub seal_keys: Option<&'a str>,
+}
 
 /// Where the gateway listens when `listen` is not given.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -179,9 +192,9 @@ impl Config {
             })?,
             None => String::new(),
         };
-        // The key secret is a secret, not a setting of the overlay.
+        // The secrets are not settings of the overlay.
         let env = Env::prefixed("IDEMGATE_")
-            .ignore(&["key_secret"])
+            .ignore(&["key_secret", "seal_keys"])
             .map(|key| {
                 if key == "admin_token" {
                     "admin.admin_token".into()
@@ -194,7 +207,19 @@ impl Config {
             .extract()
             .map_err(checked::from_figment)?;
         let secret = std::env::var_os(KEY_SECRET_VAR);
-        Self::from_raw(raw, secret.as_ref().map(|s| s.as_encoded_bytes()))
+        let seal_keys = std::env::var_os(SEAL_KEYS_VAR);
+        let seal_keys = seal_keys
+            .as_deref()
+            .map(|keys| {
+                keys.to_str()
+                    .ok_or_else(|| invalid(SEAL_KEYS_VAR, "is not UTF-8"))
+            })
+            .transpose()?;
+        let secrets = Secrets {
+            key_secret: secret.as_ref().map(|s| s.as_encoded_bytes()),
+            seal_keys,
+        };
+        Self::from_raw(raw, secrets)
     }
 
     /// The routes' policies, in file order (each named after its path pattern), for
@@ -214,14 +239,24 @@ impl Config {
         text: &str,
         secret: Option<&[u8]>,
     ) -> Result<Self, ConfigError> {
+        let secrets = Secrets {
+            key_secret: secret,
+            ..Secrets::default()
+        };
+        Self::from_toml_with_secrets(text, secrets)
+    }
+
+    /// Parse and validate TOML text, with the secrets the environment would give.
+    pub fn from_toml_with_secrets(text: &str, secrets: Secrets<'_>) -> Result<Self, ConfigError> {
         let toml =
             toml::Deserializer::parse(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         let raw: RawConfig = serde_path_to_error::deserialize(toml).map_err(checked::from_toml)?;
-        Self::from_raw(raw, secret)
+        Self::from_raw(raw, secrets)
     }
 
-    fn from_raw(raw: RawConfig, secret: Option<&[u8]>) -> Result<Self, ConfigError> {
-        let key_secret = secret
+    fn from_raw(raw: RawConfig, secrets: Secrets<'_>) -> Result<Self, ConfigError> {
+        let key_secret = secrets
+            .key_secret
             .map(KeySecret::new)
             .transpose()
             .map_err(|reason| invalid(KEY_SECRET_VAR, reason))?;
@@ -234,7 +269,10 @@ impl Config {
         })?;
         let upstreams = upstream::upstreams(raw.upstream, raw.upstreams)?;
         let tls = upstream::listener_tls(raw.tls)?;
-        let store = raw.store;
+        let mut store = raw.store;
+        store
+            .with_seal_keys(secrets.seal_keys)
+            .map_err(|reason| invalid(SEAL_KEYS_VAR, reason))?;
         let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
         let admin = AdminConfig {
             listen: match raw.admin.listen.as_deref() {

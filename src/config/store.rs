@@ -9,7 +9,7 @@ use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
 pub use crate::store::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings,
-    StoreConfig, Topology,
+    SealMode, StoreConfig, Topology,
 };
 
 /// A field refused, named within `[store]`, and why.
@@ -71,6 +71,15 @@ fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
             format!("{name:?} is not a backend; use {}", backend_names()),
         ));
     };
+    // Every backend but memory reads `seal`; its keys come from the environment later.
+    let seal = match table.remove("seal") {
+        None => SealMode::Off,
+        Some(v) => SealMode::deserialize(v)
+            .map_err(|_| refused("seal", "must be \"off\", \"on\" or \"required\""))?,
+    };
+    if seal != SealMode::Off && name == "memory" {
+        return Err(refused("seal", "does not apply to backend = \"memory\": its records never leave this process, where the keys that would seal them live too; sealing is for the embedded, Redis and PostgreSQL stores"));
+    }
     for field in table
         .keys()
         .filter(|f| !(backend.fields)().contains(&f.as_str()))
@@ -90,7 +99,9 @@ fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
             ));
         }
     }
-    (backend.read)(table)
+    let mut config = (backend.read)(table)?;
+    config.set_seal_mode(seal);
+    Ok(config)
 }
 
 /// Every backend's name, quoted, as a list a person reads.

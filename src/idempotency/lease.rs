@@ -86,7 +86,7 @@ impl<St: Store> Lease<St> {
             }
         };
         match &claim {
-            Ok(_) | Err(StoreError::Decode(_)) => pending.disarm(),
+            Ok(_) | Err(StoreError::Decode(_) | StoreError::Unreadable(_)) => pending.disarm(),
             Err(_) => drop(pending),
         }
         claim

@@ -404,6 +404,16 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let route = &held.policy.route;
+        if let StoreError::Unreadable(e) = &e {
+            self.metrics.unreadable(e.reason());
+            let key_id = e.key_id().unwrap_or("-");
+            error!(error = %e, reason = e.reason(), key_id, %route, key = %held.tag(), "stored record cannot be opened; refused, neither replayed nor run again (evict the key through the admin API to let it run again)");
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::RecordUnreadable,
+                held.policy.error_format,
+            );
+        }
         if let StoreError::Decode(e) = &e {
             error!(error = %e, %route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
             return Finished::refused(

@@ -33,8 +33,10 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::KeySource;
+use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
-use crate::store::DecodeError;
+use crate::store::seal::Seal;
+use crate::store::{DecodeError, StoreError};
 
 /// The encoding version written by this build.
 pub(crate) const FORMAT_VERSION: u8 = 3;
@@ -62,6 +64,62 @@ pub(crate) const COMPRESS_FROM: usize = 1024;
 
 /// The most a compressed body may claim to expand to (a corrupt length must not allocate more).
 const MAX_EXPANDED: usize = 1 << 30;
+
+/// How one store writes and reads its entries: whether it compresses bodies, and how it seals
+/// what it writes and opens what it reads. Claims are never compressed or sealed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Codec {
+    compress: bool,
+    seal: Seal,
+}
+
+impl Codec {
+    pub(crate) fn new(compress: bool, seal: Seal) -> Self {
+        Codec { compress, seal }
+    }
+
+    /// An in-flight claim.
+    pub(crate) fn claim(&self, fingerprint: &Fingerprint, token: &Token) -> Bytes {
+        encode(fingerprint, token, &EntryState::InFlight)
+    }
+
+    /// The entry `key` holds once completed with `state`, sealed when the store seals.
+    pub(crate) fn record<'a>(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        state: &'a EntryState,
+    ) -> Encoded<'a> {
+        let parts = encode_parts(fingerprint, token, state, self.compress);
+        match self.seal.seal(key, &[&parts.head, &parts.body]) {
+            Some(head) => Encoded {
+                head,
+                body: std::borrow::Cow::Borrowed(&[]),
+            },
+            None => parts,
+        }
+    }
+
+    /// The tombstone `key`'s record leaves ([`encode_tombstone`]), sealed when the store seals.
+    pub(crate) fn tombstone(
+        &self,
+        key: &ScopedKey,
+        keep: crate::store::Keep,
+        fingerprint: &Fingerprint,
+        state: &EntryState,
+    ) -> Option<(Bytes, std::time::Duration)> {
+        let (clear, lives) = encode_tombstone(keep, fingerprint, state)?;
+        let sealed = self.seal.seal(key, &[&clear]).map(BytesMut::freeze);
+        Some((sealed.unwrap_or(clear), lives))
+    }
+
+    /// The entry and claim token in `raw`, read from `key`'s record (or its tombstone),
+    /// opened first when it is sealed.
+    pub(crate) fn decode(&self, key: &ScopedKey, raw: Bytes) -> Result<(Entry, Token), StoreError> {
+        Ok(decode(self.seal.open(key, raw)?)?)
+    }
+}
 
 /// The encoded tombstone a record of `fingerprint` in `state`, kept as `keep` says, leaves, with
 /// how long from now it lives; `None` when it leaves none.

@@ -27,7 +27,8 @@ use redb::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{codec, Claim, EmbeddedSettings, Inspected, Keep, Store, StoreError};
+use super::codec::{self, Codec};
+use super::{Claim, EmbeddedSettings, Inspected, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::policy::Ttl;
@@ -81,6 +82,8 @@ pub struct EmbeddedStore {
     _purger: Option<Arc<AbortOnDropHandle<()>>>,
     // Durable commits so far: the fsyncs.
     commits: Counter,
+    // How records are written and read (sealed or not).
+    codec: Codec,
 }
 
 /// The open database, shared by the handles and the writer; none between a failed write (after
@@ -171,7 +174,8 @@ enum Write {
 /// A write's answer.
 #[derive(Debug)]
 enum Done {
-    Claim(Claim),
+    // The claim's answer: claimed (`None`), or the live entry that decides, with its expiry.
+    Claim(Option<(u64, Bytes)>),
     Yes(bool),
     Count(u64),
 }
@@ -220,6 +224,7 @@ impl EmbeddedStore {
             db,
             writer,
             timeout: settings.timeout,
+            codec: Codec::new(false, settings.seal.clone()),
             _purger: purger,
             commits,
         })
@@ -523,7 +528,7 @@ impl<'txn> Tables<'txn> {
             } => {
                 let expires = now + ms(*lease);
                 match self.claim(key, fingerprint, token, expires, *tombstones, now, limits)? {
-                    Ok(claim) => Done::Claim(claim),
+                    Ok(held) => Done::Claim(held),
                     Err(e) => return Ok(Err(e)),
                 }
             }
@@ -579,16 +584,16 @@ impl<'txn> Tables<'txn> {
         tombstones: bool,
         now: u64,
         limits: Limits,
-    ) -> Result2<Result<Claim, StoreError>> {
+    ) -> Result2<Result<Option<(u64, Bytes)>, StoreError>> {
         if let Some((at, value)) = self.held(key)? {
             if at > now {
-                return Ok(decided(at, value, fingerprint, token, now));
+                return Ok(Ok(Some((at, value))));
             }
             self.remove(key)?;
         }
         if tombstones {
-            if let Some((at, value)) = self.held(&key.tombstone())?.filter(|(at, _)| *at > now) {
-                return Ok(decided(at, value, fingerprint, token, now));
+            if let Some(held) = self.held(&key.tombstone())?.filter(|(at, _)| *at > now) {
+                return Ok(Ok(Some(held)));
             }
         }
         if let Err(e) = self.make_room(limits, true, now)? {
@@ -596,7 +601,7 @@ impl<'txn> Tables<'txn> {
         }
         let value = codec::encode(fingerprint, token, &EntryState::InFlight);
         self.put(key, expires, &value)?;
-        Ok(Ok(Claim::Claimed))
+        Ok(Ok(None))
     }
 
     /// The entry of `key`, expired or not.
@@ -729,20 +734,20 @@ fn weight(value: &[u8]) -> u64 {
     ENTRY_OVERHEAD + value.len() as u64
 }
 
-/// The claim's answer from a live entry expiring at `at`.
-fn decided(
-    at: u64,
-    value: Bytes,
-    fingerprint: &Fingerprint,
-    token: &Token,
-    now: u64,
-) -> Result<Claim, StoreError> {
-    let (mut entry, holder) = codec::decode(value)?;
-    entry.expires_in = lives(at, now);
-    Ok(Claim::decide(entry, &holder, fingerprint, token))
-}
-
 impl EmbeddedStore {
+    /// The claim's answer from `key`'s live entry (or tombstone) expiring at `at`.
+    fn decided(
+        &self,
+        key: &ScopedKey,
+        (at, value): (u64, Bytes),
+        fingerprint: &Fingerprint,
+        token: &Token,
+    ) -> Result<Claim, StoreError> {
+        let (mut entry, holder) = self.codec.decode(key, value)?;
+        entry.expires_in = lives(at, now_ms());
+        Ok(Claim::decide(entry, &holder, fingerprint, token))
+    }
+
     /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
     /// its record has expired.
     async fn claim_with(
@@ -756,12 +761,12 @@ impl EmbeddedStore {
         // A live entry that is not our own claim decides without a write (a replay, a claim in
         // flight, a mismatch, a tombstone); the writer checks again before it claims.
         match self.read(key)? {
-            Some((at, value)) if !holds(&value, token) => {
-                return decided(at, value, fingerprint, token, now_ms());
+            Some(held) if !holds(&held.1, token) => {
+                return self.decided(key, held, fingerprint, token);
             }
             None if tombstones => {
-                if let Some((at, value)) = self.read(&key.tombstone())? {
-                    return decided(at, value, fingerprint, token, now_ms());
+                if let Some(held) = self.read(&key.tombstone())? {
+                    return self.decided(key, held, fingerprint, token);
                 }
             }
             _ => {}
@@ -774,7 +779,8 @@ impl EmbeddedStore {
             tombstones,
         };
         match self.write(what).await? {
-            Done::Claim(claim) => Ok(claim),
+            Done::Claim(None) => Ok(Claim::Claimed),
+            Done::Claim(Some(held)) => self.decided(key, held, fingerprint, token),
             other => unreachable!("a claim answered {other:?}"),
         }
     }
@@ -809,8 +815,11 @@ impl Store for EmbeddedStore {
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let value = codec::encode(fingerprint, token, state);
-        let tombstone = codec::encode_tombstone(keep, fingerprint, state);
+        let value = self
+            .codec
+            .record(key, fingerprint, token, state)
+            .into_bytes();
+        let tombstone = self.codec.tombstone(key, keep, fingerprint, state);
         self.yes(Write::Complete {
             key: *key,
             token: *token,
@@ -860,7 +869,7 @@ impl super::Inspect for EmbeddedStore {
             return Ok(None);
         };
         let stored_bytes = value.len();
-        let (entry, _) = codec::decode(value)?;
+        let (entry, _) = self.codec.decode(key, value)?;
         Ok(Some(Inspected {
             entry,
             expires_in: lives(at, now_ms()),

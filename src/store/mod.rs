@@ -21,6 +21,7 @@ pub mod embedded;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
+mod seal;
 mod settings;
 mod watch;
 
@@ -31,6 +32,7 @@ pub use self::memory::MemoryStore;
 pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
+pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
 pub use self::settings::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
 };
@@ -176,6 +178,9 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    /// A stored record could not be opened (sealing): never replayed, never run again.
+    #[error(transparent)]
+    Unreadable(#[from] Unreadable),
 }
 
 /// The operations the state machine needs. Implementations must make each one atomic.

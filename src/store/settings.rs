@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{cached, memory, PostgresSettings, StoreError};
+use super::{cached, memory, PostgresSettings, Seal, SealKeys, SealMode, StoreError};
 
 /// `backend = "memory"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +41,8 @@ pub struct EmbeddedSettings {
     pub max_bytes: u64,
     /// How long one operation may wait for its batch before the store counts as down.
     pub timeout: Duration,
+    /// How records are sealed at rest.
+    pub seal: Seal,
 }
 
 impl EmbeddedSettings {
@@ -52,7 +54,14 @@ impl EmbeddedSettings {
             max_entries: memory::DEFAULT_MAX_ENTRIES,
             max_bytes: memory::DEFAULT_MAX_BYTES,
             timeout: DEFAULT_TIMEOUT,
+            seal: Seal::default(),
         }
+    }
+
+    /// Seal records as `seal` says.
+    pub fn seal(mut self, seal: Seal) -> Self {
+        self.seal = seal;
+        self
     }
 }
 
@@ -178,6 +187,8 @@ pub struct RedisSettings {
     pub tls_ca_file: Option<String>,
     /// How stored bodies are compressed (records are read whatever their encoding).
     pub compression: Compression,
+    /// How records are sealed at rest.
+    pub seal: Seal,
     // The CA(s) given as PEM in code, or read from `tls_ca_file`.
     pub(crate) ca_pem: Option<Vec<u8>>,
 }
@@ -201,6 +212,7 @@ impl RedisSettings {
             local_cache_ttl: cached::DEFAULT_MAX_AGE,
             tls_ca_file: None,
             compression: Compression::default(),
+            seal: Seal::default(),
             ca_pem: None,
         }
     }
@@ -234,6 +246,12 @@ impl RedisSettings {
     /// Write completed bodies with `compression` (records are read whatever their encoding).
     pub fn compression(mut self, compression: Compression) -> Self {
         self.compression = compression;
+        self
+    }
+
+    /// Seal records as `seal` says.
+    pub fn seal(mut self, seal: Seal) -> Self {
+        self.seal = seal;
         self
     }
 
@@ -275,6 +293,7 @@ impl fmt::Debug for RedisSettings {
             )
             .field("tls_ca_file", &self.tls_ca_file)
             .field("compression", &self.compression)
+            .field("seal", &self.seal)
             .finish()
     }
 }
@@ -332,6 +351,42 @@ impl StoreConfig {
     /// memory pressure and keeps no record across a loss of its data.)
     pub fn keeps_forever(&self) -> bool {
         matches!(self, StoreConfig::Postgres(_) | StoreConfig::Embedded(_))
+    }
+
+    /// The sealing settings of a backend that seals (all but memory).
+    pub fn seal(&self) -> Option<&Seal> {
+        match self {
+            StoreConfig::Memory(_) => None,
+            StoreConfig::Redis(r) => Some(&r.seal),
+            StoreConfig::Postgres(p) => Some(&p.seal),
+            StoreConfig::Embedded(e) => Some(&e.seal),
+        }
+    }
+
+    fn seal_mut(&mut self) -> Option<&mut Seal> {
+        match self {
+            StoreConfig::Memory(_) => None,
+            StoreConfig::Redis(r) => Some(&mut r.seal),
+            StoreConfig::Postgres(p) => Some(&mut p.seal),
+            StoreConfig::Embedded(e) => Some(&mut e.seal),
+        }
+    }
+
+    /// Read as `[store] seal` says; the keys come with [`with_seal_keys`](Self::with_seal_keys).
+    pub(crate) fn set_seal_mode(&mut self, mode: SealMode) {
+        if let Some(seal) = self.seal_mut() {
+            *seal = Seal::unkeyed(mode);
+        }
+    }
+
+    /// The keys of `IDEMGATE_SEAL_KEYS` (the text of the variable, when set), checked against
+    /// the mode: the reason is for the variable, and never quotes a key.
+    pub(crate) fn with_seal_keys(&mut self, keys: Option<&str>) -> Result<(), String> {
+        let keys = keys.map(SealKeys::parse).transpose()?;
+        if let Some(seal) = self.seal_mut() {
+            *seal = Seal::new(seal.mode(), keys)?;
+        }
+        Ok(())
     }
 
     /// The backend's name, as `backend` is written.

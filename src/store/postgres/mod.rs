@@ -22,10 +22,10 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::codec;
+use super::codec::Codec;
 use super::settings::redact_url;
 use super::watch::{Local, Signals};
-use super::{Claim, Inspect, Inspected, Keep, Store, StoreError, Watch};
+use super::{Claim, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{EntryState, Token};
@@ -73,6 +73,8 @@ pub struct PostgresSettings {
     pub local_cache: u64,
     /// The longest a response stays in the local cache.
     pub local_cache_ttl: Duration,
+    /// How records are sealed at rest.
+    pub seal: Seal,
 }
 
 impl PostgresSettings {
@@ -86,7 +88,14 @@ impl PostgresSettings {
             tls_ca_file: None,
             local_cache: super::cached::DEFAULT_BYTES,
             local_cache_ttl: super::cached::DEFAULT_MAX_AGE,
+            seal: Seal::default(),
         }
+    }
+
+    /// Seal records as `seal` says.
+    pub fn seal(mut self, seal: Seal) -> Self {
+        self.seal = seal;
+        self
     }
 
     /// Keep the records in `table`.
@@ -122,6 +131,7 @@ impl fmt::Debug for PostgresSettings {
                 "local_cache_ttl",
                 &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
             )
+            .field("seal", &self.seal)
             .finish()
     }
 }
@@ -213,6 +223,8 @@ struct Shared {
     // Hears other gateways' evictions, once asked to (`on_evicted`); stops with the store.
     listener: std::sync::OnceLock<AbortOnDropHandle<()>>,
     sql: Sql,
+    // How records are written and read (sealed or not).
+    codec: Codec,
     table: String,
     timeout: Duration,
     // Set once the table is known to be there at our version; until then each operation checks
@@ -330,6 +342,7 @@ impl PostgresStore {
             waiters: Arc::default(),
             listener: std::sync::OnceLock::new(),
             sql: Sql::for_table(&settings.table, REAP_BATCH),
+            codec: Codec::new(false, settings.seal.clone()),
             table: settings.table.clone(),
             timeout: settings.timeout,
             ready: tokio::sync::OnceCell::new(),
@@ -542,11 +555,16 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The entry a returned row holds (`record`, milliseconds left: NULL when kept forever).
-fn entry_of(row: &Row) -> Result<(crate::idempotency::record::Entry, Token), StoreError> {
+/// The entry a returned row of `key`'s record holds (`record`, milliseconds left: NULL when kept
+/// forever).
+fn entry_of(
+    codec: &Codec,
+    key: &ScopedKey,
+    row: &Row,
+) -> Result<(crate::idempotency::record::Entry, Token), StoreError> {
     let raw: Vec<u8> = row.get(0);
     let left: Option<i64> = row.get(1);
-    let (mut entry, holder) = codec::decode(Bytes::from(raw))?;
+    let (mut entry, holder) = codec.decode(key, Bytes::from(raw))?;
     entry.expires_in = left.map(|left| Duration::from_millis(left.max(0) as u64));
     Ok((entry, holder))
 }
@@ -580,7 +598,7 @@ impl Store for PostgresStore {
             return Ok(claim);
         };
         self.release(key, token).await?;
-        let (held, holder) = entry_of(&row)?;
+        let (held, holder) = entry_of(&self.shared.codec, key, &row)?;
         Ok(Claim::decide(held, &holder, fingerprint, token))
     }
 
@@ -591,7 +609,7 @@ impl Store for PostgresStore {
         token: &Token,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let record = codec::encode(fingerprint, token, &EntryState::InFlight);
+        let record = self.shared.codec.claim(fingerprint, token);
         let s = self.handle();
         let params: [&(dyn ToSql + Sync); 4] =
             [&&key.0[..], &&token.0[..], &&record[..], &millis(lease)];
@@ -600,7 +618,7 @@ impl Store for PostgresStore {
         for _ in 0..CLAIM_RUNS {
             let rows = s.query(&self.shared.sql.claim, &params).await?;
             if let Some(row) = rows.first() {
-                let (held, holder) = entry_of(row)?;
+                let (held, holder) = entry_of(&self.shared.codec, key, row)?;
                 return Ok(Claim::decide(held, &holder, fingerprint, token));
             }
         }
@@ -615,12 +633,13 @@ impl Store for PostgresStore {
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let record = codec::encode(fingerprint, token, state);
+        let codec = &self.shared.codec;
+        let record = codec.record(key, fingerprint, token, state).into_bytes();
         let s = self.handle();
         let ttl = keep.ttl.finite().map(millis);
         let at = key.tombstone();
         let (k, t) = (&&key.0[..], &&token.0[..]);
-        let n = match codec::encode_tombstone(keep, fingerprint, state) {
+        let n = match codec.tombstone(key, keep, fingerprint, state) {
             None => {
                 let sql = &self.shared.sql.complete;
                 s.execute(sql, &[k, t, &&record[..], &ttl]).await?
@@ -685,7 +704,7 @@ impl Inspect for PostgresStore {
             return Ok(None);
         };
         let stored_bytes = row.get::<_, &[u8]>(0).len();
-        let (entry, _) = entry_of(row)?;
+        let (entry, _) = entry_of(&self.shared.codec, key, row)?;
         Ok(Some(Inspected {
             expires_in: entry.expires_in,
             entry,

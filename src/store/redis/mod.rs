@@ -56,6 +56,8 @@ pub struct RedisStore {
     // The prefix, the compression and how to open more connections.
     options: Arc<RedisSettings>,
     scripts: Arc<Scripts>,
+    // How records are written and read (compressed, sealed).
+    codec: codec::Codec,
     // Whether claims use `SET NX GET`; cleared for good when the server refuses it (Redis < 7).
     native_claim: Arc<AtomicBool>,
 }
@@ -196,6 +198,10 @@ impl RedisStore {
         wait: Option<Arc<WaitPool>>,
     ) -> Result<Self, StoreError> {
         let tagged = matches!(options.topology, Topology::Cluster { .. });
+        let codec = codec::Codec::new(
+            options.compression == Compression::Lz4,
+            options.seal.clone(),
+        );
         Ok(RedisStore {
             conn: Conn::open(&Self::opening(&options))?,
             events,
@@ -203,6 +209,7 @@ impl RedisStore {
             wait,
             options,
             scripts: Arc::new(Scripts::load(tagged)),
+            codec,
             native_claim: Arc::new(AtomicBool::new(true)),
         })
     }
@@ -567,7 +574,7 @@ impl super::Inspect for RedisStore {
             return Ok(None);
         };
         let stored_bytes = raw.len();
-        let (entry, _) = codec::decode(Bytes::from(raw))?;
+        let (entry, _) = self.codec.decode(key, Bytes::from(raw))?;
         Ok(Some(super::Inspected {
             entry,
             expires_in: u64::try_from(pttl).ok().map(Duration::from_millis),
@@ -646,7 +653,7 @@ impl RedisStore {
         lease: Duration,
         tombstones: bool,
     ) -> Result<Claim, StoreError> {
-        let entry = codec::encode(fingerprint, token, &EntryState::InFlight);
+        let entry = self.codec.claim(fingerprint, token);
         let redis_key = self.redis_key(key);
         let tombstone = tombstones.then(|| Self::tombstone_key(&redis_key));
         let tried = self.try_claim(&redis_key, &entry, lease, tombstone.as_deref());
@@ -661,7 +668,7 @@ impl RedisStore {
                 Err(not_acknowledged)
             }
             (Some((raw, pttl)), _) => {
-                let (mut held, holder) = codec::decode(Bytes::from(raw))?;
+                let (mut held, holder) = self.codec.decode(key, Bytes::from(raw))?;
                 held.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
                 Ok(Claim::decide(held, &holder, fingerprint, token))
             }
@@ -698,13 +705,8 @@ impl Store for RedisStore {
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let parts = codec::encode_parts(
-            fingerprint,
-            token,
-            state,
-            self.options.compression == Compression::Lz4,
-        );
-        let tombstone = codec::encode_tombstone(keep, fingerprint, state);
+        let parts = self.codec.record(key, fingerprint, token, state);
+        let tombstone = self.codec.tombstone(key, keep, fingerprint, state);
         if parts.len() >= STAGE_FROM {
             return self
                 .complete_staged(key, token, &parts, keep.ttl, tombstone)
