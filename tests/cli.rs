@@ -485,3 +485,81 @@ fn key_and_fingerprint_settings_are_checked_and_the_secret_never_printed() {
     }
     assert!(!stdout.contains(secret), "the key secret is never printed");
 }
+
+#[test]
+fn sealing_keys_are_checked_and_shown_by_id_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let k1 = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    let base = [
+        ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+        ("IDEMGATE_STORE__BACKEND", "embedded"),
+        ("IDEMGATE_STORE__PATH", dir.path().to_str().unwrap()),
+        ("IDEMGATE_STORE__SEAL", "required"),
+    ];
+    let keys = format!("k2:{},k1:{k1}", k1.replace('A', "B"));
+    let out = idemgate_env(
+        &["check-config"],
+        &[&base[..], &[("IDEMGATE_SEAL_KEYS", &keys)]].concat(),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("seal           = required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(k1) && !stdout.contains("AAEC"), "{stdout}");
+
+    let short = format!("k1:{}", &k1[..20]);
+    let two = format!("k1:{k1},k1:{k1}");
+    for (env, field, says) in [
+        (vec![], "IDEMGATE_SEAL_KEYS", "needs the keys"),
+        (
+            vec![("IDEMGATE_SEAL_KEYS", short.as_str())],
+            "IDEMGATE_SEAL_KEYS",
+            "is 15 bytes",
+        ),
+        (
+            vec![("IDEMGATE_SEAL_KEYS", two.as_str())],
+            "IDEMGATE_SEAL_KEYS",
+            "listed twice",
+        ),
+        (
+            vec![("IDEMGATE_SEAL_KEYS", "k1")],
+            "IDEMGATE_SEAL_KEYS",
+            "is not id:<base64",
+        ),
+        (
+            vec![
+                ("IDEMGATE_STORE__BACKEND", "memory"),
+                ("IDEMGATE_STORE__PATH", ""),
+            ],
+            "store",
+            "seal",
+        ),
+        (
+            vec![("IDEMGATE_STORE__SEAL", "yes")],
+            "store.seal",
+            "\"off\", \"on\" or \"required\"",
+        ),
+    ] {
+        let mut all: Vec<(&str, &str)> = base.to_vec();
+        all.retain(|(k, _)| !env.iter().any(|(e, _)| e == k));
+        all.extend(env.iter().copied());
+        all.retain(|(k, v)| !(*k == "IDEMGATE_STORE__PATH" && v.is_empty()));
+        let out = idemgate_env(&["check-config"], &all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{env:?}: {stderr}");
+        assert!(
+            stderr.contains(field) && stderr.contains(says),
+            "{env:?}: {stderr}"
+        );
+        assert!(
+            !stderr.contains(&k1[..20]),
+            "a key is never printed: {stderr}"
+        );
+    }
+}

@@ -21,6 +21,8 @@ pub struct TestConfig {
     table: toml::Table,
     /// What `IDEMGATE_KEY_SECRET` holds for this gateway (derived keys), if anything.
     pub key_secret: Option<String>,
+    /// What `IDEMGATE_SEAL_KEYS` holds for this gateway (sealed records), if anything.
+    pub seal_keys: Option<String>,
 }
 
 impl Default for TestConfig {
@@ -29,6 +31,7 @@ impl Default for TestConfig {
         TestConfig {
             table: toml::Table::new(),
             key_secret: None,
+            seal_keys: None,
         }
         .set("listen", "127.0.0.1:0")
         .set("store.backend", "memory")
@@ -101,6 +104,13 @@ impl TestConfig {
         self
     }
 
+    /// Seal records as `mode` says (`"off"`, `"on"`, `"required"`) with `keys` as
+    /// `IDEMGATE_SEAL_KEYS` (`"k2:<base64>,k1:<base64>"`).
+    pub fn seal(mut self, mode: &str, keys: &str) -> Self {
+        self.seal_keys = Some(keys.to_string());
+        self.set("store.seal", mode)
+    }
+
     /// Set the field at the dotted `path` (its tables are created as needed).
     pub fn set(mut self, path: &str, value: impl Into<toml::Value>) -> Self {
         let (tables, field) = match path.rsplit_once('.') {
@@ -138,8 +148,11 @@ impl TestConfig {
 
     /// The config as the gateway library parses it.
     pub fn parse(&self) -> idemgate::config::Config {
-        let secret = self.key_secret.as_ref().map(|s| s.as_bytes());
-        idemgate::config::Config::from_toml_with_key_secret(&self.to_toml(), secret)
+        let secrets = idemgate::config::Secrets {
+            key_secret: self.key_secret.as_ref().map(|s| s.as_bytes()),
+            seal_keys: self.seal_keys.as_deref(),
+        };
+        idemgate::config::Config::from_toml_with_secrets(&self.to_toml(), secrets)
             .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", self.to_toml()))
     }
 }

@@ -151,9 +151,13 @@ impl GatewayBinary {
                     std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
                 )
                 .env_remove("IDEMGATE_KEY_SECRET")
+                .env_remove("IDEMGATE_SEAL_KEYS")
                 .stdout(Stdio::null());
             if let Some(secret) = &config.key_secret {
                 command.env("IDEMGATE_KEY_SECRET", secret);
+            }
+            if let Some(keys) = &config.seal_keys {
+                command.env("IDEMGATE_SEAL_KEYS", keys);
             }
             let mut child = command.spawn().unwrap();
             let addr: SocketAddr = listen.parse().unwrap();
@@ -299,6 +303,13 @@ impl TestEnv {
             .as_ref()
             .expect("PostgreSQL runs only on the Postgres backend")
             .postgres()
+    }
+
+    /// Stop the gateway and start a new one with `config` (`env.config()` changed) on the same
+    /// store.
+    pub async fn restart_gateway_with(&mut self, config: TestConfig) {
+        self.config = config;
+        self.restart_gateway().await;
     }
 
     /// Stop the gateway and start a new one with the same config and store.
