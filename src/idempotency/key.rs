@@ -115,7 +115,7 @@ impl IdempotencyKey {
     /// The key derived from `fields` of a JSON body: an HMAC-SHA256, with `secret`, over each
     /// field's pointer and canonical value; `None` when a field is missing.
     pub(crate) fn derived(doc: &Json<'_>, fields: &[Pointer], secret: &KeySecret) -> Option<Self> {
-        use hmac::{Hmac, Mac};
+        use hmac::{Hmac, KeyInit, Mac};
         let mut mac =
             Hmac::<Sha256>::new_from_slice(secret.expose()).expect("HMAC takes any key length");
         for field in fields {
