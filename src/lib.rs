@@ -99,7 +99,8 @@
 //!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
 //!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
 //!   `idempotency/json/canonical.rs` and `idempotency/json/pointer.rs` (strict JSON, its
-//!   canonical form, RFC 6901 pointers), and `idempotency/tests.rs` (every branch of the
+//!   canonical form, RFC 6901 pointers; `idempotency/json/differential.rs`: their property
+//!   tests against serde_json and an exact oracle), and `idempotency/tests.rs` (every branch of the
 //!   protocol without sockets).
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
 //!   (`error.rs`: problem+json and Stripe-shaped answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`

@@ -16,6 +16,8 @@
 //! [`Policy`]: crate::Policy
 
 mod canonical;
+#[cfg(test)]
+mod differential;
 mod parse;
 mod pointer;
 
