@@ -14,6 +14,29 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Where an in-process store (memory, embedded) counts the completed records it evicted before
+/// their TTL to stay within a bound: a retry of such a record runs again. (Expired records are
+/// not counted: their purge loses nothing.)
+#[derive(Debug, Clone, Default)]
+pub struct Evictions {
+    /// Records evicted because the store held `max_entries`.
+    pub max_entries: Counter,
+    /// Records evicted because the store held `max_bytes`.
+    pub max_bytes: Counter,
+}
+
+impl Evictions {
+    /// Count `n` evictions, made for the entry bound when `for_entries`, else for the byte bound.
+    pub(crate) fn count(&self, for_entries: bool, n: u64) {
+        if n > 0 {
+            match for_entries {
+                true => self.max_entries.inc_by(n),
+                false => self.max_bytes.inc_by(n),
+            };
+        }
+    }
+}
+
 /// What happened to a request, as counted by `idemgate_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -153,6 +176,7 @@ struct Inner {
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
     store_commits: Counter,
+    evictions: Family<ReasonLabels, Counter>,
     unreadable: Family<ReasonLabels, Counter>,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
@@ -309,6 +333,12 @@ impl Metrics {
             "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
             store_commits.clone(),
         );
+        let evictions = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_evictions",
+            "Completed records the memory or embedded store evicted before their TTL to stay within a bound (reason: max_entries, max_bytes); a retry of one runs again",
+            evictions.clone(),
+        );
         let unreadable = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "idemgate_records_unreadable",
@@ -335,6 +365,7 @@ impl Metrics {
                 local_cache_entries,
                 local_cache_bytes,
                 store_commits,
+                evictions,
                 unreadable,
             }),
         }
@@ -430,6 +461,20 @@ impl Metrics {
     /// Count a keyed request forwarded without idempotency because the store was down.
     pub fn store_error_passed(&self) {
         self.inner.store_errors_passed.inc();
+    }
+
+    /// The counters the memory and the embedded store count their evictions for room into.
+    pub fn store_evictions(&self) -> Evictions {
+        let of = |reason| {
+            self.inner
+                .evictions
+                .get_or_create(&ReasonLabels { reason })
+                .clone()
+        };
+        Evictions {
+            max_entries: of("max_entries"),
+            max_bytes: of("max_bytes"),
+        }
     }
 
     /// Count a stored record that did not open, by why (`tampered`, `unknown_key`, `clear`).
