@@ -62,6 +62,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::miss,
+        Outcome::replayed,
+        Outcome::in_flight_conflict,
+        Outcome::mismatch,
+        Outcome::not_replayable,
+        Outcome::expired,
+        Outcome::passthrough,
+        Outcome::store_error,
+        Outcome::rejected_invalid,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -76,6 +89,60 @@ impl Outcome {
             Outcome::rejected_invalid => "rejected_invalid",
         }
     }
+}
+
+/// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
+/// client went away and the server dropped the request), it counts the request in
+/// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
+pub(crate) struct Unanswered<'m> {
+    metrics: &'m Metrics,
+    // 0: undecided; else the index in `Outcome::ALL` plus one.
+    decided: std::sync::atomic::AtomicU8,
+    answered: bool,
+}
+
+impl<'m> Unanswered<'m> {
+    pub(crate) fn new(metrics: &'m Metrics) -> Self {
+        Unanswered {
+            metrics,
+            decided: Default::default(),
+            answered: false,
+        }
+    }
+
+    /// The request has come to `outcome`, though its answer is still to come.
+    pub(crate) fn decided(&self, outcome: Outcome) {
+        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.decided
+            .store(at as u8 + 1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The answer is given: nothing to count.
+    pub(crate) fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let at = self.decided.load(std::sync::atomic::Ordering::Relaxed) as usize;
+        let outcome = at
+            .checked_sub(1)
+            .map_or("undecided", |at| Outcome::ALL[at].as_str());
+        self.metrics
+            .inner
+            .disconnects
+            .get_or_create(&DisconnectLabels { outcome })
+            .inc();
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DisconnectLabels {
+    outcome: &'static str,
 }
 
 /// A store operation, as labelled in `idemgate_store_operation_seconds{operation}`.
@@ -176,6 +243,7 @@ struct Inner {
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
     store_commits: Counter,
+    disconnects: Family<DisconnectLabels, Counter>,
     evictions: Family<ReasonLabels, Counter>,
     unreadable: Family<ReasonLabels, Counter>,
     upstream_requests: Family<UpstreamLabels, Counter>,
@@ -333,6 +401,12 @@ impl Metrics {
             "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
             store_commits.clone(),
         );
+        let disconnects = Family::<DisconnectLabels, Counter>::default();
+        registry.register(
+            "idemgate_client_disconnects",
+            "Requests whose client went away before their answer, by the outcome they had come to (undecided: before the claim was answered); a claimed call runs on and is recorded",
+            disconnects.clone(),
+        );
         let evictions = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "idemgate_store_evictions",
@@ -365,6 +439,7 @@ impl Metrics {
                 local_cache_entries,
                 local_cache_bytes,
                 store_commits,
+                disconnects,
                 evictions,
                 unreadable,
             }),
