@@ -421,6 +421,27 @@ impl Metrics {
         );
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
+        // Every series of a label set known up front starts at zero: a rule's `increase()` then
+        // sees the first event, and a dashboard shows zero instead of no data.
+        for reason in [
+            ClosedBy::header_timeout,
+            ClosedBy::idle_timeout,
+            ClosedBy::stalled,
+        ] {
+            drop(clients.closed.get_or_create(&ClosedLabels { reason }));
+        }
+        for operation in [StoreOp::claim, StoreOp::complete] {
+            drop(unacknowledged.get_or_create(&OpLabels { operation }));
+        }
+        for outcome in Outcome::ALL.iter().map(|o| o.as_str()).chain(["undecided"]) {
+            drop(disconnects.get_or_create(&DisconnectLabels { outcome }));
+        }
+        for reason in ["max_entries", "max_bytes"] {
+            drop(evictions.get_or_create(&ReasonLabels { reason }));
+        }
+        for reason in crate::store::Unreadable::REASONS {
+            drop(unreadable.get_or_create(&ReasonLabels { reason }));
+        }
         Metrics {
             inner: Arc::new(Inner {
                 clients,
