@@ -189,12 +189,21 @@ impl Config {
                     key.as_str().replace("__", ".").into()
                 }
             });
-        let raw: RawConfig = figment::Figment::from(Toml::string(&text))
-            .merge(env)
-            .extract()
-            .map_err(checked::from_figment)?;
         let secret = std::env::var_os(KEY_SECRET_VAR);
-        Self::from_raw(raw, secret.as_ref().map(|s| s.as_encoded_bytes()))
+        Self::from_figment(
+            figment::Figment::from(Toml::string(&text)).merge(env),
+            secret.as_ref().map(|s| s.as_encoded_bytes()),
+        )
+    }
+
+    /// Read and validate what `figment` holds ([`Config::load`]: the file with the environment
+    /// over it).
+    pub(crate) fn from_figment(
+        figment: figment::Figment,
+        secret: Option<&[u8]>,
+    ) -> Result<Self, ConfigError> {
+        let raw: RawConfig = figment.extract().map_err(checked::from_figment)?;
+        Self::from_raw(raw, secret)
     }
 
     /// The routes' policies, in file order (each named after its path pattern), for
