@@ -323,12 +323,10 @@ impl<St: Store> Shared<St> {
                 return passed.ended(Outcome::passthrough);
             }
             Ok(Collected::TooLarge { .. }) => {
-                let limit = policy.max_body;
-                return Finished::refused(
-                    rejected_invalid,
-                    GatewayError::BodyTooLarge { limit },
-                    format,
-                );
+                let too_large = GatewayError::BodyTooLarge {
+                    limit: policy.max_body,
+                };
+                return Finished::refused(rejected_invalid, too_large, format);
             }
             Err(_) => {
                 return Finished::refused(rejected_invalid, GatewayError::InvalidBody, format)
