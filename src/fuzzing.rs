@@ -194,7 +194,8 @@ fn timeless(encoded: &[u8]) -> Vec<u8> {
 
 /// The configuration: `data` is a TOML file, read as `idemgate --config` reads it (through
 /// figment, without the environment) and as [`Config::from_toml`] reads it, with and without a
-/// key secret. A configuration that validates builds its route table.
+/// key secret. Both readings accept the same files; a configuration that validates builds its
+/// route table.
 ///
 /// Validation reads the certificate files a configuration names; a document that names an
 /// absolute path or one with `..` in a `*_file` field is left out, so that no input reads
@@ -214,7 +215,16 @@ pub fn config(data: &[u8]) {
     if parsed.is_ok() {
         use figment::providers::{Format, Toml};
         let figment = figment::Figment::from(Toml::string(text));
-        configs.push(Config::from_figment(figment, Default::default()));
+        let loaded = Config::from_figment(figment, Default::default());
+        // The binary accepts the files that `from_toml` accepts, and no others.
+        assert_eq!(
+            loaded.is_ok(),
+            configs[0].is_ok(),
+            "figment: {:?}, from_toml: {:?}",
+            loaded.as_ref().err().map(|e| e.to_string()),
+            configs[0].as_ref().err().map(|e| e.to_string()),
+        );
+        configs.push(loaded);
     }
     for config in configs.iter().flatten() {
         // What check-config prints.
