@@ -154,6 +154,7 @@ struct Inner {
     local_cache_bytes: Gauge,
     store_commits: Counter,
     unreadable: Family<ReasonLabels, Counter>,
+    trace_spans_dropped: Counter,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
@@ -315,6 +316,12 @@ impl Metrics {
             "Stored records that did not open (reason: tampered, unknown_key, clear) and were refused, never replayed nor run again",
             unreadable.clone(),
         );
+        let trace_spans_dropped = Counter::default();
+        registry.register(
+            "idemgate_trace_spans_dropped",
+            "Trace spans not exported ([telemetry]): the export queue was full, or the collector refused or did not answer",
+            trace_spans_dropped.clone(),
+        );
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
         Metrics {
@@ -336,6 +343,7 @@ impl Metrics {
                 local_cache_bytes,
                 store_commits,
                 unreadable,
+                trace_spans_dropped,
             }),
         }
     }
@@ -456,6 +464,11 @@ impl Metrics {
     /// The counter of the embedded store's durable commits (given to the store to count into).
     pub fn store_commits(&self) -> Counter {
         self.inner.store_commits.clone()
+    }
+
+    /// The counter of trace spans dropped (given to the exporter to count into).
+    pub fn trace_spans_dropped(&self) -> Counter {
+        self.inner.trace_spans_dropped.clone()
     }
 
     /// Record the local cache's size (entries, bytes), just before a scrape.
