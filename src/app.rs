@@ -15,8 +15,9 @@ use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::listener::{ConnectionCap, Timeouts, Worker};
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::proxy::{Proxy, ProxyError};
 use crate::store::{AnyStore, StoreError};
+use crate::telemetry::Sampling;
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -42,7 +43,12 @@ impl App {
     /// Open the configured store (for Redis: connect, and warn when its settings could lose
     /// records). Fails when the store is misconfigured; an unreachable Redis is picked up later.
     pub async fn new(config: Config) -> Result<Self, AppError> {
-        let metrics = Metrics::new();
+        Self::with_metrics(config, Metrics::new()).await
+    }
+
+    /// [`App::new`], counting into `metrics` (which the binary's trace exporter counts into
+    /// too).
+    pub async fn with_metrics(config: Config, metrics: Metrics) -> Result<Self, AppError> {
         let store = AnyStore::open(&config.store, &metrics).await?;
         let admin = match config.admin.listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),
@@ -209,22 +215,14 @@ async fn worker(
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in loadtest/README.md); keyed requests have a debug span of their own.
     let stack = layer.layer(Proxy::new(config.upstreams.values(), layer.metrics()));
-    let worker = Worker {
-        listener,
-        stack,
-        tls: config
-            .tls
-            .as_ref()
-            .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
-        timeouts: Timeouts {
-            header: config.client_header_timeout,
-            idle: config.client_idle_timeout,
-        },
-        cap,
-        metrics: layer.metrics().clone(),
-        routes: Arc::new(layer.routes().clone()),
+    // Without [telemetry], no sampling service: the stack is what it would be without it.
+    let connections = match &config.telemetry {
+        None => accept(listener, stack, &config, &layer, cap, stop).await,
+        Some(t) => {
+            let stack = Sampling::new(stack, t.sample_ratio);
+            accept(listener, stack, &config, &layer, cap, stop).await
+        }
     };
-    let connections = worker.run(stop).await;
     // The grace starts when the stop does.
     let grace = config.shutdown_grace;
     let deadline = Instant::now() + grace;
@@ -245,4 +243,44 @@ async fn worker(
             "shutdown grace ran out with upstream calls in flight; their keys stay claimed until their leases end"
         );
     }
+}
+
+/// Serve `stack` on a worker's `listener` until told to stop; the open connections, each told
+/// to finish.
+async fn accept<S, RB>(
+    listener: TcpListener,
+    stack: S,
+    config: &Config,
+    layer: &IdempotencyLayer<AnyStore>,
+    cap: Arc<ConnectionCap>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio_util::task::TaskTracker
+where
+    S: tower::Service<
+            http::Request<axum::body::Body>,
+            Response = http::Response<RB>,
+            Error = ProxyError,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    RB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    RB::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let worker = Worker {
+        listener,
+        stack,
+        tls: config
+            .tls
+            .as_ref()
+            .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
+        timeouts: Timeouts {
+            header: config.client_header_timeout,
+            idle: config.client_idle_timeout,
+        },
+        cap,
+        metrics: layer.metrics().clone(),
+        routes: Arc::new(layer.routes().clone()),
+    };
+    worker.run(stop).await
 }

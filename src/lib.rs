@@ -62,7 +62,10 @@
 //!   rule, errors naming the field as written), `config/policy.rs` (`[defaults]` and
 //!   `[[routes]]` as checked fields merged over the built-in policy), `config/store.rs`
 //!   (`[store]`, one table per backend), `config/upstream.rs` (`[upstreams.NAME]`, `[tls]`),
-//!   `config/human.rs` (durations and sizes as people write them).
+//!   `config/telemetry.rs` (`[telemetry]`), `config/human.rs` (durations and sizes as people
+//!   write them).
+//! - [`telemetry`] (`telemetry.rs`): the gateway's OpenTelemetry traces: which requests are
+//!   sampled, the layer that records their spans, the OTLP export that never blocks.
 //! - `listener/`: client connections: `listener/mod.rs` (the accept loop under
 //!   `max_client_connections`, one connection served with HTTP/1.1 or HTTP/2, the service that
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
@@ -94,7 +97,8 @@
 //!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/shared.rs` (what
 //!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
 //!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
-//!   `idempotency/routes.rs` ([`Routes`]), `idempotency/key.rs`,
+//!   `idempotency/routes.rs` ([`Routes`]), `idempotency/trace.rs` (W3C `traceparent`, and
+//!   what the engine's spans carry as OTel spans), `idempotency/key.rs`,
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/fingerprint.rs`,
 //!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
 //!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
@@ -132,6 +136,7 @@ mod listener;
 pub mod metrics;
 pub mod proxy;
 pub mod store;
+pub mod telemetry;
 mod tls;
 
 pub use app::{run, App, AppError};

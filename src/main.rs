@@ -6,8 +6,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idemgate::config::{Config, StoreConfig, KEY_SECRET_VAR};
+use idemgate::telemetry::Telemetry;
+use idemgate::Metrics;
 use tokio::net::TcpListener;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 // mimalloc: hyper's many small per-request allocations are noticeably cheaper than with the
 // system allocator (see loadtest/README.md for the figures).
@@ -58,20 +62,22 @@ enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    match cli.log_format {
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
-        LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_current_span(true)
-            .with_env_filter(filter)
-            .init(),
-    }
+    let format = cli.log_format;
     let result = match (cli.command, cli.config) {
-        (Some(Command::Demo { listen }), _) => demo(&listen).await,
-        (Some(Command::CheckConfig { file }), _) => check_config(file.as_deref()),
-        (Some(Command::Healthcheck { url }), _) => healthcheck(&url).await,
-        (None, file) => run(file.as_deref()).await,
+        (Some(Command::Demo { listen }), _) => {
+            init_logging(format, None);
+            demo(&listen).await
+        }
+        (Some(Command::CheckConfig { file }), _) => {
+            init_logging(format, None);
+            check_config(file.as_deref())
+        }
+        (Some(Command::Healthcheck { url }), _) => {
+            init_logging(format, None);
+            healthcheck(&url).await
+        }
+        // Logging starts once the config says whether traces are exported.
+        (None, file) => run(file.as_deref(), format).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -92,9 +98,62 @@ fn load(file: Option<&str>) -> Result<Config, String> {
     })
 }
 
-async fn run(file: Option<&str>) -> Result<(), String> {
+/// Log to stderr at `RUST_LOG`'s level (default `info`); with `telemetry`, also record the
+/// sampled requests' spans for export.
+fn init_logging(format: LogFormat, telemetry: Option<&Telemetry>) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let Some(telemetry) = telemetry else {
+        // Without traces, one global filter: spans below its level cost next to nothing.
+        match format {
+            LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+            LogFormat::Json => tracing_subscriber::fmt()
+                .json()
+                .with_current_span(true)
+                .with_env_filter(filter)
+                .init(),
+        }
+        return;
+    };
+    // With traces, each layer filters for itself: the debug-level spans of sampled requests
+    // reach the OTel layer whatever RUST_LOG says.
+    let fmt = match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer().with_filter(filter).boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_filter(filter)
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(fmt)
+        .with(telemetry.layer())
+        .init();
+}
+
+async fn run(file: Option<&str>, format: LogFormat) -> Result<(), String> {
     let shutdown = shutdown_signal();
     let config = load(file)?;
+    let metrics = Metrics::new();
+    let telemetry = match &config.telemetry {
+        Some(t) => Some(Telemetry::start(t, metrics.trace_spans_dropped())?),
+        None => None,
+    };
+    init_logging(format, telemetry.as_ref());
+    let served = serve(config, metrics, shutdown).await;
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown().await;
+    }
+    served
+}
+
+async fn serve(
+    config: Config,
+    metrics: Metrics,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    if let Some(t) = &config.telemetry {
+        tracing::info!(collector = %t.traces_url, sample_ratio = t.sample_ratio, "exporting traces");
+    }
     tracing::info!(store = %config.store.describe(), "configuration loaded");
     if let Some(warning) = config.store.durability_warning() {
         tracing::warn!("{warning}");
@@ -106,7 +165,7 @@ async fn run(file: Option<&str>) -> Result<(), String> {
     // timeout) stops the start there.
     let mut shutdown = Box::pin(shutdown);
     let app = tokio::select! {
-        app = idemgate::App::new(config) => app.map_err(|e| e.to_string())?,
+        app = idemgate::App::with_metrics(config, metrics) => app.map_err(|e| e.to_string())?,
         () = &mut shutdown => return Ok(()),
     };
     app.serve(listener, shutdown)
@@ -145,6 +204,10 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         println!("seal           = {}", seal.describe());
     }
     println!("admin          = {:?}", config.admin);
+    match &config.telemetry {
+        Some(t) => println!("[telemetry] {t:#?}"),
+        None => println!("telemetry      = off (no [telemetry]: no traces exported)"),
+    }
     match &config.key_secret {
         Some(_) => println!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),
         None => println!("key_secret     = none ({KEY_SECRET_VAR} not set)"),

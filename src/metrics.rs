@@ -240,6 +240,7 @@ struct Inner {
     store_errors_passed: Counter,
     store: StoreFamilies,
     disconnects: Family<DisconnectLabels, Counter>,
+    trace_spans_dropped: Counter,
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
@@ -450,6 +451,12 @@ impl Metrics {
             "Requests whose client went away before their answer, by the outcome they had come to (undecided: before the claim was answered); a claimed call runs on and is recorded",
             Family::<DisconnectLabels, Counter>::default(),
         );
+        let trace_spans_dropped = registered(
+            &mut registry,
+            "idemgate_trace_spans_dropped",
+            "Trace spans not exported ([telemetry]): the export queue was full, or the collector refused or did not answer",
+            Counter::default(),
+        );
         let store = StoreFamilies::register(&mut registry);
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
@@ -468,6 +475,7 @@ impl Metrics {
                 store_errors_passed,
                 store,
                 disconnects,
+                trace_spans_dropped,
             }),
         };
         metrics.start_at_zero();
@@ -636,6 +644,11 @@ impl Metrics {
     /// The counter of the embedded store's durable commits (given to the store to count into).
     pub fn store_commits(&self) -> Counter {
         self.inner.store.store_commits.clone()
+    }
+
+    /// The counter of trace spans dropped (given to the exporter to count into).
+    pub fn trace_spans_dropped(&self) -> Counter {
+        self.inner.trace_spans_dropped.clone()
     }
 
     /// Record the local cache's size (entries, bytes), just before a scrape.

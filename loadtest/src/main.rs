@@ -2,11 +2,12 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `storm`, `soak`, `cluster`, `postgres`, `embedded`, `failover`), on
+//! `fingerprint`, `expiry`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`, `embedded`,
+//! `failover`), on
 //! `bench` (the measuring they share),
 //! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
-//! `metrics`, and `table` (the printed results). `upstream` and `app` are the subcommands the
-//! harness runs as child processes.
+//! `metrics`, and `table` (the printed results). `upstream`, `app` and `collector` (the
+//! telemetry section's sink) are the subcommands the harness runs as child processes.
 
 mod app;
 mod bench;
@@ -26,6 +27,7 @@ mod proxy;
 mod soak;
 mod storm;
 mod table;
+mod telemetry;
 mod tls;
 mod upstream;
 
@@ -60,7 +62,8 @@ struct Cli {
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
-    /// default), storm, soak, cluster (2 gateways on a Redis Cluster against one
+    /// default), telemetry (the miss and replay with OTel traces exported, sampled, or to a
+    /// collector that is down, against none), storm, soak, cluster (2 gateways on a Redis Cluster against one
     /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
     /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
@@ -92,6 +95,11 @@ enum Cmd {
         /// Count executions per Idempotency-Key (`GET /__keys`).
         #[arg(long)]
         count_keys: bool,
+    },
+    /// Run the OTLP sink collector of the telemetry section (used by the harness itself).
+    Collector {
+        #[arg(long)]
+        listen: SocketAddr,
     },
     /// Run the axum app of the library's figure (used by the harness itself).
     App {
@@ -150,6 +158,10 @@ fn main() -> ExitCode {
             count_keys,
         ))
         .unwrap();
+        return ExitCode::SUCCESS;
+    }
+    if let Some(Cmd::Collector { listen }) = cli.command {
+        rt.block_on(telemetry::sink(listen)).unwrap();
         return ExitCode::SUCCESS;
     }
     if let Some(Cmd::App {
@@ -234,6 +246,9 @@ async fn bench(cli: Cli) -> ExitCode {
         // The run's Redis, for its CPU per miss: a section before may have set others (none).
         b.redis_pids = redis.pid().into_iter().collect();
         expiry::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
+    }
+    if run("telemetry") {
+        telemetry::run(&mut b, dir.path()).await;
     }
     if run("storm") {
         storm::run(&mut b, dir.path(), &redis_url).await;

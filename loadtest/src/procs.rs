@@ -171,6 +171,19 @@ fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
     proc
 }
 
+/// The telemetry section's OTLP sink collector.
+pub fn collector() -> Proc {
+    let addr = free_addr();
+    let me = std::env::current_exe().unwrap();
+    spawn(
+        "collector",
+        Command::new(me)
+            .arg("collector")
+            .args(["--listen", &addr.to_string()]),
+        addr,
+    )
+}
+
 pub fn upstream(body: usize, delay_ms: u64) -> Proc {
     upstream_with(body, delay_ms, false)
 }

@@ -8,6 +8,7 @@
 //! - `policy`: `[defaults]` and `[[routes]]`, read into the engine's [`Policy`].
 //! - [`store`]: the `[store]` table, one variant per backend.
 //! - [`upstream`]: the `[upstreams.NAME]` tables and the listener's `[tls]`.
+//! - [`telemetry`]: the `[telemetry]` table (OpenTelemetry traces over OTLP).
 //! - [`human`]: durations and sizes written as human strings.
 //! - `checked`: values checked by their rule as they are read, and errors naming the field.
 
@@ -24,6 +25,7 @@ mod checked;
 pub mod human;
 mod policy;
 pub mod store;
+pub mod telemetry;
 pub mod upstream;
 
 pub use crate::error::ConfigError;
@@ -34,10 +36,12 @@ pub use human::{HumanDuration, HumanSize, MAX_DURATION};
 pub use store::{
     redact_url, Compression, MemorySettings, RedisSettings, SealMode, StoreConfig, Topology,
 };
+pub use telemetry::TelemetryConfig;
 pub use upstream::{ListenerTls, UpstreamConfig, DEFAULT_UPSTREAM};
 
 use checked::Checked;
 use policy::PolicyTable;
+use telemetry::RawTelemetry;
 use upstream::{RawTls, RawUpstream};
 
 pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
@@ -92,6 +96,7 @@ struct RawConfig {
     store: StoreConfig,
     #[serde(default)]
     admin: RawAdmin,
+    telemetry: Option<RawTelemetry>,
     #[serde(default)]
     defaults: PolicyTable,
     #[serde(default)]
@@ -175,6 +180,8 @@ pub struct Config {
     pub max_client_connections: usize,
     /// The admin listener.
     pub admin: AdminConfig,
+    /// OpenTelemetry traces, when `[telemetry]` is given; none: nothing is exported.
+    pub telemetry: Option<TelemetryConfig>,
 }
 
 impl Config {
@@ -303,6 +310,7 @@ impl Config {
                 t => t,
             },
         };
+        let telemetry = telemetry::telemetry(raw.telemetry)?;
         let workers = match raw.workers {
             Some(n) if n == 0 || n > 1024 => {
                 return Err(invalid("workers", "must be between 1 and 1024"))
@@ -335,6 +343,7 @@ impl Config {
             client_idle_timeout,
             max_client_connections,
             admin,
+            telemetry,
         })
     }
 }
@@ -813,10 +822,16 @@ mod tests {
         figment::Jail::expect_with(|jail| {
             jail.create_file(
                 "idemgate.toml",
+                "upstream = \"http://127.0.0.1:9000\"\n[tracing]\nx = 1",
+            )?;
+            let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
+            assert!(e.contains("for key \"tracing\" in TOML"), "{e}");
+            jail.create_file(
+                "idemgate.toml",
                 "upstream = \"http://127.0.0.1:9000\"\n[telemetry]\nx = 1",
             )?;
             let e = Config::load(Some("idemgate.toml")).unwrap_err().to_string();
-            assert!(e.contains("for key \"telemetry\" in TOML"), "{e}");
+            assert!(e.contains("for key \"telemetry.x\" in TOML"), "{e}");
             jail.create_file(
                 "idemgate.toml",
                 "upstream = \"http://127.0.0.1:9000\"\n[[routes]]\npath = \"/a\"\nmax_body = \"lots\"",
@@ -859,6 +874,28 @@ mod tests {
                 Config::from_toml(&format!("upstream = \"http://h:1\"\n[store]\n{line}")).unwrap();
             assert_eq!(c.store, StoreConfig::Memory(memory.clone()), "{line}");
         }
+        // So are the telemetry's, each with the required endpoint.
+        let endpoint = "otlp_endpoint = \"http://127.0.0.1:4318\"";
+        let shown = Config::from_toml(&format!(
+            "upstream = \"http://h:1\"\n[telemetry]\n{endpoint}"
+        ))
+        .unwrap()
+        .telemetry;
+        assert!(example.contains(&format!("# {endpoint}\n")));
+        for line in [
+            format!("service_name = \"{}\"", telemetry::DEFAULT_SERVICE_NAME),
+            format!("sample_ratio = {:?}", telemetry::DEFAULT_SAMPLE_RATIO),
+        ] {
+            assert!(
+                example.contains(&format!("# {line}\n")),
+                "example.toml lacks {line:?}"
+            );
+            let c = Config::from_toml(&format!(
+                "upstream = \"http://h:1\"\n[telemetry]\n{endpoint}\n{line}"
+            ));
+            assert_eq!(c.unwrap().telemetry, shown, "{line}");
+        }
+        assert!(c.telemetry.is_none(), "[telemetry] is off in example.toml");
         let redis = std::fs::read_to_string(format!("{dir}redis.toml")).unwrap();
         let c = Config::from_toml(&redis).unwrap();
         let StoreConfig::Redis(settings) = c.store else {

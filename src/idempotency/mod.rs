@@ -17,6 +17,7 @@ mod response;
 mod routes;
 mod service;
 mod shared;
+pub(crate) mod trace;
 mod wait;
 
 pub use inner::{Deadline, NotSent};

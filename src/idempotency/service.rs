@@ -49,6 +49,7 @@ use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, TRACEPARENT};
 use super::routes::RouteState;
+use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
@@ -143,14 +144,17 @@ where
             }
         }
         // At debug level: at the default `info`, a span per request and its formatted fields
-        // would weigh on the replay path (docs/operating.md, "Tracing and logs").
+        // would weigh on the replay path (docs/operating.md, "Tracing and logs"). The
+        // gateway's `[telemetry]` turns it on for the requests it samples.
         let span = debug_span!(
-            "idempotent_request",
+            trace::REQUEST_SPAN,
+            otel.kind = "server",
             method = %req.method(),
             route = %policy.route,
             key = field::Empty,
             key_source = field::Empty,
             outcome = field::Empty,
+            status = field::Empty,
             original_trace = field::Empty,
         );
         Box::pin(async move {
@@ -163,7 +167,10 @@ where
             unanswered.answered();
             span.record("outcome", finished.outcome.as_str());
             match &finished.answer {
-                Ok(resp) => debug!(parent: &span, status = resp.status().as_u16(), "done"),
+                Ok(resp) => {
+                    span.record("status", resp.status().as_u16());
+                    debug!(parent: &span, status = resp.status().as_u16(), "done")
+                }
                 Err(e) => debug!(parent: &span, error = %e, "inner service failed"),
             }
             route.metrics.count(finished.outcome);
@@ -464,8 +471,12 @@ impl<St: Store> Shared<St> {
                 held.policy.error_format,
             );
         }
-        if let Some(trace) = stored.traceparent.as_ref().and_then(|t| t.to_str().ok()) {
-            Span::current().record("original_trace", trace);
+        if let Some(original) = &stored.traceparent {
+            let span = Span::current();
+            if let Ok(trace) = original.to_str() {
+                span.record("original_trace", trace);
+            }
+            trace::link(&span, original);
         }
         self.metrics.replayed_bytes(stored.body.len());
         Finished {
@@ -529,9 +540,14 @@ impl<St: Store> Shared<St> {
     {
         let (held, policy) = (&*lease.held, &*lease.held.policy);
         let format = policy.error_format;
-        let traceparent = parts.headers.get(TRACEPARENT).cloned();
+        // The record keeps the trace of this execution: this request's own span when it is
+        // recorded as an OTel span, else the client's traceparent, as it was forwarded.
+        let traceparent = trace::traceparent_of(&Span::current())
+            .or_else(|| parts.headers.get(TRACEPARENT).cloned());
         let is_head = parts.method == Method::HEAD;
         let mut req = Request::from_parts(parts, Body::from(body));
+        let upstream = debug_span!("upstream", otel.kind = "client", upstream = %policy.upstream);
+        trace::inject(&upstream, req.headers_mut());
         let started = Instant::now();
         // The inner service gets the same deadline: when it says "not sent" at that very
         // moment (it waited for a connection), its answer wins over the timeout.
@@ -539,7 +555,7 @@ impl<St: Store> Shared<St> {
         req.extensions_mut().insert(Deadline(deadline));
         let called = tokio::select! {
             biased;
-            called = self.call(inner, req, held) => Ok(called),
+            called = self.call(inner, req, held).instrument(upstream) => Ok(called),
             () = tokio::time::sleep_until(deadline) => Err(()),
             never = lease.hold() => match never {},
         };

@@ -6,6 +6,7 @@ use std::future::Future;
 
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
+use tracing::{debug_span, Instrument, Span};
 
 use super::routes::RouteTable;
 use crate::metrics::{Metrics, StoreOp, StoreOpMetrics};
@@ -34,11 +35,22 @@ impl<St> Shared<St> {
         }
     }
 
-    /// Await a store operation, recording its latency.
+    /// Await a store operation, recording its latency, in a span of its own (at debug level:
+    /// disabled unless asked for, as the request's).
     pub(super) async fn timed<T>(&self, op: StoreOp, f: impl Future<Output = T>) -> T {
         let started = Instant::now();
-        let out = f.await;
+        let out = f.instrument(op_span(op)).await;
         self.ops.observe(op, started.elapsed());
         out
+    }
+}
+
+/// The span of one store operation.
+fn op_span(op: StoreOp) -> Span {
+    match op {
+        StoreOp::claim => debug_span!("store.claim"),
+        StoreOp::complete => debug_span!("store.complete"),
+        StoreOp::release => debug_span!("store.release"),
+        StoreOp::renew => debug_span!("store.renew"),
     }
 }

@@ -23,6 +23,8 @@ pub struct TestConfig {
     pub key_secret: Option<String>,
     /// What `IDEMGATE_SEAL_KEYS` holds for this gateway (sealed records), if anything.
     pub seal_keys: Option<String>,
+    /// Further variables of a [`GatewayBinary`](super::GatewayBinary)'s environment.
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for TestConfig {
@@ -32,6 +34,7 @@ impl Default for TestConfig {
             table: toml::Table::new(),
             key_secret: None,
             seal_keys: None,
+            env: Vec::new(),
         }
         .set("listen", "127.0.0.1:0")
         .set("store.backend", "memory")
@@ -42,6 +45,12 @@ impl TestConfig {
     /// Listen on a free loopback port, keep records in memory; no upstream yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Run a [`GatewayBinary`](super::GatewayBinary) with `name=value` in its environment.
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.env.push((name.to_string(), value.to_string()));
+        self
     }
 
     /// Forward to `url` (`http://127.0.0.1:PORT`).

@@ -159,6 +159,7 @@ impl GatewayBinary {
             if let Some(keys) = &config.seal_keys {
                 command.env("IDEMGATE_SEAL_KEYS", keys);
             }
+            command.envs(config.env.iter().map(|(k, v)| (k, v)));
             let mut child = command.spawn().unwrap();
             let addr: SocketAddr = listen.parse().unwrap();
             let mut exited = false;

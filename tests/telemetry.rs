@@ -1,0 +1,288 @@
+//! OpenTelemetry traces (`[telemetry]`): the gateway binary exports to an OTLP/HTTP receiver
+//! this test runs, which decodes each export with `opentelemetry-proto`; and a collector that
+//! is down costs dropped (counted) spans, not answers.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message;
+use sha2::{Digest, Sha256};
+
+use common::{client, free_port, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
+
+/// An OTLP/HTTP receiver: every export's raw bytes, kept for the test to decode.
+#[derive(Clone, Default)]
+struct Receiver {
+    exports: Arc<Mutex<Vec<Bytes>>>,
+}
+
+impl Receiver {
+    /// Listen on a free loopback port; `POST /v1/traces` answers 200 with an empty
+    /// `ExportTraceServiceResponse`.
+    async fn start() -> (Self, SocketAddr) {
+        let receiver = Receiver::default();
+        let kept = receiver.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            post(move |body: Bytes| {
+                let kept = kept.clone();
+                async move {
+                    kept.exports.lock().unwrap().push(body);
+                    (
+                        [("content-type", "application/x-protobuf")],
+                        Vec::<u8>::new(),
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (receiver, addr)
+    }
+
+    /// Every span received so far, decoded, with the `service.name` it came under.
+    fn spans(&self) -> Vec<(String, Span)> {
+        let mut spans = Vec::new();
+        for export in self.exports.lock().unwrap().iter() {
+            let request = ExportTraceServiceRequest::decode(export.clone()).expect("OTLP protobuf");
+            for resource in request.resource_spans {
+                let service = resource
+                    .resource
+                    .iter()
+                    .flat_map(|r| &r.attributes)
+                    .find(|kv| kv.key == "service.name")
+                    .and_then(|kv| string(kv.value.as_ref()?.value.as_ref()?))
+                    .unwrap_or_default();
+                for scope in resource.scope_spans {
+                    spans.extend(scope.spans.into_iter().map(|s| (service.clone(), s)));
+                }
+            }
+        }
+        spans
+    }
+
+    /// Whether `needle` appears anywhere in what was exported.
+    fn carries(&self, needle: &[u8]) -> bool {
+        let exports = self.exports.lock().unwrap();
+        exports
+            .iter()
+            .any(|e| e.windows(needle.len()).any(|w| w == needle))
+    }
+}
+
+fn string(value: &Value) -> Option<String> {
+    match value {
+        Value::StringValue(s) => Some(s.clone()),
+        Value::IntValue(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+/// The value of `span`'s attribute `key`, as a string.
+fn attribute(span: &Span, key: &str) -> Option<String> {
+    let kv = span.attributes.iter().find(|kv| kv.key == key)?;
+    string(kv.value.as_ref()?.value.as_ref()?)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+const REPLAY_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+const REPLAY_SPAN: &str = "b7ad6b7169203331";
+const KEY: &str = "order-7f3a-raw-key-never-exported";
+
+/// A gateway exporting to `collector` at `sample_ratio`, with an admin listener, batching
+/// every 100 ms so that the test waits little.
+fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (TestConfig, u16) {
+    let admin = free_port();
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .set("workers", 1)
+        .set("admin.listen", &*format!("127.0.0.1:{admin}"))
+        .set("telemetry.otlp_endpoint", collector)
+        .set("telemetry.service_name", "gateway-under-test")
+        .set("telemetry.sample_ratio", sample_ratio)
+        .route("/v1/payments", toml::toml! { require_key = true })
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    (config, admin)
+}
+
+/// The one span named `name` whose parent is `parent`.
+fn child<'a>(spans: &'a [(String, Span)], parent: &Span, name: &str) -> &'a Span {
+    let found: Vec<_> = spans
+        .iter()
+        .map(|(_, s)| s)
+        .filter(|s| s.name == name && s.parent_span_id == parent.span_id)
+        .collect();
+    assert_eq!(found.len(), 1, "one {name} span under {}", parent.name);
+    found[0]
+}
+
+#[tokio::test]
+async fn a_miss_and_its_replay_are_exported_with_parent_attributes_and_link() {
+    let upstream = CountingUpstream::start().await;
+    let (receiver, addr) = Receiver::start().await;
+    let (config, _) = traced(&upstream, &format!("http://{addr}"), 0.0);
+    let gateway = GatewayBinary::start(&config).await;
+    let http = client();
+    let pay = |trace: &str, span: &str| {
+        http.post(gateway.url("/v1/payments"))
+            .header("idempotency-key", KEY)
+            .header("traceparent", format!("00-{trace}-{span}-01"))
+            .body("amount=100")
+    };
+    let miss = send(pay(CLIENT_TRACE, CLIENT_SPAN)).await;
+    assert_eq!(miss.status, 201);
+    let miss_forwarded = upstream.last_headers()["traceparent"].clone();
+    let replay = send(pay(REPLAY_TRACE, REPLAY_SPAN)).await;
+    assert!(replay.replayed());
+    // Sampled by the clients' flags although sample_ratio is 0; an unsampled client is not.
+    let not_sampled = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    let unsampled = http
+        .post(gateway.url("/v1/payments"))
+        .header("idempotency-key", "another-key")
+        .header("traceparent", &not_sampled)
+        .body("amount=1");
+    assert_eq!(send(unsampled).await.status, 201);
+    assert_eq!(
+        upstream.last_headers()["traceparent"],
+        *not_sampled,
+        "forwarded unchanged"
+    );
+
+    wait_until(
+        Duration::from_secs(10),
+        "the receiver has the miss's and the replay's spans",
+        async || {
+            let spans = receiver.spans();
+            ["miss", "replayed"].iter().all(|outcome| {
+                spans.iter().any(|(_, s)| {
+                    attribute(s, "outcome").as_deref() == Some(outcome)
+                        && spans.iter().any(|(_, c)| c.parent_span_id == s.span_id)
+                })
+            }) && spans.iter().any(|(_, s)| s.name == "store.complete")
+        },
+    )
+    .await;
+    let spans = receiver.spans();
+    let request = |outcome: &str| {
+        let found: Vec<_> = spans
+            .iter()
+            .map(|(_, s)| s)
+            .filter(|s| s.name == "idempotent_request")
+            .filter(|s| attribute(s, "outcome").as_deref() == Some(outcome))
+            .collect();
+        assert_eq!(found.len(), 1, "one {outcome} span in {spans:#?}");
+        found[0].clone()
+    };
+    let miss = request("miss");
+    assert!(spans
+        .iter()
+        .all(|(service, _)| service == "gateway-under-test"));
+    assert_eq!(hex(&miss.trace_id), CLIENT_TRACE, "the client's trace");
+    assert_eq!(hex(&miss.parent_span_id), CLIENT_SPAN, "the client's span");
+    assert_eq!(miss.kind, SpanKind::Server as i32);
+    assert_eq!(attribute(&miss, "route").as_deref(), Some("/v1/payments"));
+    assert_eq!(attribute(&miss, "method").as_deref(), Some("POST"));
+    assert_eq!(attribute(&miss, "status").as_deref(), Some("201"));
+    let short_hash = hex(&Sha256::digest(KEY)[..6]);
+    assert_eq!(attribute(&miss, "key"), Some(short_hash));
+    assert!(
+        !receiver.carries(KEY.as_bytes()),
+        "the raw key was exported"
+    );
+
+    for name in ["store.claim", "store.complete"] {
+        let op = child(&spans, &miss, name);
+        assert_eq!(op.trace_id, miss.trace_id);
+    }
+    let call = child(&spans, &miss, "upstream");
+    assert_eq!(call.kind, SpanKind::Client as i32);
+    // The upstream's parent is the gateway's upstream call, in the client's trace.
+    let sent = format!("00-{CLIENT_TRACE}-{}-01", hex(&call.span_id));
+    assert_eq!(miss_forwarded, *sent);
+
+    let replayed = request("replayed");
+    assert_eq!(hex(&replayed.trace_id), REPLAY_TRACE);
+    assert_eq!(hex(&replayed.parent_span_id), REPLAY_SPAN);
+    let links: Vec<_> = replayed
+        .links
+        .iter()
+        .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+        .collect();
+    assert_eq!(
+        links,
+        [(hex(&miss.trace_id), hex(&miss.span_id))],
+        "the replay links to the execution it replays"
+    );
+    assert_eq!(
+        attribute(&replayed, "original_trace"),
+        Some(format!(
+            "00-{}-{}-01",
+            hex(&miss.trace_id),
+            hex(&miss.span_id)
+        ))
+    );
+    child(&spans, &replayed, "store.claim");
+    assert!(
+        spans
+            .iter()
+            .all(|(_, s)| s.parent_span_id != replayed.span_id || s.name != "upstream"),
+        "a replay calls no upstream"
+    );
+    // The unsampled request left no span: one miss, one replay.
+    let requests = spans.iter().filter(|(_, s)| s.name == "idempotent_request");
+    assert_eq!(requests.count(), 2);
+}
+
+#[tokio::test]
+async fn a_collector_that_is_down_drops_and_counts_spans_and_requests_are_answered() {
+    let upstream = CountingUpstream::start().await;
+    // Nothing listens there.
+    let down = format!("http://127.0.0.1:{}", free_port());
+    let (config, admin) = traced(&upstream, &down, 1.0);
+    let gateway = GatewayBinary::start(&config).await;
+    let http = client();
+    for i in 0..20 {
+        let pay = http
+            .post(gateway.url("/v1/payments"))
+            .header("idempotency-key", format!("key-{i}"))
+            .body("amount=100");
+        assert_eq!(send(pay).await.status, 201);
+    }
+    let dropped = async || {
+        let metrics = http
+            .get(format!("http://127.0.0.1:{admin}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_trace_spans_dropped_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    wait_until(
+        Duration::from_secs(15),
+        "dropped spans are counted",
+        async || dropped().await >= 20.0,
+    )
+    .await;
+    assert_eq!(upstream.calls(), 20);
+}
