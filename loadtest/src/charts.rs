@@ -26,16 +26,9 @@ pub struct Scenario {
     /// Closed loop, the median round.
     pub rps: f64,
     pub cpu: Option<CpuPerRequest>,
-    pub at_rate: Option<AtRate>,
-}
-
-/// Latency at the fixed rate: the percentiles the data has, in ms (a run has p50 to p99.9, its
-/// printed table p50 and p99).
-#[derive(Debug, Clone)]
-pub struct AtRate {
-    /// Requests per second, when known.
-    pub rate: Option<f64>,
-    pub ms: Vec<(&'static str, f64)>,
+    /// Latency at the fixed rate: the percentiles the data has, in ms (a run has p50 to
+    /// p99.9, its printed table p50 and p99).
+    pub at_rate: Option<Vec<(&'static str, f64)>>,
 }
 
 /// Which run the charts show, for their titles.
@@ -46,6 +39,8 @@ pub struct Run {
     pub command: String,
     /// Of the closed-loop phases.
     pub connections: usize,
+    /// The main table's fixed rate for each body size, req/s.
+    pub rates: Vec<(usize, f64)>,
 }
 
 /// The percentiles a run's own reports give at the fixed rate.
@@ -62,24 +57,27 @@ type Chart = fn(&Run, &[Scenario]) -> Result<String>;
 /// After a run: its charts to `loadtest/out/`, and with `full` to `loadtest/charts/` too.
 pub fn after_run(b: &Bench, full: bool) {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let run = Run {
-        cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
-        date: today(),
-        command: ["loadtest/run".to_string()]
-            .into_iter()
-            .chain(args)
-            .collect::<Vec<_>>()
-            .join(" "),
-        connections: b.connections,
-    };
-    let scenarios = from_bench(b);
+    let (run, scenarios) = (this_run(b), from_bench(b));
     let dirs = [Some(here.join("out")), full.then(|| here.join("charts"))];
     for dir in dirs.into_iter().flatten() {
         match write(&dir, &run, &scenarios) {
             Ok(()) => eprintln!("charts: {}", dir.display()),
             Err(e) => eprintln!("charts: not written to {}: {e}", dir.display()),
         }
+    }
+}
+
+/// The run this process made: this machine, today, its command line.
+fn this_run(b: &Bench) -> Run {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    Run {
+        cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        date: today(),
+        command: format!("loadtest/run {}", args.join(" "))
+            .trim_end()
+            .to_string(),
+        connections: b.connections,
+        rates: b.notes.iter().filter_map(|n| rate_note(n)).collect(),
     }
 }
 
@@ -145,10 +143,8 @@ pub fn from_bench(b: &Bench) -> Vec<Scenario> {
             body: row.body,
             rps: row.closed.rps(),
             cpu: row.closed.cpu,
-            at_rate: row.at_rate.as_ref().map(|r| AtRate {
-                rate: Some(r.rps()),
-                ms: PERCENTILES.iter().map(|&(p, q)| (p, r.ms(q))).collect(),
-            }),
+            at_rate: (row.at_rate.as_ref())
+                .map(|r| PERCENTILES.iter().map(|&(p, q)| (p, r.ms(q))).collect()),
         })
         .collect()
 }
@@ -161,11 +157,11 @@ pub fn parse(text: &str) -> (Run, Vec<Scenario>) {
         date: String::new(),
         command: String::new(),
         connections: 0,
+        rates: Vec::new(),
     };
     // Each row's latency at the fixed rate as printed: p50 and p99.
     let mut printed: Vec<(String, String)> = Vec::new();
     let mut scenarios: Vec<Scenario> = Vec::new();
-    let mut rates: HashMap<usize, f64> = HashMap::new();
     for line in text.lines() {
         if let Some(m) = line.strip_prefix("==> machine: ") {
             run.cores = m
@@ -192,17 +188,17 @@ pub fn parse(text: &str) -> (Run, Vec<Scenario>) {
             {
                 s.cpu = Some(cpu);
             }
-        } else if let Some((body, rate)) = rate_note(line) {
-            rates.insert(body, rate);
+        } else if let Some(rate) = line.strip_prefix("- ").and_then(rate_note) {
+            run.rates.push(rate);
         }
     }
-    at_rate(&mut scenarios, &printed, &rates);
+    at_rate(&mut scenarios, &printed);
     (run, scenarios)
 }
 
-/// Each scenario's latency at the fixed rate (`rates`, by body size), from its `printed` p50
-/// and p99: added to direct's of its body size, or in brackets its own.
-fn at_rate(scenarios: &mut [Scenario], printed: &[(String, String)], rates: &HashMap<usize, f64>) {
+/// Each scenario's latency at the fixed rate from its `printed` p50 and p99: added to direct's
+/// of its body size, or in brackets its own.
+fn at_rate(scenarios: &mut [Scenario], printed: &[(String, String)]) {
     let own = |s: &str| s.strip_prefix('(')?.strip_suffix(')')?.parse::<f64>().ok();
     let direct: HashMap<usize, (f64, f64)> = scenarios
         .iter()
@@ -219,10 +215,7 @@ fn at_rate(scenarios: &mut [Scenario], printed: &[(String, String)], rates: &Has
             }
         };
         if let (Some(a), Some(b)) = (absolute(p50, 0), absolute(p99, 1)) {
-            s.at_rate = Some(AtRate {
-                rate: rates.get(&s.body).copied(),
-                ms: vec![("p50", a), ("p99", b)],
-            });
+            s.at_rate = Some(vec![("p50", a), ("p99", b)]);
         }
     }
 }
@@ -274,9 +267,9 @@ fn cpu_line(line: &str) -> Option<(String, usize, CpuPerRequest)> {
     ))
 }
 
-/// `- {body} body: fixed rate {rate} req/s ...`, the main table's note.
-fn rate_note(line: &str) -> Option<(usize, f64)> {
-    let (body, rest) = line.strip_prefix("- ")?.split_once(" body: fixed rate ")?;
+/// `{body} body: fixed rate {rate} req/s ...`, the main table's note.
+fn rate_note(note: &str) -> Option<(usize, f64)> {
+    let (body, rest) = note.split_once(" body: fixed rate ")?;
     Some((size(body)?, rest.split(' ').next()?.parse().ok()?))
 }
 
@@ -340,11 +333,11 @@ fn colour(name: &str) -> RGBColor {
     }
 }
 
-/// The nginx row a gateway row is compared with: the nearest before it of the same body size,
-/// within its section. A section starts at direct or at an nginx row; an nginx row named with a
-/// qualifier (`nginx proxy, https upstream`, `nginx proxy, beside postgres`) is the reference
-/// of the gateway rows naming it (`postgres`), others (pgbench) between them; a plain `nginx
-/// proxy` (the main table) of the gateway rows right after it.
+/// The nginx row a gateway row is compared with, when its section has one: the nearest before
+/// it of the same body size, with no direct row between. An nginx row with a qualifier
+/// (`nginx proxy, https upstream`, `nginx proxy, beside postgres`) is the reference of the
+/// gateway rows naming it (`https upstream`, `postgres`), whatever rows lie between (pgbench's);
+/// the main table's plain `nginx proxy`, of the gateway rows right after it.
 fn reference(s: &[Scenario], i: usize) -> Option<usize> {
     if !s[i].name.starts_with("gateway") {
         return None;
@@ -373,7 +366,7 @@ fn reference(s: &[Scenario], i: usize) -> Option<usize> {
 /// the cluster's gateways, the storm).
 fn starts_group(rows: &[&Scenario], i: usize) -> bool {
     fn kind(s: &Scenario) -> &str {
-        match s.name.split(' ').next() {
+        match s.name.split(|c: char| !c.is_alphanumeric()).next() {
             Some("direct" | "nginx" | "gateway" | "pgbench") => "proxy",
             word => word.unwrap_or(""),
         }
@@ -415,13 +408,12 @@ fn throughput(run: &Run, s: &[Scenario]) -> Result<String> {
             ),
             legend: &legend,
         };
-        let x = 0.0..max * 1.3;
-        let chart = frame(
-            &root,
-            &head,
-            (&rows, label),
-            (x, "requests per second", tick),
-        )?;
+        let axis = Axis {
+            title: "requests per second",
+            labels: 10,
+            format: tick,
+        };
+        let chart = frame(&root, &head, (&rows, label), (0.0..max * 1.3, axis))?;
         for (i, r) in s.iter().enumerate() {
             let y = band(s.len(), i);
             let area = chart.plotting_area();
@@ -440,18 +432,42 @@ fn throughput(run: &Run, s: &[Scenario]) -> Result<String> {
 
 /// For each scenario measured at the fixed rate, a bar per percentile (log scale).
 fn latency(run: &Run, s: &[Scenario]) -> Result<String> {
-    let rows: Vec<&Scenario> = s.iter().filter(|x| x.at_rate.is_some()).collect();
-    let at = |x: &Scenario| {
-        x.at_rate.clone().unwrap_or(AtRate {
-            rate: None,
-            ms: vec![],
-        })
+    let rows: Vec<(&Scenario, &[(&str, f64)])> = s
+        .iter()
+        .filter_map(|x| Some((x, x.at_rate.as_deref()?)))
+        .collect();
+    let per = rows.iter().map(|(_, ms)| ms.len()).max().unwrap_or(1) as u32;
+    let all: Vec<f64> = rows
+        .iter()
+        .flat_map(|(_, ms)| ms.iter().map(|m| m.1))
+        .collect();
+    // Whole powers of ten around every value.
+    let lo = 10f64.powf(
+        all.iter()
+            .fold(1.0, |a, &b| b.min(a))
+            .max(0.001)
+            .log10()
+            .floor(),
+    );
+    let hi = 10f64.powf(all.iter().fold(1.0, |a, &b| b.max(a)).log10().ceil() + 0.2);
+    let names: Vec<&str> = rows
+        .first()
+        .map_or(vec![], |(_, ms)| ms.iter().map(|m| m.0).collect());
+    let legend: Vec<(RGBColor, &str)> = names.iter().zip(SHADES).map(|(n, c)| (c, *n)).collect();
+    let rates: Vec<String> = run
+        .rates
+        .iter()
+        .map(|(body, r)| format!("{r:.0} req/s at {}", human(*body)))
+        .collect();
+    let head = Head {
+        title: format!("Latency at the fixed rate: {} cores, {}", run.cores, run.date),
+        subtitle: format!(
+            "open loop, 32 connections, one rate for all of a body size (half the slowest maximum: {}); {}",
+            rates.join(", "),
+            run.command
+        ),
+        legend: &legend,
     };
-    let label = |x: &Scenario| match at(x).rate {
-        Some(rate) => format!("{} · {rate:.0}/s", label(x)),
-        None => label(x),
-    };
-    let per = rows.iter().map(|x| at(x).ms.len()).max().unwrap_or(1) as u32;
     let mut svg = String::new();
     {
         let size = (
@@ -459,40 +475,23 @@ fn latency(run: &Run, s: &[Scenario]) -> Result<String> {
             HEAD + FOOT + (8 + 11 * per) * rows.len().max(1) as u32,
         );
         let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
-        let all: Vec<f64> = rows.iter().flat_map(|x| at(x).ms).map(|m| m.1).collect();
-        // Whole powers of ten around every value, for the log scale.
-        let lo = 10f64.powf(
-            all.iter()
-                .fold(1.0, |a, &b| b.min(a))
-                .max(0.001)
-                .log10()
-                .floor(),
-        );
-        let hi = 10f64.powf(all.iter().fold(1.0, |a, &b| b.max(a)).log10().ceil() + 0.2);
-        let names: Vec<&str> = rows
-            .first()
-            .map_or(vec![], |x| at(x).ms.iter().map(|m| m.0).collect());
-        let legend: Vec<(RGBColor, &str)> =
-            names.iter().zip(SHADES).map(|(n, c)| (c, *n)).collect();
-        let head = Head {
-            title: format!("Latency at the fixed rate: {} cores, {}", run.cores, run.date),
-            subtitle: format!(
-                "open loop, 32 connections, one rate for every scenario of a body size (half the slowest maximum); {}",
-                run.command
-            ),
-            legend: &legend,
+        // A little below `lo`, so that its own line and label are drawn; a label count that
+        // gives each power of ten its nine lines.
+        let decades = (hi / lo).log10().ceil() as usize;
+        let axis = Axis {
+            title: "latency, ms (log scale)",
+            labels: 10 * decades + 1,
+            format: log_tick,
         };
-        // A little below `lo`, so that its own line and label are drawn.
-        let x = (lo * 0.99..hi).log_scale();
+        let bands: Vec<&Scenario> = rows.iter().map(|r| r.0).collect();
         let chart = frame(
             &root,
             &head,
-            (&rows, label),
-            (x, "latency, ms (log scale)", log_tick),
+            (&bands, label),
+            ((lo * 0.99..hi).log_scale(), axis),
         )?;
-        for (i, r) in rows.iter().enumerate() {
+        for (i, (_, ms)) in rows.iter().enumerate() {
             let (y0, y1) = band(rows.len(), i);
-            let ms = at(r).ms;
             // A tenth of the band apart from the next; the first percentile at the top.
             let step = (y1 - y0 - 0.2) / ms.len() as f64;
             for (k, &(_, v)) in ms.iter().enumerate() {
@@ -532,7 +531,7 @@ fn cpu(run: &Run, s: &[Scenario]) -> Result<String> {
         let legend = [
             (GATEWAY, "the gateway"),
             (NGINX, "nginx"),
-            (OTHER, "the axum app"),
+            (OTHER, "the axum app (alone or with the layer)"),
             (UPSTREAM, "the upstream"),
             (STORE, "Redis (PostgreSQL in its section)"),
             (LOAD, "the load generator (or pgbench)"),
@@ -545,13 +544,12 @@ fn cpu(run: &Run, s: &[Scenario]) -> Result<String> {
             ),
             legend: &legend,
         };
-        let x = 0.0..max * 1.15;
-        let chart = frame(
-            &root,
-            &head,
-            (&rows, label),
-            (x, "CPU time per request, µs", tick),
-        )?;
+        let axis = Axis {
+            title: "CPU time per request, µs",
+            labels: 10,
+            format: tick,
+        };
+        let chart = frame(&root, &head, (&rows, label), (0.0..max * 1.15, axis))?;
         for (i, r) in rows.iter().enumerate() {
             let (y, c) = (band(rows.len(), i), r.cpu.unwrap_or_default());
             let parts = [
@@ -587,6 +585,13 @@ struct Head<'a> {
     legend: &'a [(RGBColor, &'a str)],
 }
 
+/// The x axis: its title, about how many values it labels, and how.
+struct Axis {
+    title: &'static str,
+    labels: usize,
+    format: fn(f64) -> String,
+}
+
 /// Row `i` of `n` (the first at the top) spans this y range.
 fn band(n: usize, i: usize) -> (f64, f64) {
     ((n - 1 - i) as f64, (n - i) as f64)
@@ -617,7 +622,7 @@ fn frame<'a, 'b, X>(
     root: &'a DrawingArea<SVGBackend<'b>, Shift>,
     head: &Head,
     (rows, label): (&[&Scenario], impl Fn(&Scenario) -> String),
-    (x, x_title, ticks): (X, &str, fn(f64) -> String),
+    (x, axis): (X, Axis),
 ) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<X::CoordDescType, RangedCoordf64>>>
 where
     X: AsRangedCoord<Value = f64>,
@@ -648,10 +653,10 @@ where
         .configure_mesh()
         .disable_y_mesh()
         .y_labels(0)
-        .x_labels(20)
+        .x_labels(axis.labels)
         .max_light_lines(1)
-        .x_label_formatter(&|v| ticks(*v))
-        .x_desc(x_title)
+        .x_label_formatter(&|v| (axis.format)(*v))
+        .x_desc(axis.title)
         .label_style(text.clone())
         .axis_desc_style(text.clone())
         .light_line_style(RGBColor(0xf0, 0xf0, 0xf0))
@@ -772,12 +777,14 @@ mod tests {
             row("axum app alone", 80000, false, Some([11.5, 0.0, 0.0, 11.9])),
             row("duplicate storm, memory", 70000, false, None),
         ];
+        b.notes
+            .push("1 KiB body: fixed rate 500 req/s (half the slowest maximum)".into());
         let run = Run {
-            cores: 2,
             date: "2026-11-26".into(),
             command: "loadtest/run --quick".into(),
-            connections: 64,
+            ..this_run(&b)
         };
+        assert_eq!(run.connections, 64);
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), &run, &from_bench(&b)).unwrap();
         let read = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap();
@@ -785,8 +792,9 @@ mod tests {
         for svg in [&throughput, &latency, &cpu] {
             assert!(svg.starts_with("<svg"), "{svg}");
             assert!(svg.trim_end().ends_with("</svg>"));
+            let title = format!("{} cores, 2026-11-26", run.cores);
             assert!(
-                svg.contains("2 cores, 2026-11-26"),
+                run.cores > 0 && svg.contains(&title),
                 "the machine and the date"
             );
             assert!(svg.contains("loadtest/run --quick"));
@@ -810,7 +818,8 @@ mod tests {
         );
 
         assert!(latency.contains("latency, ms (log scale)"));
-        assert!(latency.contains("gateway miss, redis · 1 KiB · 500/s"));
+        assert!(latency.contains("gateway miss, redis · 1 KiB"));
+        assert!(latency.contains("500 req/s at 1 KiB"), "the fixed rate");
         assert!(
             !latency.contains("axum app alone"),
             "measured at no fixed rate"
@@ -850,6 +859,7 @@ notes:
             (run.cores, run.date.as_str(), run.connections),
             (2, "2026-11-26", 64)
         );
+        assert_eq!(run.rates, [(65536, 3352.0)]);
         let names: Vec<&str> = s.iter().map(|x| x.name.as_str()).collect();
         assert_eq!(
             names,
@@ -870,9 +880,8 @@ notes:
         assert!(s[0].cpu.is_none() && s[2].cpu.is_none(), "no CPU line");
         // Direct's own latency, and the others' added to it.
         let at = |i: usize| s[i].at_rate.clone().unwrap();
-        assert_eq!(at(0).rate, Some(3352.0));
-        assert_eq!(at(0).ms, [("p50", 0.189), ("p99", 1.488)]);
-        let ms = at(2).ms;
+        assert_eq!(at(0), [("p50", 0.189), ("p99", 1.488)]);
+        let ms = at(2);
         assert!(
             (ms[0].1 - 0.401).abs() < 1e-9 && (ms[1].1 - 1.216).abs() < 1e-9,
             "{ms:?}"
@@ -922,5 +931,10 @@ notes:
             Some(8),
         ];
         assert_eq!(refs, expected);
+        // The lines between groups: above the https and postgres sections, the app, and the
+        // fingerprint rows; none inside the main table or between PostgreSQL's rows.
+        let rows: Vec<&Scenario> = s.iter().collect();
+        let groups: Vec<usize> = (1..s.len()).filter(|&i| starts_group(&rows, i)).collect();
+        assert_eq!(groups, [4, 6, 7, 8]);
     }
 }
