@@ -6,11 +6,13 @@
 //! `failover`), on
 //! `bench` (the measuring they share),
 //! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
-//! `metrics`, and `table` (the printed results). `upstream`, `app` and `collector` (the
-//! telemetry section's sink) are the subcommands the harness runs as child processes.
+//! `metrics`, `table` (the printed results) and `charts` (the same as SVG charts). `upstream`,
+//! `app` and `collector` (the telemetry section's sink) are the subcommands the harness runs as
+//! child processes.
 
 mod app;
 mod bench;
+mod charts;
 mod cluster;
 mod embedded;
 mod expiry;
@@ -133,6 +135,8 @@ enum Cmd {
     /// Run a private PostgreSQL (the tests' fixture: `initdb` into a temporary directory, a free
     /// port) until SIGTERM or Ctrl-C; print its URL on the first line (for `loadtest/callgrind`).
     Postgres,
+    /// Draw the charts (SVG) of a run from its printed output.
+    Charts(charts::FromOutput),
 }
 
 fn main() -> ExitCode {
@@ -191,6 +195,9 @@ fn main() -> ExitCode {
             request_bytes,
         ));
         return ExitCode::SUCCESS;
+    }
+    if let Some(Cmd::Charts(args)) = cli.command {
+        return charts::from_output(args);
     }
     if let Some(Cmd::Postgres) = cli.command {
         rt.block_on(postgres::serve());
@@ -269,6 +276,7 @@ async fn bench(cli: Cli) -> ExitCode {
         soak::run(&mut b, dir.path(), &redis_url, soak).await;
     }
     table::print(&b);
+    charts::after_run(&b, !cli.quick && cli.only.is_empty());
     if b.insane.is_empty() {
         println!("\nsanity: ok");
         ExitCode::SUCCESS
