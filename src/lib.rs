@@ -109,6 +109,9 @@
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
 //!   (`error.rs`: problem+json and Stripe-shaped answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
 //!   (certificates, keys, rustls configurations).
+//! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the
+//!   record decoder, the configuration, JSON), built with the `fuzzing` feature and in tests,
+//!   which replay the fuzz corpus through them.
 //! - `lib.rs`: this page.
 //!
 //! Beside `src/`: `tests/` (integration tests over real sockets, real `redis-server`s and
@@ -124,6 +127,9 @@ pub mod admin;
 mod app;
 pub mod config;
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod headers;
 pub mod idempotency;
 mod listener;

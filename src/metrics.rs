@@ -14,6 +14,29 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Where an in-process store (memory, embedded) counts the completed records it evicted before
+/// their TTL to stay within a bound: a retry of such a record runs again. (Expired records are
+/// not counted: their purge loses nothing.)
+#[derive(Debug, Clone, Default)]
+pub struct Evictions {
+    /// Records evicted because the store held `max_entries`.
+    pub max_entries: Counter,
+    /// Records evicted because the store held `max_bytes`.
+    pub max_bytes: Counter,
+}
+
+impl Evictions {
+    /// Count `n` evictions, made for the entry bound when `for_entries`, else for the byte bound.
+    pub(crate) fn count(&self, for_entries: bool, n: u64) {
+        if n > 0 {
+            match for_entries {
+                true => self.max_entries.inc_by(n),
+                false => self.max_bytes.inc_by(n),
+            };
+        }
+    }
+}
+
 /// What happened to a request, as counted by `idemgate_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -39,6 +62,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::miss,
+        Outcome::replayed,
+        Outcome::in_flight_conflict,
+        Outcome::mismatch,
+        Outcome::not_replayable,
+        Outcome::expired,
+        Outcome::passthrough,
+        Outcome::store_error,
+        Outcome::rejected_invalid,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -53,6 +89,60 @@ impl Outcome {
             Outcome::rejected_invalid => "rejected_invalid",
         }
     }
+}
+
+/// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
+/// client went away and the server dropped the request), it counts the request in
+/// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
+pub(crate) struct Unanswered<'m> {
+    metrics: &'m Metrics,
+    // 0: undecided; else the index in `Outcome::ALL` plus one.
+    decided: std::sync::atomic::AtomicU8,
+    answered: bool,
+}
+
+impl<'m> Unanswered<'m> {
+    pub(crate) fn new(metrics: &'m Metrics) -> Self {
+        Unanswered {
+            metrics,
+            decided: Default::default(),
+            answered: false,
+        }
+    }
+
+    /// The request has come to `outcome`, though its answer is still to come.
+    pub(crate) fn decided(&self, outcome: Outcome) {
+        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.decided
+            .store(at as u8 + 1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The answer is given: nothing to count.
+    pub(crate) fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let at = self.decided.load(std::sync::atomic::Ordering::Relaxed) as usize;
+        let outcome = at
+            .checked_sub(1)
+            .map_or("undecided", |at| Outcome::ALL[at].as_str());
+        self.metrics
+            .inner
+            .disconnects
+            .get_or_create(&DisconnectLabels { outcome })
+            .inc();
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DisconnectLabels {
+    outcome: &'static str,
 }
 
 /// A store operation, as labelled in `idemgate_store_operation_seconds{operation}`.
@@ -148,16 +238,80 @@ struct Inner {
     in_flight: Gauge,
     replayed_bytes: Counter,
     store_errors_passed: Counter,
+    store: StoreFamilies,
+    disconnects: Family<DisconnectLabels, Counter>,
+    trace_spans_dropped: Counter,
+    upstream_requests: Family<UpstreamLabels, Counter>,
+    upstream_connections: Family<UpstreamName, Counter>,
+    clients: ClientConnections,
+}
+
+/// The store's families besides its operations' latency.
+#[derive(Debug)]
+struct StoreFamilies {
     unacknowledged: Family<OpLabels, Counter>,
     local_cache_hits: Counter,
     local_cache_entries: Gauge,
     local_cache_bytes: Gauge,
     store_commits: Counter,
+    evictions: Family<ReasonLabels, Counter>,
     unreadable: Family<ReasonLabels, Counter>,
-    trace_spans_dropped: Counter,
-    upstream_requests: Family<UpstreamLabels, Counter>,
-    upstream_connections: Family<UpstreamName, Counter>,
-    clients: ClientConnections,
+}
+
+impl StoreFamilies {
+    fn register(registry: &mut Registry) -> Self {
+        let unacknowledged = registered(
+            registry,
+            "idemgate_store_unacknowledged_writes",
+            "Claims and completions fewer replicas than store.wait_replicas acknowledged in time",
+            Family::<OpLabels, Counter>::default(),
+        );
+        let local_cache_hits = registered(
+            registry,
+            "idemgate_local_cache_hits",
+            "Replays served from this process's local cache of completed records, with no store round trip (Redis only)",
+            Counter::default(),
+        );
+        let local_cache_entries = registered(
+            registry,
+            "idemgate_local_cache_entries",
+            "Completed records in this process's local cache (Redis only; read when scraped)",
+            Gauge::default(),
+        );
+        let local_cache_bytes = registered(
+            registry,
+            "idemgate_local_cache_bytes",
+            "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
+            Gauge::default(),
+        );
+        let store_commits = registered(
+            registry,
+            "idemgate_store_commits",
+            "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
+            Counter::default(),
+        );
+        let evictions = registered(
+            registry,
+            "idemgate_store_evictions",
+            "Completed records the memory or embedded store evicted before their TTL to stay within a bound (reason: max_entries, max_bytes); a retry of one runs again",
+            Family::<ReasonLabels, Counter>::default(),
+        );
+        let unreadable = registered(
+            registry,
+            "idemgate_records_unreadable",
+            "Stored records that did not open (reason: tampered, unknown_key, clear) and were refused, never replayed nor run again",
+            Family::<ReasonLabels, Counter>::default(),
+        );
+        StoreFamilies {
+            unacknowledged,
+            local_cache_hits,
+            local_cache_entries,
+            local_cache_bytes,
+            store_commits,
+            evictions,
+            unreadable,
+        }
+    }
 }
 
 /// The upstream families: requests by result, connections opened.
@@ -217,6 +371,17 @@ impl ClientConnections {
     }
 }
 
+/// `metric`, registered as `name` with `help`.
+fn registered<M: prometheus_client::registry::Metric + Clone>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 fn latency_histogram() -> Histogram {
     // 50 µs to about 26 s.
     Histogram::new(exponential_buckets(0.00005, 2.0, 20))
@@ -238,93 +403,64 @@ impl Metrics {
     /// A fresh registry with every idemgate family registered.
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
+        let requests = registered(
+            &mut registry,
             "idemgate_requests",
             "Requests by route and outcome",
-            requests.clone(),
+            Family::<RequestLabels, Counter>::default(),
         );
-        let overhead = latency_histogram();
-        registry.register(
+        let overhead = registered(
+            &mut registry,
             "idemgate_overhead_seconds",
             "Time the gateway itself adds to a request (total minus time waiting for the upstream)",
-            overhead.clone(),
+            latency_histogram(),
         );
-        let upstream = latency_histogram();
-        registry.register(
+        let upstream = registered(
+            &mut registry,
             "idemgate_upstream_duration_seconds",
             "Time from forwarding a request to having the upstream's response (head, and body when recorded)",
-            upstream.clone(),
+            latency_histogram(),
         );
-        let store_ops: HistogramFamily<OpLabels> = Family::new_with_constructor(latency_histogram);
-        registry.register(
+        let store_ops: HistogramFamily<OpLabels> = registered(
+            &mut registry,
             "idemgate_store_operation_seconds",
             "Latency of store operations by operation",
-            store_ops.clone(),
+            Family::new_with_constructor(latency_histogram),
         );
-        let in_flight = Gauge::default();
-        registry.register(
+        let in_flight = registered(
+            &mut registry,
             "idemgate_in_flight_claims",
             "Keys this process holds claimed while their upstream call runs",
-            in_flight.clone(),
+            Gauge::default(),
         );
-        let replayed_bytes = Counter::default();
-        registry.register(
+        let replayed_bytes = registered(
+            &mut registry,
             "idemgate_replayed_bytes",
             "Response body bytes served from stored records",
-            replayed_bytes.clone(),
+            Counter::default(),
         );
-        let store_errors_passed = Counter::default();
-        registry.register(
+        let store_errors_passed = registered(
+            &mut registry,
             "idemgate_store_error_passthrough",
             "Keyed requests forwarded WITHOUT idempotency because the store was down (on_store_error = \"pass\")",
-            store_errors_passed.clone(),
+            Counter::default(),
         );
-        let unacknowledged = Family::<OpLabels, Counter>::default();
-        registry.register(
-            "idemgate_store_unacknowledged_writes",
-            "Claims and completions fewer replicas than store.wait_replicas acknowledged in time",
-            unacknowledged.clone(),
+        let disconnects = registered(
+            &mut registry,
+            "idemgate_client_disconnects",
+            "Requests whose client went away before their answer, by the outcome they had come to (undecided: before the claim was answered); a claimed call runs on and is recorded",
+            Family::<DisconnectLabels, Counter>::default(),
         );
-        let local_cache_hits = Counter::default();
-        registry.register(
-            "idemgate_local_cache_hits",
-            "Replays served from this process's local cache of completed records, with no store round trip (Redis only)",
-            local_cache_hits.clone(),
-        );
-        let local_cache_entries = Gauge::default();
-        registry.register(
-            "idemgate_local_cache_entries",
-            "Completed records in this process's local cache (Redis only; read when scraped)",
-            local_cache_entries.clone(),
-        );
-        let local_cache_bytes = Gauge::default();
-        registry.register(
-            "idemgate_local_cache_bytes",
-            "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
-            local_cache_bytes.clone(),
-        );
-        let store_commits = Counter::default();
-        registry.register(
-            "idemgate_store_commits",
-            "Durable commits (fsyncs) of the embedded store; divided by the misses, fsyncs per miss (embedded only)",
-            store_commits.clone(),
-        );
-        let unreadable = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "idemgate_records_unreadable",
-            "Stored records that did not open (reason: tampered, unknown_key, clear) and were refused, never replayed nor run again",
-            unreadable.clone(),
-        );
-        let trace_spans_dropped = Counter::default();
-        registry.register(
+        let store = StoreFamilies::register(&mut registry);
+        let trace_spans_dropped = registered(
+            &mut registry,
             "idemgate_trace_spans_dropped",
             "Trace spans not exported ([telemetry]): the export queue was full, or the collector refused or did not answer",
-            trace_spans_dropped.clone(),
+            Counter::default(),
         );
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
-        Metrics {
+        let metrics = Metrics {
             inner: Arc::new(Inner {
                 clients,
                 upstream_requests,
@@ -337,14 +473,41 @@ impl Metrics {
                 in_flight,
                 replayed_bytes,
                 store_errors_passed,
-                unacknowledged,
-                local_cache_hits,
-                local_cache_entries,
-                local_cache_bytes,
-                store_commits,
-                unreadable,
+                store,
+                disconnects,
                 trace_spans_dropped,
             }),
+        };
+        metrics.start_at_zero();
+        metrics
+    }
+
+    /// Every series of a label set known up front starts at zero: a rule's `increase()` then
+    /// sees the first event, and a dashboard shows zero instead of no data.
+    fn start_at_zero(&self) {
+        let m = &self.inner;
+        for reason in [
+            ClosedBy::header_timeout,
+            ClosedBy::idle_timeout,
+            ClosedBy::stalled,
+        ] {
+            drop(m.clients.closed.get_or_create(&ClosedLabels { reason }));
+        }
+        for operation in [StoreOp::claim, StoreOp::complete] {
+            drop(
+                m.store
+                    .unacknowledged
+                    .get_or_create(&OpLabels { operation }),
+            );
+        }
+        for outcome in Outcome::ALL.iter().map(|o| o.as_str()).chain(["undecided"]) {
+            drop(m.disconnects.get_or_create(&DisconnectLabels { outcome }));
+        }
+        for reason in ["max_entries", "max_bytes"] {
+            drop(m.store.evictions.get_or_create(&ReasonLabels { reason }));
+        }
+        for reason in crate::store::Unreadable::REASONS {
+            drop(m.store.unreadable.get_or_create(&ReasonLabels { reason }));
         }
     }
 
@@ -440,9 +603,25 @@ impl Metrics {
         self.inner.store_errors_passed.inc();
     }
 
+    /// The counters the memory and the embedded store count their evictions for room into.
+    pub fn store_evictions(&self) -> Evictions {
+        let of = |reason| {
+            self.inner
+                .store
+                .evictions
+                .get_or_create(&ReasonLabels { reason })
+                .clone()
+        };
+        Evictions {
+            max_entries: of("max_entries"),
+            max_bytes: of("max_bytes"),
+        }
+    }
+
     /// Count a stored record that did not open, by why (`tampered`, `unknown_key`, `clear`).
     pub fn unreadable(&self, reason: &'static str) {
         self.inner
+            .store
             .unreadable
             .get_or_create(&ReasonLabels { reason })
             .inc();
@@ -451,6 +630,7 @@ impl Metrics {
     /// Count a claim or completion that too few replicas acknowledged (`wait_replicas`).
     pub fn unacknowledged(&self, operation: StoreOp) {
         self.inner
+            .store
             .unacknowledged
             .get_or_create(&OpLabels { operation })
             .inc();
@@ -458,12 +638,12 @@ impl Metrics {
 
     /// The counter of replays served from the local cache (given to the cache to count into).
     pub fn local_cache_hits(&self) -> Counter {
-        self.inner.local_cache_hits.clone()
+        self.inner.store.local_cache_hits.clone()
     }
 
     /// The counter of the embedded store's durable commits (given to the store to count into).
     pub fn store_commits(&self) -> Counter {
-        self.inner.store_commits.clone()
+        self.inner.store.store_commits.clone()
     }
 
     /// The counter of trace spans dropped (given to the exporter to count into).
@@ -474,8 +654,8 @@ impl Metrics {
     /// Record the local cache's size (entries, bytes), just before a scrape.
     pub fn local_cache_size(&self, entries: u64, bytes: u64) {
         let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.inner.local_cache_entries.set(clamp(entries));
-        self.inner.local_cache_bytes.set(clamp(bytes));
+        self.inner.store.local_cache_entries.set(clamp(entries));
+        self.inner.store.local_cache_bytes.set(clamp(bytes));
     }
 
     /// The open client connections gauge.

@@ -429,7 +429,9 @@ async fn bounded_like_the_memory_store_and_purged() {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = EmbeddedSettings::new(dir.path());
     settings.max_entries = 10;
-    let store = EmbeddedStore::open(&settings).unwrap();
+    let evictions = idemgate::metrics::Evictions::default();
+    let counter = prometheus_client::metrics::counter::Counter::default();
+    let store = EmbeddedStore::open_counted(&settings, counter, evictions.clone()).unwrap();
     let lease = Duration::from_secs(60);
     for i in 0..10 {
         let t = Token([i as u8; 16]);
@@ -460,6 +462,8 @@ async fn bounded_like_the_memory_store_and_purged() {
             i + 5
         );
     }
+    assert_eq!(evictions.max_entries.get(), 5, "the five records, counted");
+    assert_eq!(evictions.max_bytes.get(), 0);
     assert!(matches!(
         store.claim(&key(100), &FP, &Token([1; 16]), lease).await,
         Err(StoreError::Full)

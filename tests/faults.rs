@@ -40,8 +40,18 @@ async fn client_abort_still_records_the_response(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(600));
-    let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
+    let config = TestConfig::new().set("admin.listen", "127.0.0.1:0");
+    let env = TestEnv::start_with(b, upstream, config).await;
     post_and_hang_up(env.gateway.addr, "/v1/p", "abort", "x").await;
+    // The hang-up is counted with the outcome the request had come to.
+    let gone =
+        |outcome: &str| format!("idemgate_client_disconnects_total{{outcome=\"{outcome}\"}} 1");
+    wait_until(
+        Duration::from_secs(5),
+        "the hang-up is counted",
+        async || env.gateway.metrics().await.contains(&gone("miss")),
+    )
+    .await;
     // The upstream call goes on without the client: retries are in flight until it is answered.
     let retry = env
         .retry_while_in_flight(
@@ -56,6 +66,21 @@ async fn client_abort_still_records_the_response(b: Backend) {
         "the retry must get the recorded response, not a second execution"
     );
     assert_eq!(env.upstream.calls(), 1);
+    // A request without a key whose client leaves is counted as a pass-through.
+    let mut s = tokio::net::TcpStream::connect(env.gateway.addr)
+        .await
+        .unwrap();
+    s.write_all(b"POST /v1/p HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+    wait_until(
+        Duration::from_secs(5),
+        "the pass-through's hang-up is counted",
+        async || env.gateway.metrics().await.contains(&gone("passthrough")),
+    )
+    .await;
 }
 
 async fn waiting_duplicates_get_the_replay(b: Backend) {

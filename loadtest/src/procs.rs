@@ -325,7 +325,7 @@ fn nginx_bin() -> PathBuf {
     PathBuf::from("nginx")
 }
 
-/// The gateway binary next to this one (both built by `cargo build --release --workspace`).
+/// The gateway binary next to this one (both built by `cargo build --workspace` in one profile).
 pub fn gateway_bin() -> PathBuf {
     let me = std::env::current_exe().unwrap();
     me.with_file_name("idemgate")

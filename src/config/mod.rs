@@ -209,10 +209,6 @@ impl Config {
                     key.as_str().replace("__", ".").into()
                 }
             });
-        let raw: RawConfig = figment::Figment::from(Toml::string(&text))
-            .merge(env)
-            .extract()
-            .map_err(checked::from_figment)?;
         let secret = std::env::var_os(KEY_SECRET_VAR);
         let seal_keys = std::env::var_os(SEAL_KEYS_VAR);
         let seal_keys = seal_keys
@@ -226,6 +222,19 @@ impl Config {
             key_secret: secret.as_ref().map(|s| s.as_encoded_bytes()),
             seal_keys,
         };
+        Self::from_figment(
+            figment::Figment::from(Toml::string(&text)).merge(env),
+            secrets,
+        )
+    }
+
+    /// Read and validate what `figment` holds ([`Config::load`]: the file with the environment
+    /// over it), with `secrets`.
+    pub(crate) fn from_figment(
+        figment: figment::Figment,
+        secrets: Secrets<'_>,
+    ) -> Result<Self, ConfigError> {
+        let raw: RawConfig = figment.extract().map_err(checked::from_figment)?;
         Self::from_raw(raw, secrets)
     }
 

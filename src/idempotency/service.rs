@@ -53,7 +53,7 @@ use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{Outcome, StoreOp};
+use crate::metrics::{Outcome, StoreOp, Unanswered};
 use crate::store::{Claim, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
@@ -158,11 +158,13 @@ where
             original_trace = field::Empty,
         );
         Box::pin(async move {
+            let unanswered = Unanswered::new(&shared.metrics);
             let finished = shared
                 .clone()
-                .keyed(route.clone(), inner, key, req)
+                .keyed(route.clone(), inner, key, req, &unanswered)
                 .instrument(span.clone())
                 .await;
+            unanswered.answered();
             span.record("outcome", finished.outcome.as_str());
             match &finished.answer {
                 Ok(resp) => {
@@ -286,8 +288,11 @@ impl<St: Store> Shared<St> {
         let call = inner.call(req);
         self.metrics.overhead(started.elapsed());
         Box::pin(async move {
+            let unanswered = Unanswered::new(&self.metrics);
+            unanswered.decided(Outcome::passthrough);
             let called = Instant::now();
             let answer = call.await.map(relayed);
+            unanswered.answered();
             self.metrics.upstream(called.elapsed());
             route.metrics.count(Outcome::passthrough);
             answer
@@ -303,6 +308,7 @@ impl<St: Store> Shared<St> {
         inner: S,
         key: Option<IdempotencyKey>,
         req: Request<Body>,
+        unanswered: &Unanswered<'_>,
     ) -> Finished<S::Error>
     where
         S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
@@ -318,17 +324,16 @@ impl<St: Store> Shared<St> {
             Ok(Collected::Whole(body)) => body,
             // No key in a header, and too large to look for one in the body.
             Ok(Collected::TooLarge { read, rest }) if key.is_none() && !policy.require_key => {
+                unanswered.decided(Outcome::passthrough);
                 let req = Request::from_parts(parts, replay_then_rest(read, rest));
                 let passed = self.pass_through(inner, req).await;
                 return passed.ended(Outcome::passthrough);
             }
             Ok(Collected::TooLarge { .. }) => {
-                let limit = policy.max_body;
-                return Finished::refused(
-                    rejected_invalid,
-                    GatewayError::BodyTooLarge { limit },
-                    format,
-                );
+                let too_large = GatewayError::BodyTooLarge {
+                    limit: policy.max_body,
+                };
+                return Finished::refused(rejected_invalid, too_large, format);
             }
             Err(_) => {
                 return Finished::refused(rejected_invalid, GatewayError::InvalidBody, format)
@@ -340,6 +345,7 @@ impl<St: Store> Shared<St> {
         };
         let Some((key, source)) = found.key else {
             drop(found.doc);
+            unanswered.decided(Outcome::passthrough);
             let req = Request::from_parts(parts, Body::from(body));
             let passed = self.pass_through(inner, req).await;
             return passed.ended(Outcome::passthrough);
@@ -390,6 +396,7 @@ impl<St: Store> Shared<St> {
             Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts.method, &lease.held),
             Ok(Claim::Claimed) => {
                 drop(waiter);
+                unanswered.decided(Outcome::miss);
                 self.run_in_task(lease, inner, parts, body).await
             }
         }

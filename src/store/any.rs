@@ -34,13 +34,18 @@ impl AnyStore {
     pub async fn open(settings: &StoreConfig, metrics: &Metrics) -> Result<Self, StoreError> {
         let settings = match settings {
             StoreConfig::Memory(m) => {
-                return Ok(AnyStore::Memory(MemoryStore::with_limits(
+                return Ok(AnyStore::Memory(MemoryStore::with_limits_counted(
                     m.max_entries,
                     m.max_bytes,
+                    metrics.store_evictions(),
                 )));
             }
             StoreConfig::Embedded(e) => {
-                let store = EmbeddedStore::open_counted(e, metrics.store_commits())?;
+                let store = EmbeddedStore::open_counted(
+                    e,
+                    metrics.store_commits(),
+                    metrics.store_evictions(),
+                )?;
                 return Ok(AnyStore::Embedded(store));
             }
             StoreConfig::Redis(settings) => settings,

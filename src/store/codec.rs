@@ -120,6 +120,12 @@ impl Codec {
         Ok(decode(self.seal.open(key, raw)?)?)
     }
 }
+/// The most an LZ4 block expands: each byte of a match's length adds at most 255 bytes. A
+/// compressed body that claims more is corrupt, and its length is never allocated.
+const LZ4_MAX_RATIO: usize = 255;
+
+/// The fewest bytes a stored header takes: its two lengths.
+const MIN_HEADER_BYTES: usize = 6;
 
 /// The encoded tombstone a record of `fingerprint` in `state`, kept as `keep` says, leaves, with
 /// how long from now it lives; `None` when it leaves none.
@@ -282,9 +288,9 @@ pub(crate) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
         }
         COMPRESSED if !v1 => {
             let mut r = decode_response(raw.slice(header_len..), raw[0])?;
-            let (expanded, _) = lz4_flex::block::uncompressed_size(&r.body)
+            let (expanded, block) = lz4_flex::block::uncompressed_size(&r.body)
                 .map_err(|_| DecodeError("truncated compressed body"))?;
-            if expanded > MAX_EXPANDED {
+            if expanded > MAX_EXPANDED || expanded > block.len().saturating_mul(LZ4_MAX_RATIO) {
                 return Err(DecodeError("implausible compressed body length"));
             }
             r.body = lz4_flex::block::decompress_size_prepended(&r.body)
@@ -328,7 +334,7 @@ fn decode_response(mut buf: Bytes, version: u8) -> Result<StoredResponse, Decode
     need(&buf, 4)?;
     let status = StatusCode::from_u16(buf.get_u16()).map_err(|_| DecodeError("bad status"))?;
     let count = buf.get_u16() as usize;
-    let mut headers = Vec::with_capacity(count);
+    let mut headers = Vec::with_capacity(count.min(buf.remaining() / MIN_HEADER_BYTES));
     for _ in 0..count {
         need(&buf, 2)?;
         let n = buf.get_u16() as usize;
@@ -538,6 +544,20 @@ mod tests {
         let n = bad.len();
         bad[n - 20..].fill(0xff);
         assert!(decode(Bytes::from(bad)).is_err());
+    }
+
+    #[test]
+    fn a_compressed_length_past_what_lz4_can_expand_is_refused() {
+        let (fp, tok) = (Fingerprint([1; 32]), Token::random());
+        let packed = encode_with(&fp, &tok, &completed(vec![b'a'; 4096], None), true);
+        assert_eq!(packed[STATE_AT], COMPRESSED);
+        // The block of 4096 'a's is a few bytes: 4096 is within 255 times it, 1 GiB is not.
+        let at = packed.len() - lz4_flex::block::compress(&[b'a'; 4096]).len() - 4;
+        let mut huge = packed.to_vec();
+        huge[at..at + 4].copy_from_slice(&((1u32 << 30) - 1).to_le_bytes());
+        let err = decode(Bytes::from(huge)).unwrap_err();
+        assert_eq!(err.0, "implausible compressed body length");
+        assert_eq!(body_of(packed), vec![b'a'; 4096]);
     }
 
     #[test]

@@ -33,6 +33,7 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{now_ms, EntryState, Token};
+use crate::metrics::Evictions;
 
 /// Entries by key: expiry (u64 big-endian ms) then the encoded entry.
 const ENTRIES: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("entries");
@@ -189,12 +190,17 @@ impl EmbeddedStore {
     /// Open (or create) the store in `settings.path`. Fails when the directory cannot be made,
     /// the file is unreadable, or another process holds it.
     pub fn open(settings: &EmbeddedSettings) -> Result<Self, StoreError> {
-        Self::open_counted(settings, Counter::default())
+        Self::open_counted(settings, Counter::default(), Evictions::default())
     }
 
     /// [`open`](Self::open), counting its durable commits into `commits` (the gateway's
-    /// `idemgate_store_commits_total`).
-    pub fn open_counted(settings: &EmbeddedSettings, commits: Counter) -> Result<Self, StoreError> {
+    /// `idemgate_store_commits_total`) and the records it evicts for room into `evictions`
+    /// (`idemgate_store_evictions_total`), once their transaction is committed.
+    pub fn open_counted(
+        settings: &EmbeddedSettings,
+        commits: Counter,
+        evictions: Evictions,
+    ) -> Result<Self, StoreError> {
         let dir = &settings.path;
         std::fs::create_dir_all(dir).map_err(|e| failed(&dir.display().to_string(), e))?;
         let file = dir.join(FILE_NAME);
@@ -214,7 +220,7 @@ impl EmbeddedStore {
         let counted = commits.clone();
         std::thread::Builder::new()
             .name("idemgate-store".into())
-            .spawn(move || write_loop(&for_writer, queue, limits, &counted))
+            .spawn(move || write_loop(&for_writer, queue, limits, (&counted, &evictions)))
             .map_err(|e| failed("writer thread", e))?;
         let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let weak = writer.downgrade();
@@ -384,7 +390,12 @@ struct Limits {
 }
 
 /// The writer thread: one transaction per batch of waiting operations, answered once committed.
-fn write_loop(db: &Slot, mut queue: mpsc::Receiver<Op>, limits: Limits, commits: &Counter) {
+fn write_loop(
+    db: &Slot,
+    mut queue: mpsc::Receiver<Op>,
+    limits: Limits,
+    (commits, evictions): (&Counter, &Evictions),
+) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut last_durable = Instant::now();
     // When the file was last reopened (or tried), after a failed write.
@@ -412,7 +423,9 @@ fn write_loop(db: &Slot, mut queue: mpsc::Receiver<Op>, limits: Limits, commits:
             apply_batch(open, &batch, durable, limits, &mut outcomes).map_err(StoreError::Embedded)
         });
         match applied {
-            Ok(()) => {
+            Ok(evicted) => {
+                evictions.count(true, evicted.0);
+                evictions.count(false, evicted.1);
                 if durable {
                     commits.inc();
                     last_durable = Instant::now();
@@ -450,14 +463,15 @@ fn reopen_due(last: &mut Option<Instant>) -> bool {
 }
 
 /// Apply `batch` in one transaction and commit it, `durable` or not; each operation's answer in
-/// `outcomes`. On a failure nothing is written and the error is every operation's.
+/// `outcomes`, and the records evicted for room (for the entry bound, for the byte bound). On a
+/// failure nothing is written and the error is every operation's.
 fn apply_batch(
     db: &Database,
     batch: &[Op],
     durable: bool,
     limits: Limits,
     outcomes: &mut Vec<Result<Done, StoreError>>,
-) -> Result<(), String> {
+) -> Result<(u64, u64), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
     let mut txn = db.begin_write().map_err(|e| fail("write", &e))?;
     let durability = match durable {
@@ -466,6 +480,7 @@ fn apply_batch(
     };
     txn.set_durability(durability)
         .map_err(|e| fail("write", &e))?;
+    let evicted;
     {
         let mut t = Tables::open(&txn).map_err(|e| fail("write", &e))?;
         let now = now_ms();
@@ -476,9 +491,10 @@ fn apply_batch(
             );
         }
         t.save().map_err(|e| fail("write", &e))?;
+        evicted = t.evicted;
     }
     txn.commit().map_err(|e| fail("commit", &e))?;
-    Ok(())
+    Ok(evicted)
 }
 
 /// The tables of one write transaction, and the byte count kept in step with them.
@@ -488,6 +504,8 @@ struct Tables<'txn> {
     records: redb::Table<'txn, &'static [u8; 40], ()>,
     meta: redb::Table<'txn, &'static str, u64>,
     bytes: u64,
+    // Records evicted for room in this transaction: for the entry bound, for the byte bound.
+    evicted: (u64, u64),
 }
 
 /// A storage failure inside a transaction.
@@ -503,6 +521,7 @@ impl<'txn> Tables<'txn> {
             records: txn.open_table(RECORDS)?,
             meta,
             bytes,
+            evicted: (0, 0),
         })
     }
 
@@ -707,6 +726,10 @@ impl<'txn> Tables<'txn> {
             else {
                 break;
             };
+            match self.entries.len()? + u64::from(adding) > limits.max_entries {
+                true => self.evicted.0 += 1,
+                false => self.evicted.1 += 1,
+            }
             self.remove(&key)?;
             evicted += 1;
         }

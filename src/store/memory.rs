@@ -17,6 +17,7 @@ use super::{Claim, Keep, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
+use crate::metrics::Evictions;
 
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
 /// [`PURGE_EVERY`] by a task the store owns, stopped when the last handle goes (made outside a
@@ -59,6 +60,8 @@ struct Table {
     // operation scans the map under the lock that every worker shares.
     claims: BTreeSet<(Instant, ScopedKey)>,
     records: BTreeSet<(Instant, ScopedKey)>,
+    // Where records evicted for room are counted.
+    evictions: Evictions,
 }
 
 #[derive(Debug)]
@@ -163,7 +166,9 @@ impl Table {
             let Some(&(_, key)) = self.records.first() else {
                 break;
             };
+            let for_entries = self.map.len() + usize::from(adding) > max_entries;
             self.remove(&key);
+            self.evictions.count(for_entries, 1);
             evicted += 1;
         }
         if evicted > 0 {
@@ -193,12 +198,19 @@ impl MemoryStore {
 
     /// An empty store holding at most `max_entries` entries and `max_bytes` of responses.
     pub fn with_limits(max_entries: usize, max_bytes: u64) -> Self {
+        Self::with_limits_counted(max_entries, max_bytes, Evictions::default())
+    }
+
+    /// [`with_limits`](Self::with_limits), counting the records it evicts for room into
+    /// `evictions` (the gateway's `idemgate_store_evictions_total`).
+    pub fn with_limits_counted(max_entries: usize, max_bytes: u64, evictions: Evictions) -> Self {
         let shared = Arc::new(Shared {
             // Sized for the bound up front (up to a million slots): growing by doubling would
             // rehash the whole map under the lock every worker shares. Untouched pages cost
             // address space only.
             table: Mutex::new(Table {
                 map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
+                evictions,
                 ..Table::default()
             }),
             max_entries: max_entries.max(1),
@@ -452,7 +464,8 @@ mod tests {
 
     #[tokio::test]
     async fn evicts_completed_records_never_claims() {
-        let store = MemoryStore::with_limits(10, u64::MAX);
+        let evictions = Evictions::default();
+        let store = MemoryStore::with_limits_counted(10, u64::MAX, evictions.clone());
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(60);
         // Five claims stay in flight, five complete.
@@ -485,6 +498,8 @@ mod tests {
                 .unwrap();
             assert!(matches!(again, Claim::InFlight), "claim {i} was evicted");
         }
+        assert_eq!(evictions.max_entries.get(), 5, "the five records, counted");
+        assert_eq!(evictions.max_bytes.get(), 0);
         // Only claims left: a new claim is refused rather than growing without bound.
         assert!(matches!(
             store.claim(&key(100), &fp, &Token([1; 16]), lease).await,

@@ -16,7 +16,7 @@ use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Toke
 
 mod any;
 pub mod cached;
-mod codec;
+pub(crate) mod codec;
 pub mod embedded;
 pub mod memory;
 pub mod postgres;

@@ -330,6 +330,9 @@ pub enum Unreadable {
 }
 
 impl Unreadable {
+    /// Every [`reason`](Self::reason).
+    pub const REASONS: [&'static str; 3] = ["tampered", "unknown_key", "clear"];
+
     /// The metric label: `tampered`, `unknown_key` or `clear`.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -83,9 +83,12 @@ impl Pointer {
     }
 }
 
-/// An array index token: digits without a leading zero.
+/// An array index token: digits without a leading zero (no sign: `usize`'s parser takes `+1`).
 pub(super) fn array_index(token: &str) -> Option<usize> {
-    if token.is_empty() || (token.len() > 1 && token.starts_with('0')) {
+    if token.is_empty()
+        || (token.len() > 1 && token.starts_with('0'))
+        || !token.bytes().all(|b| b.is_ascii_digit())
+    {
         return None;
     }
     token.parse().ok()
@@ -106,6 +109,7 @@ mod tests {
         ));
         assert!(matches!(get("/"), Some(Json::Number(_))), "the empty key");
         assert!(get("/a~1b/m~0n/01").is_none(), "no leading zeros");
+        assert!(get("/a~1b/m~0n/+1").is_none(), "no sign");
         assert!(get("/missing").is_none());
         assert!(Pointer::parse("a").is_err());
         assert!(Pointer::parse("/a~2").is_err());
