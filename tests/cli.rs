@@ -563,3 +563,37 @@ fn sealing_keys_are_checked_and_shown_by_id_only() {
         );
     }
 }
+
+#[test]
+fn check_config_shows_telemetry_off_or_its_collector() {
+    let file = write("upstream = \"http://127.0.0.1:9\"\n");
+    let path = file.path().to_str().unwrap();
+    let off = idemgate_env(&["check-config", path], &[]);
+    assert!(String::from_utf8_lossy(&off.stdout).contains("telemetry      = off"));
+    let on = idemgate_env(
+        &["check-config", path],
+        &[
+            ("IDEMGATE_TELEMETRY__OTLP_ENDPOINT", "http://collector:4318"),
+            ("IDEMGATE_TELEMETRY__SAMPLE_RATIO", "0.25"),
+        ],
+    );
+    let shown = String::from_utf8_lossy(&on.stdout);
+    assert!(
+        on.status.success(),
+        "{}",
+        String::from_utf8_lossy(&on.stderr)
+    );
+    for line in [
+        "traces_url: http://collector:4318/v1/traces",
+        "service_name: \"idemgate\"",
+        "sample_ratio: 0.25",
+    ] {
+        assert!(shown.contains(line), "{line:?} not in {shown}");
+    }
+    let bad = idemgate_env(
+        &["check-config", path],
+        &[("IDEMGATE_TELEMETRY__SAMPLE_RATIO", "2")],
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("telemetry.sample_ratio"));
+}
