@@ -2,11 +2,10 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `storm`, `soak`, `cluster`, `postgres`, `embedded`, `failover`), on
-//! `bench` (the measuring they share),
-//! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
-//! `metrics`, and `table` (the printed results). `upstream` and `app` are the subcommands the
-//! harness runs as child processes.
+//! `fingerprint`, `expiry`, `seal`, `storm`, `soak`, `cluster`, `postgres`, `embedded`,
+//! `failover`), on `bench` (the measuring they share), `load` (the load generator), `procs`
+//! (the processes under test; Redis's come from `testkit`), `metrics`, and `table` (the printed
+//! results). `upstream` and `app` are the subcommands the harness runs as child processes.
 
 mod app;
 mod bench;
@@ -23,6 +22,7 @@ mod metrics;
 mod postgres;
 mod procs;
 mod proxy;
+mod seal;
 mod soak;
 mod storm;
 mod table;
@@ -60,8 +60,9 @@ struct Cli {
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
-    /// default), storm, soak, cluster (2 gateways on a Redis Cluster against one
-    /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
+    /// default), seal (the Redis miss and replay, with and without the local cache, with
+    /// seal = "on" against "off"), storm, soak, cluster (2 gateways on a Redis Cluster against
+    /// one Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
     /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
     #[arg(long, value_delimiter = ',')]
@@ -234,6 +235,17 @@ async fn bench(cli: Cli) -> ExitCode {
         // The run's Redis, for its CPU per miss: a section before may have set others (none).
         b.redis_pids = redis.pid().into_iter().collect();
         expiry::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
+    }
+    if run("seal") {
+        b.redis_pids = redis.pid().into_iter().collect();
+        seal::run(
+            &mut b,
+            dir.path(),
+            (&mut redis_conn, &redis_url),
+            sizes,
+            cli.quick,
+        )
+        .await;
     }
     if run("storm") {
         storm::run(&mut b, dir.path(), &redis_url).await;
