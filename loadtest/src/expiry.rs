@@ -99,7 +99,8 @@ pub async fn run(
     flush(redis_conn).await;
 }
 
-async fn flush(conn: &mut MultiplexedConnection) {
+/// Empty the run's Redis (for the sections that measure on it from empty).
+pub async fn flush(conn: &mut MultiplexedConnection) {
     // ASYNC: freeing many records takes longer than the client's response timeout.
     let _: () = redis::cmd("FLUSHALL")
         .arg("ASYNC")

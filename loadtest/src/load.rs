@@ -461,7 +461,7 @@ async fn retrying_client(
 }
 
 /// One POST with `key`, on the kept connection or a new one; its status, or 0 without an answer.
-async fn send_once(
+pub async fn send_once(
     sender: &mut Option<http1::SendRequest<Full<Bytes>>>,
     addr: SocketAddr,
     key: &str,

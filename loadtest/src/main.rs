@@ -2,13 +2,11 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`, `embedded`,
-//! `failover`), on
-//! `bench` (the measuring they share),
-//! `load` (the load generator), `procs` (the processes under test; Redis's come from `testkit`),
-//! `metrics`, `table` (the printed results) and `charts` (the same as SVG charts). `upstream`,
-//! `app` and `collector` (the telemetry section's sink) are the subcommands the harness runs as
-//! child processes.
+//! `fingerprint`, `expiry`, `seal`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`,
+//! `embedded`, `failover`), on `bench` (the measuring they share), `load` (the load generator),
+//! `procs` (the processes under test; Redis's come from `testkit`), `metrics`, `table` (the
+//! printed results) and `charts` (the same as SVG charts). `upstream`, `app` and `collector`
+//! (the telemetry section's sink) are the subcommands the harness runs as child processes.
 
 mod app;
 mod bench;
@@ -26,6 +24,7 @@ mod metrics;
 mod postgres;
 mod procs;
 mod proxy;
+mod seal;
 mod soak;
 mod storm;
 mod table;
@@ -64,9 +63,11 @@ struct Cli {
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
-    /// default), telemetry (the miss and replay with OTel traces exported, sampled, or to a
-    /// collector that is down, against none), storm, soak, cluster (2 gateways on a Redis Cluster against one
-    /// Redis, and wait_replicas), postgres (the gateway on PostgreSQL against pgbench with the
+    /// default), seal (the Redis miss and replay, with and without the local cache, with
+    /// seal = "on" against "off"), telemetry (the miss and replay with OTel traces exported,
+    /// sampled, or to a collector that is down, against none), storm, soak, cluster (2 gateways
+    /// on a Redis Cluster against one Redis, and wait_replicas), postgres (the gateway on
+    /// PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
     /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
     #[arg(long, value_delimiter = ',')]
@@ -253,6 +254,17 @@ async fn bench(cli: Cli) -> ExitCode {
         // The run's Redis, for its CPU per miss: a section before may have set others (none).
         b.redis_pids = redis.pid().into_iter().collect();
         expiry::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
+    }
+    if run("seal") {
+        b.redis_pids = redis.pid().into_iter().collect();
+        seal::run(
+            &mut b,
+            dir.path(),
+            (&mut redis_conn, &redis_url),
+            sizes,
+            cli.quick,
+        )
+        .await;
     }
     if run("telemetry") {
         telemetry::run(&mut b, dir.path()).await;

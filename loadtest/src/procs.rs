@@ -339,7 +339,7 @@ pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Pr
 /// The gateway with `store` and `upstream`, the TOML of its upstream (the top-level `upstream`
 /// and any `[upstreams.default]` table).
 pub fn gateway_to(dir: &Path, store: &str, upstream: &str) -> Proc {
-    gateway_config(dir, store, upstream, "", "bench:")
+    gateway_config(dir, store, upstream, ("", "bench:"), &[])
 }
 
 /// [`gateway`] with Redis keys under `prefix`.
@@ -350,16 +350,35 @@ pub fn gateway_with_prefix(
     extra: &str,
     prefix: &str,
 ) -> Proc {
+    gateway_with_env(dir, store, upstream, (extra, prefix), &[])
+}
+
+/// [`gateway_with_prefix`] with `env` added to the gateway's environment (the sealing keys,
+/// which it reads from there only).
+pub fn gateway_with_env(
+    dir: &Path,
+    store: &str,
+    upstream: SocketAddr,
+    (extra, prefix): (&str, &str),
+    env: &[(&str, &str)],
+) -> Proc {
     gateway_config(
         dir,
         store,
         &format!("upstream = \"http://{upstream}\"\n"),
-        extra,
-        prefix,
+        (extra, prefix),
+        env,
     )
 }
 
-fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: &str) -> Proc {
+/// The one place a gateway starts: its config written to `dir`, `env` added to its environment.
+fn gateway_config(
+    dir: &Path,
+    store: &str,
+    upstream: &str,
+    (extra, prefix): (&str, &str),
+    env: &[(&str, &str)],
+) -> Proc {
     let addr = free_addr();
     // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first;
     // PostgreSQL's and the embedded store's have no key prefix).
@@ -395,7 +414,8 @@ fn gateway_config(dir: &Path, store: &str, upstream: &str, extra: &str, prefix: 
         Command::new(gateway_bin())
             .arg("--config")
             .arg(&path)
-            .env("RUST_LOG", "info"),
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied()),
         addr,
     );
     proc.admin = Some(admin);

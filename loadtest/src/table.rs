@@ -82,14 +82,28 @@ pub fn print(b: &Bench) {
                 .find(|r| r.body == size && r.scenario == name)
                 .map(|r| (r.closed.rps(), r.closed.cpu.map(|c| c.all()).unwrap_or(0.0)))
         };
-        let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
-        else {
-            continue;
-        };
         // Throughput ratio a / b, and the one CPU predicts: b's CPU per request / a's.
         let ratio = |a: (f64, f64), b: (f64, f64)| {
             let by_cpu = if a.1 > 0.0 { b.1 / a.1 } else { 0.0 };
             format!("{:.2} [{by_cpu:.2}]", a.0 / b.0)
+        };
+        for path in [
+            "gateway miss, redis",
+            "gateway replay, redis",
+            "gateway replay, redis, local_cache 0",
+        ] {
+            let seal = |mode: &str| get(&format!("{path}, seal {mode}"));
+            if let (Some(off), Some(on)) = (seal("off"), seal("on")) {
+                println!(
+                    "- {}: {path}, seal on / off = {} (target >= 0.9)",
+                    human(size),
+                    ratio(on, off)
+                );
+            }
+        }
+        let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
+        else {
+            continue;
         };
         println!(
             "- {}: pass-through / nginx = {} (target >= 1.0)",
