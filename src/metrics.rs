@@ -37,6 +37,11 @@ impl Evictions {
     }
 }
 
+/// Why a stored record did not open: the `reason` label of
+/// `idemgate_records_unreadable_total` (the tag did not verify, the key id is not listed, a clear
+/// record where sealing is required).
+pub const UNREADABLE_REASONS: [&str; 3] = ["tampered", "unknown_key", "clear"];
+
 /// What happened to a request, as counted by `idemgate_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -506,7 +511,7 @@ impl Metrics {
         for reason in ["max_entries", "max_bytes"] {
             drop(m.store.evictions.get_or_create(&ReasonLabels { reason }));
         }
-        for reason in crate::store::Unreadable::REASONS {
+        for reason in UNREADABLE_REASONS {
             drop(m.store.unreadable.get_or_create(&ReasonLabels { reason }));
         }
     }

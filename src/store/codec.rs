@@ -35,7 +35,7 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::KeySource;
 use crate::idempotency::key::ScopedKey;
 use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
-use crate::store::seal::Seal;
+use crate::store::seal::{Seal, Unreadable};
 use crate::store::{DecodeError, StoreError};
 
 /// The encoding version written by this build.
@@ -92,7 +92,7 @@ impl Codec {
         state: &'a EntryState,
     ) -> Encoded<'a> {
         let parts = encode_parts(fingerprint, token, state, self.compress);
-        match self.seal.seal(key, &[&parts.head, &parts.body]) {
+        match self.seal.seal(key, HEADER_LEN, &[&parts.head, &parts.body]) {
             Some(head) => Encoded {
                 head,
                 body: std::borrow::Cow::Borrowed(&[]),
@@ -110,14 +110,26 @@ impl Codec {
         state: &EntryState,
     ) -> Option<(Bytes, std::time::Duration)> {
         let (clear, lives) = encode_tombstone(keep, fingerprint, state)?;
-        let sealed = self.seal.seal(key, &[&clear]).map(BytesMut::freeze);
+        let sealed = self
+            .seal
+            .seal(key, HEADER_LEN, &[&clear])
+            .map(BytesMut::freeze);
         Some((sealed.unwrap_or(clear), lives))
     }
 
     /// The entry and claim token in `raw`, read from `key`'s record (or its tombstone),
     /// opened first when it is sealed.
     pub(crate) fn decode(&self, key: &ScopedKey, raw: Bytes) -> Result<(Entry, Token), StoreError> {
-        Ok(decode(self.seal.open(key, raw)?)?)
+        if Seal::is_sealed(&raw, HEADER_LEN) {
+            let clear = self.seal.open(key, (HEADER_LEN, FORMAT_VERSION), raw)?;
+            return Ok(decode(clear)?);
+        }
+        // A claim holds no response: clear whatever the mode.
+        let claim = raw.get(STATE_AT) == Some(&IN_FLIGHT);
+        if self.seal.required() && !claim && !raw.is_empty() {
+            return Err(Unreadable::Clear.into());
+        }
+        Ok(decode(raw)?)
     }
 }
 /// The most an LZ4 block expands: each byte of a match's length adds at most 255 bytes. A
@@ -581,5 +593,230 @@ mod tests {
         let raw = encode_with(&fp, &tok, &random, true);
         assert_eq!(raw[STATE_AT], b'C');
         assert_eq!(body_of(raw), noise);
+    }
+}
+
+#[cfg(test)]
+mod sealed {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+
+    use crate::idempotency::fingerprint::Fingerprint;
+    use crate::idempotency::key::ScopedKey;
+    use crate::idempotency::record::{EntryState, StoredResponse, Token};
+    use crate::store::codec::{self, Codec};
+    use crate::store::seal::{Seal, SealKeys, SealMode, Unreadable, SEALED_VERSION, SEAL_KEYS_VAR};
+    use http::{HeaderName, HeaderValue, StatusCode};
+
+    const K1: &str = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    const K2: &str = "k2:HxwdHhobGBkWFxQVEhMQEQ4PDA0KCwgJBgcEBQIDAAE=";
+
+    fn seal(mode: SealMode, keys: &str) -> Seal {
+        Seal::new(mode, Some(SealKeys::parse(keys).unwrap())).unwrap()
+    }
+
+    fn completed(body: &str) -> EntryState {
+        EntryState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(
+                HeaderName::from_static("content-type"),
+                HeaderValue::from_static("application/json"),
+            )],
+            body: Bytes::from(body.to_string()),
+            traceparent: None,
+            key_source: None,
+        }))
+    }
+
+    fn body(state: &EntryState) -> &[u8] {
+        match state {
+            EntryState::Completed(r) => &r.body,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    const MARKER: &str = "card 4242-MARKER-4242 of Ada Lovelace";
+
+    #[test]
+    fn a_sealed_record_holds_no_clear_response_and_opens_for_its_key_only() {
+        let (key, other) = (ScopedKey([1; 32]), ScopedKey([2; 32]));
+        let (fp, tok) = (Fingerprint([3; 32]), Token::random());
+        let c = Codec::new(true, seal(SealMode::On, K1));
+        let state = completed(&MARKER.repeat(100));
+        let raw = c.record(&key, &fp, &tok, &state).into_bytes();
+        assert_eq!(raw[0], SEALED_VERSION);
+        let marker = MARKER.as_bytes();
+        assert!(!raw.windows(marker.len()).any(|w| w == marker));
+        // The clear header the Redis scripts read is where it always is.
+        assert_eq!(raw[codec::STATE_AT], codec::COMPRESSED);
+        assert_eq!(&raw[codec::TOKEN_AT..codec::WRITTEN_AT], &tok.0);
+        let (entry, token) = c.decode(&key, raw.clone()).unwrap();
+        assert_eq!(token, tok);
+        assert_eq!(entry.fingerprint, fp);
+        assert_eq!(body(&entry.state), MARKER.repeat(100).as_bytes());
+        // Copied to another key: does not open.
+        let e = c.decode(&other, raw.clone()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                crate::store::StoreError::Unreadable(Unreadable::Tampered { .. })
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn any_changed_byte_or_a_cut_makes_it_unreadable() {
+        let key = ScopedKey([1; 32]);
+        let c = Codec::new(false, seal(SealMode::On, K1));
+        let raw = c
+            .record(
+                &key,
+                &Fingerprint([3; 32]),
+                &Token([4; 16]),
+                &completed("{}"),
+            )
+            .into_bytes();
+        for at in 0..raw.len() {
+            let mut bad = raw.to_vec();
+            bad[at] ^= 0x01;
+            assert!(
+                c.decode(&key, Bytes::from(bad)).is_err(),
+                "byte {at} flipped"
+            );
+        }
+        for len in 0..raw.len() {
+            assert!(c.decode(&key, raw.slice(..len)).is_err(), "cut at {len}");
+        }
+    }
+
+    #[test]
+    fn older_listed_keys_open_and_unlisted_ones_do_not() {
+        let key = ScopedKey([1; 32]);
+        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
+        let old = Codec::new(false, seal(SealMode::On, K1));
+        let raw = old.record(&key, &fp, &tok, &completed("x")).into_bytes();
+        let rotated = Codec::new(false, seal(SealMode::On, &format!("{K2},{K1}")));
+        assert_eq!(
+            body(&rotated.decode(&key, raw.clone()).unwrap().0.state),
+            b"x"
+        );
+        // New records are sealed with the first key.
+        let new = rotated
+            .record(&key, &fp, &tok, &completed("y"))
+            .into_bytes();
+        assert_eq!(&new[codec::HEADER_LEN..codec::HEADER_LEN + 3], b"\x02k2");
+        let dropped = Codec::new(false, seal(SealMode::On, K2));
+        let e = dropped.decode(&key, raw).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the record is sealed with key k1, which IDEMGATE_SEAL_KEYS does not list"
+        );
+        // The same id with another key: the tag does not verify.
+        let impostor = Codec::new(false, seal(SealMode::On, &K2.replace("k2", "k1")));
+        let raw = old.record(&key, &fp, &tok, &completed("x")).into_bytes();
+        assert!(matches!(
+            impostor.decode(&key, raw),
+            Err(crate::store::StoreError::Unreadable(
+                Unreadable::Tampered { .. }
+            ))
+        ));
+    }
+
+    #[test]
+    fn clear_records_open_unless_sealing_is_required_and_claims_always() {
+        let key = ScopedKey([1; 32]);
+        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
+        let clear = Codec::default()
+            .record(&key, &fp, &tok, &completed("old"))
+            .into_bytes();
+        let on = Codec::new(false, seal(SealMode::On, K1));
+        assert_eq!(
+            body(&on.decode(&key, clear.clone()).unwrap().0.state),
+            b"old"
+        );
+        let required = Codec::new(false, seal(SealMode::Required, K1));
+        assert!(matches!(
+            required.decode(&key, clear),
+            Err(crate::store::StoreError::Unreadable(Unreadable::Clear))
+        ));
+        let claim = required.claim(&fp, &tok);
+        assert!(matches!(
+            required.decode(&key, claim).unwrap().0.state,
+            EntryState::InFlight
+        ));
+        // Sealing off still opens what was sealed while it was on.
+        let sealed = on.record(&key, &fp, &tok, &completed("new")).into_bytes();
+        let off = Codec::new(false, seal(SealMode::Off, K1));
+        assert_eq!(
+            body(&off.decode(&key, sealed.clone()).unwrap().0.state),
+            b"new"
+        );
+        assert_eq!(
+            off.record(&key, &fp, &tok, &completed("z")).into_bytes()[0],
+            codec::FORMAT_VERSION
+        );
+        assert!(matches!(
+            Codec::default().decode(&key, sealed),
+            Err(crate::store::StoreError::Unreadable(
+                Unreadable::UnknownKey { .. }
+            ))
+        ));
+    }
+
+    #[test]
+    fn tombstones_are_sealed_too() {
+        let key = ScopedKey([1; 32]);
+        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
+        let c = Codec::new(false, seal(SealMode::Required, K1));
+        let keep = crate::store::Keep {
+            ttl: crate::idempotency::policy::Ttl::For(std::time::Duration::from_secs(60)),
+            tombstone: Some(std::time::Duration::from_secs(600)),
+        };
+        let (raw, _) = c.tombstone(&key, keep, &fp, &completed("x")).unwrap();
+        assert_eq!(raw[0], SEALED_VERSION);
+        let _ = tok;
+        match c.decode(&key, raw.clone()).unwrap().0.state {
+            EntryState::Expired(t) => assert_eq!(t.status, Some(StatusCode::CREATED)),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(c.decode(&key.tombstone(), raw).is_err());
+    }
+
+    #[test]
+    fn bad_key_lists_are_refused_without_quoting_a_key() {
+        for (keys, reason) in [
+            ("", "key 1 is not id:<base64 of 32 bytes>"),
+            ("k1", "key 1 is not id:<base64 of 32 bytes>"),
+            (
+                "k1:AAEC",
+                "key \"k1\" is 3 bytes; a key is 32 random bytes in base64",
+            ),
+            ("k1:not base64!", "key \"k1\" is not base64"),
+            (&format!("{K1},{K1}"), "key id \"k1\" is listed twice"),
+            (&K1.replace("k1", "k 1"), "key 1: its id must be"),
+        ] {
+            let e = SealKeys::parse(keys)
+                .err()
+                .unwrap_or_else(|| panic!("{keys:?} accepted"));
+            assert!(e.starts_with(reason), "{keys:?}: {e}");
+            assert!(!e.contains("AAEC") && !e.contains("AAECAwQF"), "{e}");
+        }
+        let many: Vec<String> = (0..17)
+            .map(|i| K1.replace("k1", &format!("k{i}")))
+            .collect();
+        assert!(SealKeys::parse(&many.join(","))
+            .unwrap_err()
+            .contains("at most 16"));
+        assert!(Seal::new(SealMode::On, None)
+            .unwrap_err()
+            .contains(SEAL_KEYS_VAR));
+        let s = seal(SealMode::Required, &format!("{K2},{K1}"));
+        assert_eq!(
+            s.describe(),
+            "required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))"
+        );
+        assert!(!format!("{s:?}").contains("AAEC"));
     }
 }

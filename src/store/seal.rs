@@ -2,7 +2,7 @@
 //! and authenticated with AES-256-GCM before it leaves the process for a store.
 //!
 //! A sealed entry keeps the clear header the stores and the Redis scripts read (version, state,
-//! fingerprint, token, written-at: [`codec`](super::codec)), followed by the id of the key that
+//! fingerprint, token, written-at: `store/codec.rs`), followed by the id of the key that
 //! sealed it, a fresh random nonce, and the rest of the clear encoding encrypted, with its tag:
 //!
 //! ```text
@@ -179,13 +179,19 @@ impl Seal {
     }
 
     /// The sealed form of `clear` (the parts of a clear encoding of a completed entry or a
-    /// tombstone, its header first) for the record of `key`; `None` when sealing is off.
-    pub(crate) fn seal(&self, key: &ScopedKey, clear: &[&[u8]]) -> Option<BytesMut> {
+    /// tombstone, its header of `header_len` bytes first) for the record of `key`; `None` when
+    /// sealing is off.
+    pub(crate) fn seal(
+        &self,
+        key: &ScopedKey,
+        header_len: usize,
+        clear: &[&[u8]],
+    ) -> Option<BytesMut> {
         let k = self.sealing_key()?;
-        let header = &clear[0][..HEADER_LEN];
-        let plain_len: usize = clear.iter().map(|p| p.len()).sum::<usize>() - HEADER_LEN;
+        let header = &clear[0][..header_len];
+        let plain_len: usize = clear.iter().map(|p| p.len()).sum::<usize>() - header_len;
         let id = k.id.as_bytes();
-        let at = HEADER_LEN + 1 + id.len();
+        let at = header_len + 1 + id.len();
         let mut out = BytesMut::with_capacity(at + NONCE_LEN + plain_len + TAG_LEN);
         out.put_u8(SEALED_VERSION);
         out.put_slice(&header[1..]);
@@ -194,7 +200,7 @@ impl Seal {
         let mut nonce = [0u8; NONCE_LEN];
         rand::rng().fill_bytes(&mut nonce);
         out.put_slice(&nonce);
-        out.put_slice(&clear[0][HEADER_LEN..]);
+        out.put_slice(&clear[0][header_len..]);
         for part in &clear[1..] {
             out.put_slice(part);
         }
@@ -212,23 +218,31 @@ impl Seal {
         Some(out)
     }
 
-    /// The clear encoding of the entry `raw` read for `key`: opened when it is sealed, as it is
-    /// when it is clear and may be (a claim, or any entry unless sealing is required).
-    pub(crate) fn open(&self, key: &ScopedKey, raw: Bytes) -> Result<Bytes, Unreadable> {
-        if raw.len() <= HEADER_LEN || raw[0] != SEALED_VERSION {
-            let claim = raw.get(super::codec::STATE_AT) == Some(&super::codec::IN_FLIGHT);
-            if self.mode == SealMode::Required && !claim && !raw.is_empty() {
-                return Err(Unreadable::Clear);
-            }
-            return Ok(raw);
-        }
-        let id_len = raw[HEADER_LEN] as usize;
-        let at = HEADER_LEN + 1 + id_len;
+    /// Whether clear completed records are refused (`required`).
+    pub(crate) fn required(&self) -> bool {
+        self.mode == SealMode::Required
+    }
+
+    /// Whether `raw` is a sealed entry (its header being `header_len` bytes).
+    pub(crate) fn is_sealed(raw: &[u8], header_len: usize) -> bool {
+        raw.len() > header_len && raw[0] == SEALED_VERSION
+    }
+
+    /// The clear encoding (version byte `clear_version`) of the sealed entry `raw` read for
+    /// `key`, whose clear header is `header_len` bytes.
+    pub(crate) fn open(
+        &self,
+        key: &ScopedKey,
+        (header_len, clear_version): (usize, u8),
+        raw: Bytes,
+    ) -> Result<Bytes, Unreadable> {
+        let id_len = raw[header_len] as usize;
+        let at = header_len + 1 + id_len;
         if raw.len() < at + NONCE_LEN + TAG_LEN {
             return Err(Unreadable::Tampered { key_id: None });
         }
         let mut id = [0u8; u8::MAX as usize];
-        id[..id_len].copy_from_slice(&raw[HEADER_LEN + 1..at]);
+        id[..id_len].copy_from_slice(&raw[header_len + 1..at]);
         let id = &id[..id_len];
         let key_id = || Some(String::from_utf8_lossy(id).into_owned());
         let Some(k) = self.keys.as_ref().and_then(|keys| keys.find(id)) else {
@@ -237,24 +251,22 @@ impl Seal {
         let aad = associated(key, &raw[..at]);
         let nonce: [u8; NONCE_LEN] = raw[at..at + NONCE_LEN].try_into().expect("nonce");
         let mut clear = Vec::from(raw);
-        let skip = at + NONCE_LEN - HEADER_LEN;
+        let skip = at + NONCE_LEN - header_len;
         let opened = k.key.open_within(
             Nonce::assume_unique_for_key(nonce),
             Aad::from(&aad[..]),
-            &mut clear[HEADER_LEN..],
+            &mut clear[header_len..],
             skip..,
         );
         let Ok(plain) = opened else {
             return Err(Unreadable::Tampered { key_id: key_id() });
         };
-        let len = HEADER_LEN + plain.len();
+        let len = header_len + plain.len();
         clear.truncate(len);
-        clear[0] = super::codec::FORMAT_VERSION;
+        clear[0] = clear_version;
         Ok(Bytes::from(clear))
     }
 }
-
-use super::codec::HEADER_LEN;
 
 /// The associated data of a sealed entry: the scoped key, then everything before the nonce.
 fn associated(key: &ScopedKey, before_nonce: &[u8]) -> Vec<u8> {
@@ -330,15 +342,13 @@ pub enum Unreadable {
 }
 
 impl Unreadable {
-    /// Every [`reason`](Self::reason).
-    pub const REASONS: [&'static str; 3] = ["tampered", "unknown_key", "clear"];
-
     /// The metric label: `tampered`, `unknown_key` or `clear`.
     pub fn reason(&self) -> &'static str {
+        let [tampered, unknown_key, clear] = crate::metrics::UNREADABLE_REASONS;
         match self {
-            Unreadable::Tampered { .. } => "tampered",
-            Unreadable::UnknownKey { .. } => "unknown_key",
-            Unreadable::Clear => "clear",
+            Unreadable::Tampered { .. } => tampered,
+            Unreadable::UnknownKey { .. } => unknown_key,
+            Unreadable::Clear => clear,
         }
     }
 
@@ -350,225 +360,5 @@ impl Unreadable {
             }
             Unreadable::Clear => None,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::idempotency::fingerprint::Fingerprint;
-    use crate::idempotency::record::{EntryState, StoredResponse, Token};
-    use crate::store::codec::{self, Codec};
-    use http::{HeaderName, HeaderValue, StatusCode};
-
-    const K1: &str = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
-    const K2: &str = "k2:HxwdHhobGBkWFxQVEhMQEQ4PDA0KCwgJBgcEBQIDAAE=";
-
-    fn seal(mode: SealMode, keys: &str) -> Seal {
-        Seal::new(mode, Some(SealKeys::parse(keys).unwrap())).unwrap()
-    }
-
-    fn completed(body: &str) -> EntryState {
-        EntryState::Completed(Arc::new(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
-                HeaderName::from_static("content-type"),
-                HeaderValue::from_static("application/json"),
-            )],
-            body: Bytes::from(body.to_string()),
-            traceparent: None,
-            key_source: None,
-        }))
-    }
-
-    fn body(state: &EntryState) -> &[u8] {
-        match state {
-            EntryState::Completed(r) => &r.body,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-
-    const MARKER: &str = "card 4242-MARKER-4242 of Ada Lovelace";
-
-    #[test]
-    fn a_sealed_record_holds_no_clear_response_and_opens_for_its_key_only() {
-        let (key, other) = (ScopedKey([1; 32]), ScopedKey([2; 32]));
-        let (fp, tok) = (Fingerprint([3; 32]), Token::random());
-        let c = Codec::new(true, seal(SealMode::On, K1));
-        let state = completed(&MARKER.repeat(100));
-        let raw = c.record(&key, &fp, &tok, &state).into_bytes();
-        assert_eq!(raw[0], SEALED_VERSION);
-        let marker = MARKER.as_bytes();
-        assert!(!raw.windows(marker.len()).any(|w| w == marker));
-        // The clear header the Redis scripts read is where it always is.
-        assert_eq!(raw[codec::STATE_AT], codec::COMPRESSED);
-        assert_eq!(&raw[codec::TOKEN_AT..codec::WRITTEN_AT], &tok.0);
-        let (entry, token) = c.decode(&key, raw.clone()).unwrap();
-        assert_eq!(token, tok);
-        assert_eq!(entry.fingerprint, fp);
-        assert_eq!(body(&entry.state), MARKER.repeat(100).as_bytes());
-        // Copied to another key: does not open.
-        let e = c.decode(&other, raw.clone()).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                crate::store::StoreError::Unreadable(Unreadable::Tampered { .. })
-            ),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn any_changed_byte_or_a_cut_makes_it_unreadable() {
-        let key = ScopedKey([1; 32]);
-        let c = Codec::new(false, seal(SealMode::On, K1));
-        let raw = c
-            .record(
-                &key,
-                &Fingerprint([3; 32]),
-                &Token([4; 16]),
-                &completed("{}"),
-            )
-            .into_bytes();
-        for at in 0..raw.len() {
-            let mut bad = raw.to_vec();
-            bad[at] ^= 0x01;
-            assert!(
-                c.decode(&key, Bytes::from(bad)).is_err(),
-                "byte {at} flipped"
-            );
-        }
-        for len in 0..raw.len() {
-            assert!(c.decode(&key, raw.slice(..len)).is_err(), "cut at {len}");
-        }
-    }
-
-    #[test]
-    fn older_listed_keys_open_and_unlisted_ones_do_not() {
-        let key = ScopedKey([1; 32]);
-        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
-        let old = Codec::new(false, seal(SealMode::On, K1));
-        let raw = old.record(&key, &fp, &tok, &completed("x")).into_bytes();
-        let rotated = Codec::new(false, seal(SealMode::On, &format!("{K2},{K1}")));
-        assert_eq!(
-            body(&rotated.decode(&key, raw.clone()).unwrap().0.state),
-            b"x"
-        );
-        // New records are sealed with the first key.
-        let new = rotated
-            .record(&key, &fp, &tok, &completed("y"))
-            .into_bytes();
-        assert_eq!(&new[codec::HEADER_LEN..codec::HEADER_LEN + 3], b"\x02k2");
-        let dropped = Codec::new(false, seal(SealMode::On, K2));
-        let e = dropped.decode(&key, raw).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "the record is sealed with key k1, which IDEMGATE_SEAL_KEYS does not list"
-        );
-        // The same id with another key: the tag does not verify.
-        let impostor = Codec::new(false, seal(SealMode::On, &K2.replace("k2", "k1")));
-        let raw = old.record(&key, &fp, &tok, &completed("x")).into_bytes();
-        assert!(matches!(
-            impostor.decode(&key, raw),
-            Err(crate::store::StoreError::Unreadable(
-                Unreadable::Tampered { .. }
-            ))
-        ));
-    }
-
-    #[test]
-    fn clear_records_open_unless_sealing_is_required_and_claims_always() {
-        let key = ScopedKey([1; 32]);
-        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
-        let clear = Codec::default()
-            .record(&key, &fp, &tok, &completed("old"))
-            .into_bytes();
-        let on = Codec::new(false, seal(SealMode::On, K1));
-        assert_eq!(
-            body(&on.decode(&key, clear.clone()).unwrap().0.state),
-            b"old"
-        );
-        let required = Codec::new(false, seal(SealMode::Required, K1));
-        assert!(matches!(
-            required.decode(&key, clear),
-            Err(crate::store::StoreError::Unreadable(Unreadable::Clear))
-        ));
-        let claim = required.claim(&fp, &tok);
-        assert!(matches!(
-            required.decode(&key, claim).unwrap().0.state,
-            EntryState::InFlight
-        ));
-        // Sealing off still opens what was sealed while it was on.
-        let sealed = on.record(&key, &fp, &tok, &completed("new")).into_bytes();
-        let off = Codec::new(false, seal(SealMode::Off, K1));
-        assert_eq!(
-            body(&off.decode(&key, sealed.clone()).unwrap().0.state),
-            b"new"
-        );
-        assert_eq!(
-            off.record(&key, &fp, &tok, &completed("z")).into_bytes()[0],
-            codec::FORMAT_VERSION
-        );
-        assert!(matches!(
-            Codec::default().decode(&key, sealed),
-            Err(crate::store::StoreError::Unreadable(
-                Unreadable::UnknownKey { .. }
-            ))
-        ));
-    }
-
-    #[test]
-    fn tombstones_are_sealed_too() {
-        let key = ScopedKey([1; 32]);
-        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
-        let c = Codec::new(false, seal(SealMode::Required, K1));
-        let keep = crate::store::Keep {
-            ttl: crate::idempotency::policy::Ttl::For(std::time::Duration::from_secs(60)),
-            tombstone: Some(std::time::Duration::from_secs(600)),
-        };
-        let (raw, _) = c.tombstone(&key, keep, &fp, &completed("x")).unwrap();
-        assert_eq!(raw[0], SEALED_VERSION);
-        let _ = tok;
-        match c.decode(&key, raw.clone()).unwrap().0.state {
-            EntryState::Expired(t) => assert_eq!(t.status, Some(StatusCode::CREATED)),
-            other => panic!("unexpected {other:?}"),
-        }
-        assert!(c.decode(&key.tombstone(), raw).is_err());
-    }
-
-    #[test]
-    fn bad_key_lists_are_refused_without_quoting_a_key() {
-        for (keys, reason) in [
-            ("", "key 1 is not id:<base64 of 32 bytes>"),
-            ("k1", "key 1 is not id:<base64 of 32 bytes>"),
-            (
-                "k1:AAEC",
-                "key \"k1\" is 3 bytes; a key is 32 random bytes in base64",
-            ),
-            ("k1:not base64!", "key \"k1\" is not base64"),
-            (&format!("{K1},{K1}"), "key id \"k1\" is listed twice"),
-            (&K1.replace("k1", "k 1"), "key 1: its id must be"),
-        ] {
-            let e = SealKeys::parse(keys)
-                .err()
-                .unwrap_or_else(|| panic!("{keys:?} accepted"));
-            assert!(e.starts_with(reason), "{keys:?}: {e}");
-            assert!(!e.contains("AAEC") && !e.contains("AAECAwQF"), "{e}");
-        }
-        let many: Vec<String> = (0..17)
-            .map(|i| K1.replace("k1", &format!("k{i}")))
-            .collect();
-        assert!(SealKeys::parse(&many.join(","))
-            .unwrap_err()
-            .contains("at most 16"));
-        assert!(Seal::new(SealMode::On, None)
-            .unwrap_err()
-            .contains(SEAL_KEYS_VAR));
-        let s = seal(SealMode::Required, &format!("{K2},{K1}"));
-        assert_eq!(
-            s.describe(),
-            "required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))"
-        );
-        assert!(!format!("{s:?}").contains("AAEC"));
     }
 }
