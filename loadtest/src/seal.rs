@@ -123,7 +123,9 @@ impl Gateways {
 }
 
 /// Section `seal`: at each of `sizes`, the three scenarios with sealing off and on side by
-/// side; `quick` keeps the run's rounds (one), a full run has three at least.
+/// side; `quick` keeps the run's rounds (one). A full run has an even number of rounds, four at
+/// least, so that each mode comes second in a pair as often as the other: on this machine the
+/// second of two miss phases in a row is often the slower.
 pub async fn run(
     b: &mut Bench,
     dir: &Path,
@@ -131,7 +133,10 @@ pub async fn run(
     sizes: &[usize],
     quick: bool,
 ) {
-    let rounds = if quick { b.rounds } else { b.rounds.max(3) };
+    let rounds = match quick {
+        true => b.rounds,
+        false => b.rounds.max(4).next_multiple_of(2),
+    };
     b.request = load::small_request();
     for &size in sizes {
         b.size = size;
@@ -331,9 +336,17 @@ async fn one_record(conn: &mut MultiplexedConnection, prefix: &str) -> Option<Ve
 
 /// The median of `f` over `phases`.
 fn median(phases: &[Phase], f: impl Fn(&Report) -> f64) -> f64 {
-    let mut v: Vec<f64> = phases.iter().map(|p| f(&p.report)).collect();
+    median_of(phases.iter().map(|p| f(&p.report)).collect())
+}
+
+/// The median of `v` (of an even count, the mean of the middle two).
+fn median_of(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    match n % 2 {
+        1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// The note of one scenario: on / off req/s (medians and by round) against the goal, and the
@@ -343,29 +356,42 @@ fn note(b: &Bench, scenario: Scenario, pair: &[Vec<Phase>], rounds: usize) -> St
         median(&pair[i], |r| r.cpu.as_ref().map_or(0.0, f))
     };
     let ratio = |x: f64, y: f64| x / y.max(f64::MIN_POSITIVE);
-    let by_round = |f: fn(&Report) -> f64| -> String {
-        let v: Vec<String> = pair[0]
+    // Each round's on / off of `f`: their median, and the list with the medians of the rounds
+    // where on came second (rounds 1, 3, ...) and first.
+    let by_round = |f: fn(&Report) -> f64| -> (f64, String) {
+        let v: Vec<f64> = pair[0]
             .iter()
             .zip(&pair[1])
-            .map(|(off, on)| format!("{:.3}", ratio(f(&on.report), f(&off.report))))
+            .map(|(off, on)| ratio(f(&on.report), f(&off.report)))
             .collect();
-        v.join(", ")
+        let mut list: Vec<String> = v.iter().map(|r| format!("{r:.3}")).collect();
+        if v.len() >= 2 {
+            let at = |second: bool| -> Vec<f64> {
+                v.iter()
+                    .skip(usize::from(!second))
+                    .step_by(2)
+                    .copied()
+                    .collect()
+            };
+            let (second, first) = (median_of(at(true)), median_of(at(false)));
+            list.push(format!("on second {second:.3}, on first {first:.3}"));
+        }
+        (median_of(v), list.join(", "))
     };
     let rps = |i: usize| median(&pair[i], Report::rps);
     let gw = |r: &Report| r.cpu.map_or(0.0, |c| c.proxy);
     let (gw_off, gw_on) = (cpu(0, |c| c.proxy), cpu(1, |c| c.proxy));
+    let ((rps_paired, rps_rounds), (gw_paired, gw_rounds)) = (by_round(Report::rps), by_round(gw));
     format!(
-        "seal ({} body, Redis, {}, {} connections, {rounds} round{}, order swapped each round): on / off req/s = {:.3} (goal >= 0.9; by round {}); req/s off {:.0}, on {:.0}; gateway CPU µs per request (median of rounds) off {gw_off:.1}, on {gw_on:.1}, on / off = {:.3} (by round {}); Redis CPU µs per request off {:.1}, on {:.1}; Redis round trips per request off {:.2}, on {:.2}",
+        "seal ({} body, Redis, {}, {} connections, {rounds} round{}, order swapped each round): on / off req/s = {:.3} (medians), {rps_paired:.3} (median of the rounds' ratios; goal >= 0.9; by round {rps_rounds}); req/s off {:.0}, on {:.0}; gateway CPU µs per request (median of rounds) off {gw_off:.1}, on {gw_on:.1}, on / off = {:.3} (medians), {gw_paired:.3} (median of the rounds' ratios; by round {gw_rounds}); Redis CPU µs per request off {:.1}, on {:.1}; Redis round trips per request off {:.2}, on {:.2}",
         human(b.size),
         scenario.name(),
         b.connections,
         if rounds == 1 { "" } else { "s" },
         ratio(rps(1), rps(0)),
-        by_round(Report::rps),
         rps(0),
         rps(1),
         ratio(gw_on, gw_off),
-        by_round(gw),
         cpu(0, |c| c.redis),
         cpu(1, |c| c.redis),
         pair[0].iter().map(|p| p.round_trips).sum::<f64>() / rounds as f64,
