@@ -124,8 +124,8 @@ impl Gateways {
 
 /// Section `seal`: at each of `sizes`, the three scenarios with sealing off and on side by
 /// side; `quick` keeps the run's rounds (one). A full run has an even number of rounds, four at
-/// least, so that each mode comes second in a pair as often as the other: on this machine the
-/// second of two miss phases in a row is often the slower.
+/// least, so that each mode comes second in a pair as often as the other (on this machine which
+/// one comes first can move a pair's ratio by 10%).
 pub async fn run(
     b: &mut Bench,
     dir: &Path,
