@@ -75,6 +75,7 @@ policy_table! {
     repeatability: Any<bool>,
     after_expiry: Any<AfterExpiry>,
     tombstone_ttl: NonZero,
+    stream: Any<bool>,
 }
 
 rules! {

@@ -52,6 +52,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 RouteTable::new(routes, &metrics),
                 metrics,
                 TaskTracker::new(),
+                Arc::default(),
             )),
         }
     }
@@ -65,12 +66,14 @@ impl<St: Store> IdempotencyLayer<St> {
                 RouteTable::new(routes, &metrics),
                 metrics,
                 self.shared.tasks.clone(),
+                self.shared.live.clone(),
             )),
         }
     }
 
     /// The same layer over another handle to the store (the binary gives each worker thread
-    /// its own Redis connection): routes, waiter bounds and metrics stay shared; the background
+    /// its own Redis connection): routes, waiter bounds, metrics and live streamed answers stay
+    /// shared; the background
     /// tasks are tracked apart, so each worker can wait for its own.
     pub fn with_store<T: Store>(&self, store: T) -> IdempotencyLayer<T> {
         IdempotencyLayer {
@@ -79,6 +82,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 self.shared.table.clone(),
                 self.shared.metrics.clone(),
                 TaskTracker::new(),
+                self.shared.live.clone(),
             )),
         }
     }

@@ -10,6 +10,7 @@ pub(crate) mod json;
 pub mod key;
 mod layer;
 mod lease;
+mod live;
 pub mod policy;
 pub mod record;
 pub mod repeatability;
@@ -17,6 +18,7 @@ mod response;
 mod routes;
 mod service;
 mod shared;
+mod sse;
 pub(crate) mod trace;
 mod wait;
 

@@ -188,6 +188,9 @@ pub struct Policy {
     /// OASIS Repeatable Requests: the key from `Repeatability-Request-ID`, scoped by
     /// `Repeatability-Client-ID`, with `Repeatability-First-Sent` checked against `ttl`.
     pub repeatability: bool,
+    /// Send a keyed answer to the client as it arrives while recording it, instead of buffering
+    /// it whole first; with `on_in_flight = "wait"`, duplicates attach to the live answer.
+    pub stream: bool,
 }
 
 impl Policy {
@@ -228,6 +231,7 @@ impl Policy {
             after_expiry: AfterExpiry::Run,
             tombstone_ttl: Duration::from_secs(30 * 24 * 3600),
             repeatability: false,
+            stream: false,
         }
     }
 
@@ -588,6 +592,12 @@ impl PolicyBuilder {
     pub fn upstream_timeout(self, timeout: Duration) -> Self {
         let value = Self::duration(timeout);
         self.set("upstream_timeout", value, |p, v| p.upstream_timeout = v)
+    }
+
+    /// `stream`: send a keyed answer as it arrives while recording it.
+    pub fn stream(mut self, stream: bool) -> Self {
+        self.policy.stream = stream;
+        self
     }
 
     /// `on_in_flight`: what a duplicate of an in-flight request gets.

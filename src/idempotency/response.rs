@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{response, HeaderMap, Response, StatusCode};
 
 use super::body::ByteBody;
@@ -102,21 +102,55 @@ pub(super) fn framed(stored: &StoredResponse, to_head: bool) -> bool {
 
 /// The first answer from a response just recorded for `ttl`.
 pub(super) fn first(stored: &StoredResponse, policy: &Policy, ttl: Ttl) -> Response<Body> {
-    respond(stored, None, expiry(policy, ttl.finite()))
+    let body = Body::from(stored.body.clone());
+    respond(stored, body, None, expiry(policy, ttl.finite()))
 }
 
 /// A replay of a stored response that lives `lives` more (forever: no expiry header): marked
-/// `Idempotent-Replayed: true`, without the route's `replay_drop_headers`.
+/// `Idempotent-Replayed: true`, without the route's `replay_drop_headers`; its body from byte
+/// `from` on (an event stream resumed after `Last-Event-ID`), with its length said anew.
 pub(super) fn replay(
     stored: &StoredResponse,
     policy: &Policy,
     lives: Option<Duration>,
+    from: usize,
 ) -> Response<Body> {
-    respond(
-        stored,
-        Some(&policy.replay_drop_headers),
-        expiry(policy, lives),
-    )
+    let body = Body::from(stored.body.slice(from..));
+    let drop = Some(&policy.replay_drop_headers[..]);
+    let mut resp = respond(stored, body, drop, expiry(policy, lives));
+    if from > 0 && resp.headers().contains_key(header::CONTENT_LENGTH) {
+        let left = HeaderValue::from(stored.body.len() - from);
+        resp.headers_mut().insert(header::CONTENT_LENGTH, left);
+    }
+    resp
+}
+
+/// The first answer of a streamed response to be recorded for `ttl`: its head (`body` empty),
+/// and `body` as it comes.
+pub(super) fn first_streamed(
+    head: &StoredResponse,
+    body: Body,
+    policy: &Policy,
+    ttl: Ttl,
+) -> Response<Body> {
+    respond(head, body, None, expiry(policy, ttl.finite()))
+}
+
+/// A duplicate's answer from the live stream it attached to, marked as a replay; without a
+/// length when it `resumes` an event stream partway.
+pub(super) fn attached(
+    head: &StoredResponse,
+    body: Body,
+    policy: &Policy,
+    lives: Option<Duration>,
+    resumes: bool,
+) -> Response<Body> {
+    let drop = Some(&policy.replay_drop_headers[..]);
+    let mut resp = respond(head, body, drop, expiry(policy, lives));
+    if resumes {
+        resp.headers_mut().remove(header::CONTENT_LENGTH);
+    }
+    resp
 }
 
 /// The only answer from a response too large to record (the key is recorded as not replayable
@@ -143,14 +177,15 @@ fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, Heade
     Some((name, value))
 }
 
-/// Build the client's response from a stored one. A replay (`drop` given) carries
+/// Build the client's response from a stored head and `body`. A replay (`drop` given) carries
 /// `Idempotent-Replayed: true` and none of the headers in `drop`; `expiry` is added when set.
 fn respond(
     stored: &StoredResponse,
+    body: Body,
     drop: Option<&[HeaderName]>,
     expiry: Option<(HeaderName, HeaderValue)>,
 ) -> Response<Body> {
-    let mut resp = Response::new(Body::from(stored.body.clone()));
+    let mut resp = Response::new(body);
     *resp.status_mut() = stored.status;
     let headers = resp.headers_mut();
     headers.reserve(stored.headers.len() + 2);

@@ -44,11 +44,13 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{ErrorFormat, FingerprintMode, OnStoreError, Policy, Ttl};
+use super::live::{OnAir, Tape};
+use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, TRACEPARENT};
 use super::routes::RouteState;
+use super::sse;
 use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
@@ -245,6 +247,18 @@ enum Called<E> {
     /// A storable response larger than `max_body`: the chunks read so far and the rest; the
     /// key is recorded as not replayable for the duration.
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
+    /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
+    Streamed(http::response::Parts, Body, Ttl),
+}
+
+/// A streamed answer whose head is answered: its body still to be read onto its tape and
+/// recorded, while the tape is offered to duplicates.
+struct Tail {
+    tape: Arc<Tape>,
+    body: Body,
+    ttl: Ttl,
+    is_head: bool,
+    _on_air: OnAir,
 }
 
 impl<St: Store> Shared<St> {
@@ -363,10 +377,17 @@ impl<St: Store> Shared<St> {
         drop(found.doc);
         let lease = Lease::new(self.clone(), held);
         // A duplicate of an in-flight request may wait for it (`on_in_flight = "wait"`).
-        let mut waiter = Waiter::new(route);
+        let mut waiter = Waiter::new(route.clone());
         let claim = loop {
             match lease.claim().await {
-                Ok(Claim::InFlight) if waiter.look_again(&lease).await => {}
+                Ok(Claim::InFlight) => {
+                    if let Some(attached) = self.attach(&route, &lease.held, &parts.headers) {
+                        return attached;
+                    }
+                    if !waiter.look_again(&lease).await {
+                        break Ok(Claim::InFlight);
+                    }
+                }
                 claim => break claim,
             }
         };
@@ -393,7 +414,7 @@ impl<St: Store> Shared<St> {
                 };
                 Finished::refused(Outcome::expired, expired, format)
             }
-            Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts.method, &lease.held),
+            Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts, &lease.held),
             Ok(Claim::Claimed) => {
                 drop(waiter);
                 unanswered.decided(Outcome::miss);
@@ -459,11 +480,12 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// The stored response, replayed to a request with `method`; refused when its record is
-    /// damaged (its body disagrees with its Content-Length).
-    fn replayed<E>(&self, replay: &Replay, method: &Method, held: &Held) -> Finished<E> {
+    /// The stored response, replayed to the request `parts` (an event stream from after its
+    /// `Last-Event-ID`); refused when its record is damaged (its body disagrees with its
+    /// Content-Length).
+    fn replayed<E>(&self, replay: &Replay, parts: &Parts, held: &Held) -> Finished<E> {
         let stored = &replay.response;
-        if !response::framed(stored, method == Method::HEAD) {
+        if !response::framed(stored, parts.method == Method::HEAD) {
             error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
             return Finished::refused(
                 Outcome::store_error,
@@ -478,12 +500,48 @@ impl<St: Store> Shared<St> {
             }
             trace::link(&span, original);
         }
-        self.metrics.replayed_bytes(stored.body.len());
+        let from = match sse::last_event_id(&parts.headers) {
+            Some(id) if sse::is_event_stream(stored) => sse::after_event(&stored.body, id),
+            _ => None,
+        };
+        let from = from.unwrap_or(0);
+        self.metrics.replayed_bytes(stored.body.len() - from);
+        let lives = replay.expires_in;
         Finished {
             outcome: Outcome::replayed,
-            answer: Ok(response::replay(stored, &held.policy, replay.expires_in)),
+            answer: Ok(response::replay(stored, &held.policy, lives, from)),
             inner_time: Duration::ZERO,
         }
+    }
+
+    /// A duplicate attached to the answer its key's holder is streaming in this process
+    /// (`stream = true` with `on_in_flight = "wait"`): the head and every byte so far at once,
+    /// then the rest as it comes (an event stream from after its `Last-Event-ID`). `None` when
+    /// no such answer is live here.
+    fn attach<E>(
+        &self,
+        route: &RouteState,
+        held: &Held,
+        headers: &http::HeaderMap,
+    ) -> Option<Finished<E>> {
+        let policy = &held.policy;
+        if !policy.stream || policy.on_in_flight != OnInFlight::Wait {
+            return None;
+        }
+        let permit = route.waiters.clone().try_acquire_owned().ok()?;
+        let last_event_id = sse::last_event_id(headers);
+        let (tape, reader) =
+            self.live
+                .attach(&held.key, &held.fingerprint, last_event_id, permit)?;
+        debug!("attached to the live answer");
+        let resumes = reader.resumes();
+        let body = reader.into_body();
+        let answer = response::attached(&tape.head, body, policy, tape.lives, resumes);
+        Some(Finished {
+            outcome: Outcome::replayed,
+            answer: Ok(answer),
+            inner_time: Duration::ZERO,
+        })
     }
 
     /// Run a claimed call in a task of its own, so that a client that disconnects does not
@@ -507,11 +565,14 @@ impl<St: Store> Shared<St> {
         let this = self.clone();
         this.metrics.in_flight().inc();
         let work = async move {
-            let forwarded = this.run_claimed(inner, &lease, parts, body).await;
-            this.metrics.in_flight().dec();
+            let (forwarded, tail) = this.run_claimed(inner, &lease, parts, body).await;
             if tx.send(forwarded).is_err() {
-                debug!("client went away; the response was recorded for its retry");
+                debug!("client went away; the response is recorded for its retry");
             }
+            if let Some(tail) = tail {
+                this.record_stream(&lease, tail).await;
+            }
+            this.metrics.in_flight().dec();
         };
         // No span of its own at info level (its cost shows on the miss path); its warnings
         // name the route and key themselves.
@@ -525,14 +586,14 @@ impl<St: Store> Shared<St> {
     }
 
     /// The state machine of a claimed key: call the inner service while holding the lease, then
-    /// record; with the time the call took.
+    /// record; with the time the call took, and a streamed answer's body still to record.
     async fn run_claimed<S, RB>(
         &self,
         inner: S,
         lease: &Lease<St>,
         parts: Parts,
         body: Bytes,
-    ) -> Forwarded<S::Error>
+    ) -> (Forwarded<S::Error>, Option<Tail>)
     where
         S: tower::Service<Request<Body>, Response = Response<RB>>,
         S::Error: StdError + 'static,
@@ -562,6 +623,7 @@ impl<St: Store> Shared<St> {
         let took = started.elapsed();
         self.metrics.upstream(took);
         // From here on the lease is no longer renewed.
+        let mut tail = None;
         let answer = match called {
             Err(()) => {
                 // The inner service may still be executing: keep the claim until its lease ends.
@@ -603,8 +665,68 @@ impl<St: Store> Shared<St> {
                 lease.complete(&EntryState::NotReplayable, ttl).await;
                 Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
+            Ok(Called::Streamed(head, body, ttl)) => {
+                let head = StoredResponse::new(head, Bytes::new(), traceparent, held.source);
+                let head = Arc::new(head);
+                let tape = Tape::new(
+                    head.clone(),
+                    held.fingerprint,
+                    ttl.finite(),
+                    policy.max_body,
+                );
+                let first = tape.first_reader().into_body();
+                tail = Some(Tail {
+                    _on_air: self.live.open(held.key, &tape),
+                    tape,
+                    body,
+                    ttl,
+                    is_head,
+                });
+                Ok(response::first_streamed(&head, first, policy, ttl))
+            }
         };
-        Forwarded { answer, took }
+        (Forwarded { answer, took }, tail)
+    }
+
+    /// Read a streamed answer to its end onto its tape, whether or not anyone still reads it,
+    /// holding the lease; then record it (not replayable past `max_body`) and end the tape.
+    /// An answer that breaks off midway is not recorded: the key stays claimed until its lease
+    /// ends, as for any answer whose body failed.
+    async fn record_stream(&self, lease: &Lease<St>, tail: Tail) {
+        let (held, policy) = (&*lease.held, &*lease.held.policy);
+        let Tail {
+            tape,
+            body,
+            ttl,
+            is_head,
+            ..
+        } = tail;
+        let copied = tokio::select! {
+            biased;
+            copied = tape.record_from(body, policy.upstream_timeout) => copied,
+            never = lease.hold() => match never {},
+        };
+        if let Err(e) = copied {
+            warn!(route = %policy.route, key = %held.tag(), error = %e, "streamed answer broke off midway; key stays claimed until its lease ends");
+            tape.finish(false);
+            return;
+        }
+        let state = match tape.recorded() {
+            Some(body) => EntryState::Completed(Arc::new(StoredResponse {
+                body,
+                ..(*tape.head).clone()
+            })),
+            None => EntryState::NotReplayable,
+        };
+        if let EntryState::Completed(stored) = &state {
+            if !response::framed(stored, is_head) {
+                error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
+                tape.finish(false);
+                return;
+            }
+        }
+        lease.complete(&state, ttl).await;
+        tape.finish(true);
     }
 
     /// Call the inner service and read as much of the response as the decision needs.
@@ -628,6 +750,9 @@ impl<St: Store> Shared<St> {
         let Some(ttl) = response::recorded_for(&mut head, policy) else {
             return Called::Transient(Response::from_parts(head, body));
         };
+        if policy.stream {
+            return Called::Streamed(head, body, ttl);
+        }
         match collect_capped(body, policy.max_body).await {
             Ok(Collected::Whole(body)) => Called::Whole(head, body, ttl),
             Ok(Collected::TooLarge { read, rest }) => Called::TooLarge(head, read, rest, ttl),

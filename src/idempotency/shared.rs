@@ -3,11 +3,13 @@
 //! work on it.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{debug_span, Instrument, Span};
 
+use super::live::LiveAnswers;
 use super::routes::RouteTable;
 use crate::metrics::{Metrics, StoreOp, StoreOpMetrics};
 
@@ -20,16 +22,25 @@ pub(crate) struct Shared<St> {
     // Every claimed call, so that a shutdown can wait for them to be recorded.
     pub(crate) tasks: TaskTracker,
     pub(crate) metrics: Metrics,
+    // The streamed answers being recorded in this process, for duplicates to attach to.
+    pub(crate) live: Arc<LiveAnswers>,
     // The store-operation histograms, resolved once.
     ops: StoreOpMetrics,
 }
 
 impl<St> Shared<St> {
-    pub(crate) fn new(store: St, table: RouteTable, metrics: Metrics, tasks: TaskTracker) -> Self {
+    pub(crate) fn new(
+        store: St,
+        table: RouteTable,
+        metrics: Metrics,
+        tasks: TaskTracker,
+        live: Arc<LiveAnswers>,
+    ) -> Self {
         Shared {
             store,
             table,
             tasks,
+            live,
             ops: metrics.store_ops(),
             metrics,
         }

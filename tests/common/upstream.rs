@@ -162,6 +162,8 @@ struct Knobs {
     delay_ms: Option<u64>,
     bytes: Option<usize>,
     control: Option<String>,
+    events: Option<usize>,
+    gap_ms: Option<u64>,
 }
 
 async fn handle(
@@ -195,6 +197,12 @@ async fn handle(
             body,
         )
             .into_response(),
+        path if path.ends_with("/events") => events(
+            n,
+            status,
+            knobs.events.unwrap_or(4),
+            Duration::from_millis(knobs.gap_ms.unwrap_or(0)),
+        ),
         "/big" => {
             let bytes: Vec<u8> = (0..knobs.bytes.unwrap_or(0))
                 .map(|i| (i % 251) as u8)
@@ -226,4 +234,29 @@ async fn handle(
             .insert("idempotency-control", control.parse().unwrap());
     }
     resp
+}
+
+/// A server-sent-events answer of `count` events, `gap` apart, each with its `id` and the call's
+/// number: `id: 0\ndata: call 1 event 0\n\n`...
+fn events(call: usize, status: StatusCode, count: usize, gap: Duration) -> Response {
+    let events = futures_util::stream::unfold(0, move |i| async move {
+        if i == count {
+            return None;
+        }
+        if i > 0 && !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
+        let event = sse_event(call, i);
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(event)), i + 1))
+    });
+    let headers = [
+        ("x-call", call.to_string()),
+        ("content-type", "text/event-stream".to_string()),
+    ];
+    (status, headers, axum::body::Body::from_stream(events)).into_response()
+}
+
+/// Event `i` of the `/events` answer to call `call`.
+pub fn sse_event(call: usize, i: usize) -> String {
+    format!("id: {i}\ndata: call {call} event {i}\n\n")
 }

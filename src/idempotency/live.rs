@@ -1,0 +1,403 @@
+//! Streamed answers (`stream = true`). The claimed call's task reads the upstream's body onto a
+//! [`Tape`]; the client, and any duplicate that attaches while the answer is live, read the tape
+//! at their own pace; when the body ends, the tape is the record.
+//!
+//! Bounded memory: within `max_body` the tape keeps every chunk (they are the record); past it
+//! the answer is recorded as not replayable and the tape keeps only what its slowest reader has
+//! not read yet, waiting for readers before it holds more than `max_body`. A reader that goes
+//! away (a client that disconnects) never holds the upstream call back.
+
+use std::collections::{HashMap, VecDeque};
+use std::pin::pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use tokio::sync::{Notify, OwnedSemaphorePermit};
+
+use super::body::BoxError;
+use super::fingerprint::Fingerprint;
+use super::key::ScopedKey;
+use super::record::StoredResponse;
+use super::sse;
+
+/// The live answer of one claimed key.
+pub(super) struct Tape {
+    /// The answer's status and end-to-end headers (no body).
+    pub(super) head: Arc<StoredResponse>,
+    /// The fingerprint of the request that claimed the key: only its duplicates attach.
+    fingerprint: Fingerprint,
+    /// How long the record will live (`None`: forever), for the expiry header of attachers.
+    pub(super) lives: Option<Duration>,
+    cap: u64,
+    state: Mutex<TapeState>,
+    // Woken when a chunk is added or the tape ends.
+    grown: Notify,
+    // Woken when a reader advances or leaves.
+    read: Notify,
+}
+
+struct TapeState {
+    // The index (in the whole answer) of `chunks[0]`.
+    base: usize,
+    chunks: VecDeque<Bytes>,
+    // Bytes in `chunks`, and bytes ever written.
+    held: u64,
+    total: u64,
+    // Set once the body has ended: whether it ended whole.
+    ended: Option<bool>,
+    // Each reader's next chunk index; `None` once it is gone.
+    readers: Vec<Option<usize>>,
+}
+
+impl TapeState {
+    /// Let go of the chunks every reader has read.
+    fn trim(&mut self) {
+        let end = self.base + self.chunks.len();
+        let slowest = self.readers.iter().flatten().min().copied().unwrap_or(end);
+        while self.base < slowest {
+            let chunk = self.chunks.pop_front().expect("below the end");
+            self.held -= chunk.len() as u64;
+            self.base += 1;
+        }
+    }
+}
+
+/// A live answer's body broke off midway (the upstream failed or went silent).
+#[derive(Debug)]
+pub(super) struct BrokenOff;
+
+impl std::fmt::Display for BrokenOff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the upstream's answer broke off midway")
+    }
+}
+
+impl std::error::Error for BrokenOff {}
+
+impl Tape {
+    pub(super) fn new(
+        head: Arc<StoredResponse>,
+        fingerprint: Fingerprint,
+        lives: Option<Duration>,
+        cap: u64,
+    ) -> Arc<Self> {
+        Arc::new(Tape {
+            head,
+            fingerprint,
+            lives,
+            cap,
+            state: Mutex::new(TapeState {
+                base: 0,
+                chunks: VecDeque::new(),
+                held: 0,
+                total: 0,
+                ended: None,
+                readers: Vec::new(),
+            }),
+            grown: Notify::new(),
+            read: Notify::new(),
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, TapeState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Append a chunk of the answer. Past `max_body`, wait until the readers leave the tape
+    /// holding at most `max_body`.
+    pub(super) async fn push(&self, chunk: Bytes) {
+        {
+            let mut st = self.state();
+            st.total += chunk.len() as u64;
+            st.held += chunk.len() as u64;
+            st.chunks.push_back(chunk);
+            if st.total > self.cap {
+                st.trim();
+            }
+        }
+        self.grown.notify_waiters();
+        loop {
+            let mut read = pin!(self.read.notified());
+            read.as_mut().enable();
+            {
+                let mut st = self.state();
+                if st.total <= self.cap {
+                    return;
+                }
+                st.trim();
+                if st.held <= self.cap {
+                    return;
+                }
+            }
+            read.await;
+        }
+    }
+
+    /// Copy `body` onto the tape until it ends; an error when it fails, or when it stays silent
+    /// for `idle` (the route's `upstream_timeout`).
+    pub(super) async fn record_from(&self, mut body: Body, idle: Duration) -> Result<(), BoxError> {
+        loop {
+            let frame = tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| {
+                    format!("no data from the upstream for {idle:?} (upstream_timeout)")
+                })?;
+            let Some(frame) = frame else { return Ok(()) };
+            // Trailers are not recorded.
+            if let Ok(data) = frame?.into_data() {
+                self.push(data).await;
+            }
+        }
+    }
+
+    /// The body has ended, whole or not: readers get the rest, then the end or an error.
+    pub(super) fn finish(&self, whole: bool) {
+        self.state().ended = Some(whole);
+        self.grown.notify_waiters();
+    }
+
+    /// The whole answer when it fits in `max_body` (it is then replayable).
+    pub(super) fn recorded(&self) -> Option<Bytes> {
+        let st = self.state();
+        if st.total > self.cap {
+            return None;
+        }
+        debug_assert_eq!(st.base, 0, "nothing is let go of within the cap");
+        let mut body = BytesMut::with_capacity(st.total as usize);
+        st.chunks.iter().for_each(|c| body.extend_from_slice(c));
+        Some(body.freeze())
+    }
+
+    /// A reader from the first byte, or (`last_event_id`) from after the event with that id
+    /// when the answer is an event stream that has it. `None` once the tape no longer holds
+    /// the whole answer (past `max_body`).
+    fn reader(self: &Arc<Self>, last_event_id: Option<&[u8]>) -> Option<Reader> {
+        let mut st = self.state();
+        if st.total > self.cap {
+            return None;
+        }
+        let skip = match last_event_id {
+            Some(id) if sse::is_event_stream(&self.head) => {
+                let mut so_far = BytesMut::with_capacity(st.total as usize);
+                st.chunks.iter().for_each(|c| so_far.extend_from_slice(c));
+                sse::after_event(&so_far, id).unwrap_or(0)
+            }
+            _ => 0,
+        };
+        let from = st.base;
+        st.readers.push(Some(from));
+        Some(Reader {
+            tape: self.clone(),
+            slot: st.readers.len() - 1,
+            skip,
+            _permit: None,
+        })
+    }
+
+    /// The reader of the client whose request is being answered.
+    pub(super) fn first_reader(self: &Arc<Self>) -> Reader {
+        self.reader(None)
+            .expect("a new tape holds the whole answer")
+    }
+}
+
+/// One client's place on a tape.
+pub(super) struct Reader {
+    tape: Arc<Tape>,
+    slot: usize,
+    // Bytes still to skip from where it stands (a resumed event stream).
+    skip: usize,
+    // An attached duplicate holds one of its route's waiter permits until it is done.
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Reader {
+    /// The next chunk; `None` at the end of a whole answer.
+    async fn next(&mut self) -> Option<Result<Bytes, BrokenOff>> {
+        loop {
+            let mut grown = pin!(self.tape.grown.notified());
+            grown.as_mut().enable();
+            {
+                let mut st = self.tape.state();
+                let at = st.readers[self.slot].expect("a live reader has a place");
+                if at < st.base + st.chunks.len() {
+                    let mut chunk = st.chunks[at - st.base].clone();
+                    st.readers[self.slot] = Some(at + 1);
+                    drop(st);
+                    self.tape.read.notify_waiters();
+                    if self.skip > 0 {
+                        let skipped = self.skip.min(chunk.len());
+                        chunk = chunk.slice(skipped..);
+                        self.skip -= skipped;
+                    }
+                    if chunk.is_empty() {
+                        continue;
+                    }
+                    return Some(Ok(chunk));
+                }
+                match st.ended {
+                    Some(true) => return None,
+                    Some(false) => return Some(Err(BrokenOff)),
+                    None => {}
+                }
+            }
+            grown.await;
+        }
+    }
+
+    /// Whether this reader skips the start of the answer (a resumed event stream).
+    pub(super) fn resumes(&self) -> bool {
+        self.skip > 0
+    }
+
+    /// The reader as a response body.
+    pub(super) fn into_body(self) -> Body {
+        let chunks = futures_util::stream::unfold(self, |mut reader| async move {
+            let chunk = reader.next().await?;
+            Some((chunk, reader))
+        });
+        Body::from_stream(chunks)
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.tape.state().readers[self.slot] = None;
+        self.tape.read.notify_waiters();
+    }
+}
+
+/// The live answers of this process, by key, for duplicates to attach to.
+#[derive(Default)]
+pub(crate) struct LiveAnswers(Mutex<HashMap<ScopedKey, Arc<Tape>>>);
+
+impl LiveAnswers {
+    fn map(&self) -> MutexGuard<'_, HashMap<ScopedKey, Arc<Tape>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Offer `tape` to duplicates of `key` until the returned guard is dropped.
+    pub(super) fn open(self: &Arc<Self>, key: ScopedKey, tape: &Arc<Tape>) -> OnAir {
+        self.map().insert(key, tape.clone());
+        OnAir {
+            answers: self.clone(),
+            key,
+            tape: tape.clone(),
+        }
+    }
+
+    /// A reader on the live answer of `key` for a duplicate of the request that claimed it,
+    /// holding `permit` until it is done; `None` when no such answer is live here, or it is
+    /// already past `max_body`.
+    pub(super) fn attach(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        last_event_id: Option<&[u8]>,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<(Arc<Tape>, Reader)> {
+        let tape = self.map().get(key)?.clone();
+        if tape.fingerprint != *fingerprint {
+            return None;
+        }
+        let mut reader = tape.reader(last_event_id)?;
+        reader._permit = Some(permit);
+        Some((tape, reader))
+    }
+}
+
+/// A tape offered to duplicates; withdrawn when dropped.
+pub(super) struct OnAir {
+    answers: Arc<LiveAnswers>,
+    key: ScopedKey,
+    tape: Arc<Tape>,
+}
+
+impl Drop for OnAir {
+    fn drop(&mut self) {
+        let mut map = self.answers.map();
+        // A newer claim of the same key may have put a tape of its own there.
+        if map
+            .get(&self.key)
+            .is_some_and(|t| Arc::ptr_eq(t, &self.tape))
+        {
+            map.remove(&self.key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tape(cap: u64) -> Arc<Tape> {
+        let head = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: vec![(
+                http::header::CONTENT_TYPE,
+                "text/event-stream".parse().unwrap(),
+            )],
+            body: Bytes::new(),
+            traceparent: None,
+            key_source: None,
+        };
+        let fingerprint = Fingerprint([7; 32]);
+        Tape::new(Arc::new(head), fingerprint, None, cap)
+    }
+
+    #[tokio::test]
+    async fn readers_get_every_chunk_and_the_tape_is_the_record() {
+        let tape = tape(100);
+        let first = tape.first_reader().into_body();
+        tape.push(Bytes::from_static(b"id: 1\ndata: a\n\n")).await;
+        let late = tape.reader(None).unwrap().into_body();
+        let resumed = tape.reader(Some(b"1")).unwrap();
+        assert!(resumed.resumes());
+        tape.push(Bytes::from_static(b"id: 2\ndata: b\n\n")).await;
+        tape.finish(true);
+        let all = b"id: 1\ndata: a\n\nid: 2\ndata: b\n\n";
+        assert_eq!(first.collect().await.unwrap().to_bytes(), &all[..]);
+        assert_eq!(late.collect().await.unwrap().to_bytes(), &all[..]);
+        let rest = resumed.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(rest, "id: 2\ndata: b\n\n");
+        assert_eq!(tape.recorded().unwrap(), &all[..]);
+    }
+
+    #[tokio::test]
+    async fn past_the_cap_it_holds_no_more_than_the_slowest_reader_needs() {
+        let tape = tape(4);
+        let mut slow = tape.first_reader();
+        tape.push(Bytes::from_static(b"abc")).await;
+        // Past the cap, the writer waits while the slow reader has not read what it holds.
+        let mut writer = std::pin::pin!(tape.push(Bytes::from_static(b"de")));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), writer.as_mut())
+                .await
+                .is_err(),
+            "held back by the reader"
+        );
+        assert!(tape.recorded().is_none(), "past the cap: not replayable");
+        assert!(tape.reader(None).is_none(), "no attaching past the cap");
+        assert_eq!(slow.next().await.unwrap().unwrap(), "abc");
+        writer.await;
+        assert!(tape.state().held <= 4);
+        assert_eq!(slow.next().await.unwrap().unwrap(), "de");
+        drop(slow);
+        // Nobody reads: nothing is held, nothing waits.
+        tape.push(Bytes::from(vec![0; 64])).await;
+        assert_eq!(tape.state().held, 0);
+    }
+
+    #[tokio::test]
+    async fn a_broken_answer_ends_readers_with_an_error() {
+        let tape = tape(100);
+        let mut reader = tape.first_reader();
+        tape.push(Bytes::from_static(b"ab")).await;
+        tape.finish(false);
+        assert_eq!(reader.next().await.unwrap().unwrap(), "ab");
+        assert!(reader.next().await.unwrap().is_err());
+    }
+}

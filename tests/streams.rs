@@ -1,0 +1,180 @@
+//! Streamed answers (`stream = true`) over sockets, on Redis and on the embedded store: the
+//! client reads events as the upstream sends them, a duplicate attaches to the live answer, a
+//! client that hangs up does not stop the recording, an answer past `max_body` is delivered once,
+//! and an SSE retry with `Last-Event-ID` resumes after that event.
+
+mod common;
+
+use std::time::Duration;
+
+use common::upstream::sse_event;
+use common::{send, Backend, Seen, TestConfig, TestEnv};
+use tokio::time::Instant;
+use toml::toml;
+
+/// Events 300 ms apart: an answer that takes 0.9 s to end.
+const EVENTS: &str = "?events=4&gap_ms=300";
+
+fn config() -> TestConfig {
+    TestConfig::new()
+        .route(
+            "/live/events",
+            toml! { stream = true
+            on_in_flight = "wait" },
+        )
+        .route(
+            "/small/events",
+            toml! { stream = true
+            max_body = 64 },
+        )
+}
+
+/// The whole answer of the upstream's call `call`: events `from..4`.
+fn events(call: usize, from: usize) -> String {
+    (from..4).map(|i| sse_event(call, i)).collect()
+}
+
+/// `so_far`, then the rest of `resp`.
+async fn rest(mut resp: reqwest::Response, mut so_far: Vec<u8>) -> Vec<u8> {
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        so_far.extend_from_slice(&chunk);
+    }
+    so_far
+}
+
+async fn each_backend(test: impl AsyncFn(TestEnv)) {
+    for backend in [Backend::Redis, Backend::Embedded] {
+        test(TestEnv::start(backend, config()).await).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_event_arrives_before_the_answer_ends_and_replays_whole() {
+    each_backend(async |env| {
+        let started = Instant::now();
+        let mut streamed = env
+            .post_keyed(&format!("/live/events{EVENTS}"), "s-1")
+            .send()
+            .await
+            .unwrap();
+        let first = streamed.chunk().await.unwrap().unwrap();
+        let streamed_first = started.elapsed();
+        let streamed_body = rest(streamed, first.to_vec()).await;
+        assert_eq!(String::from_utf8(streamed_body).unwrap(), events(1, 0));
+
+        let started = Instant::now();
+        let mut buffered = env
+            .post_keyed(&format!("/buffered/events{EVENTS}"), "b-1")
+            .send()
+            .await
+            .unwrap();
+        buffered.chunk().await.unwrap().unwrap();
+        let buffered_first = started.elapsed();
+        assert!(
+            streamed_first < Duration::from_millis(600) && buffered_first >= Duration::from_millis(850),
+            "{:?}: first event streamed after {streamed_first:?}, buffered after {buffered_first:?}",
+            env.backend
+        );
+
+        let replay = send(env.post_keyed(&format!("/live/events{EVENTS}"), "s-1")).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.header("content-type"), Some("text/event-stream"));
+        assert_eq!(String::from_utf8_lossy(&replay.body), events(1, 0));
+        assert_eq!(env.upstream.calls(), 2, "one call per key");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_attaches_to_the_live_answer_and_resumes_after_its_last_event_id() {
+    each_backend(async |env| {
+        let path = format!("/live/events{EVENTS}");
+        let mut original = env.post_keyed(&path, "a-1").send().await.unwrap();
+        let first = original.chunk().await.unwrap().unwrap();
+        assert_eq!(String::from_utf8_lossy(&first), sse_event(1, 0));
+
+        let attached_at = Instant::now();
+        let mut attached = env.post_keyed(&path, "a-1").send().await.unwrap();
+        assert_eq!(attached.status(), 201);
+        assert_eq!(attached.headers()["idempotent-replayed"], "true");
+        let so_far = attached.chunk().await.unwrap().unwrap();
+        assert!(
+            attached_at.elapsed() < Duration::from_millis(250),
+            "what was sent so far arrives at once: {:?}",
+            attached_at.elapsed()
+        );
+        assert!(so_far.starts_with(sse_event(1, 0).as_bytes()));
+        let mut resumed = env
+            .post_keyed(&path, "a-1")
+            .header("last-event-id", "0")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resumed.headers()["idempotent-replayed"], "true");
+        let resumed_first = resumed.chunk().await.unwrap().unwrap();
+
+        let original = rest(original, first.to_vec()).await;
+        let attached = rest(attached, so_far.to_vec()).await;
+        let resumed = rest(resumed, resumed_first.to_vec()).await;
+        assert_eq!(String::from_utf8(original).unwrap(), events(1, 0));
+        assert_eq!(String::from_utf8(attached).unwrap(), events(1, 0));
+        assert_eq!(String::from_utf8(resumed).unwrap(), events(1, 1));
+        assert_eq!(env.upstream.calls(), 1, "the upstream is called once");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_mid_stream_leaves_the_whole_answer_recorded() {
+    each_backend(async |env| {
+        let path = format!("/live/events{EVENTS}");
+        let mut gone = env.post_keyed(&path, "d-1").send().await.unwrap();
+        gone.chunk().await.unwrap().unwrap();
+        drop(gone);
+        // Past the answer's end: the retry is a replay from the record, not an attach.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let replay = send(env.post_keyed(&path, "d-1")).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(String::from_utf8_lossy(&replay.body), events(1, 0));
+        assert_eq!(env.upstream.calls(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_past_max_body_is_delivered_whole_once_and_never_run_again() {
+    each_backend(async |env| {
+        let path = format!("/small/events{EVENTS}");
+        let once = send(env.post_keyed(&path, "m-1")).await;
+        assert_eq!(once.status, 201);
+        assert!(once.body.len() > 64);
+        assert_eq!(String::from_utf8_lossy(&once.body), events(1, 0));
+        let again = send(env.post_keyed(&path, "m-1")).await;
+        assert_eq!(again.status, 409, "{again:?}");
+        assert_eq!(again.problem_type(), "urn:idemgate:problem:not-replayable");
+        assert_eq!(env.upstream.calls(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_event_stream_resumes_after_the_last_event_id() {
+    each_backend(async |env| {
+        let path = format!("/live/events{EVENTS}");
+        let whole = send(env.post_keyed(&path, "r-1")).await;
+        assert_eq!(String::from_utf8_lossy(&whole.body), events(1, 0));
+        let resume = |id: &str| {
+            let req = env.post_keyed(&path, "r-1").header("last-event-id", id);
+            async move { send(req).await }
+        };
+        let after_1: Seen = resume("1").await;
+        assert!(after_1.replayed());
+        assert_eq!(String::from_utf8_lossy(&after_1.body), events(1, 2));
+        let after_last = resume("3").await;
+        assert_eq!(after_last.body.len(), 0, "nothing after the last event");
+        let unknown = resume("no-such-event").await;
+        assert_eq!(String::from_utf8_lossy(&unknown.body), events(1, 0));
+        assert_eq!(env.upstream.calls(), 1);
+    })
+    .await;
+}
