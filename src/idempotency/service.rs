@@ -1,13 +1,14 @@
 //! [`Idempotency`]: the state machine of one request, around any inner service. Read
 //! `Shared::keyed` and `Shared::run_claimed` top to bottom: they are the whole protocol. The
 //! claim's life cycle is in `lease.rs`, what is stored and replayed in `response.rs`, the wait
-//! for an in-flight duplicate in `wait.rs`.
+//! for an in-flight duplicate in `wait.rs`, streamed answers in `live.rs`.
 //!
 //! ```text
 //!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► on_store_error: 503 | call unprotected
 //!                                                   ▲          ├─ mismatch (409/422)
 //!                                                   │          ├─ in flight ─► on_in_flight: 409 in flight
 //!                                                   └─ waiting ◄┘                 | wait (bounded) and claim again
+//!                                                              ├─ in flight, streaming here (stream, wait) ─► attach to its tape
 //!                                                              ├─ not replayable ─► 409 not replayable
 //!                                                              ├─ replay ─► the stored response
 //!                                                              └─ claimed ─► run_claimed (spawned: survives client aborts)
@@ -16,7 +17,9 @@
 //!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
 //!                    ├─ 5xx, 408, 429 ─► release, pass the response on
 //!                    ├─ body ≤ max_body ─► complete (replayable), respond
-//!                    └─ body > max_body ─► complete (not replayable), stream once
+//!                    ├─ body > max_body ─► complete (not replayable), stream once
+//!                    └─ stream = true ─► answer the head now; the task reads the body onto a
+//!                       tape (live.rs) to its end, then completes (not replayable past max_body)
 //!  complete, release and renew are fenced by the claim's token: a holder whose lease ran out
 //!  changes nothing.
 //! ```
