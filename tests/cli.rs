@@ -182,6 +182,35 @@ fn check_config_shows_records_kept_forever() {
 }
 
 #[test]
+fn check_config_shows_streamed_routes_and_refuses_a_bad_stream_value() {
+    let routes = r#"[{path = "/v1/completions", stream = true, on_in_flight = "wait"}]"#;
+    let env = [
+        ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+        ("IDEMGATE_ROUTES", routes),
+    ];
+    let out = idemgate_env(&["check-config"], &env);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let route = &stdout[stdout.find("[route /v1/completions]").expect(&stdout)..];
+    assert!(route.contains("stream: true,"), "{route}");
+    assert!(stdout.contains("stream: false,"), "the defaults: {stdout}");
+    let bad = idemgate_env(
+        &["check-config"],
+        &[
+            ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+            ("IDEMGATE_DEFAULTS__STREAM", "sometimes"),
+        ],
+    );
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.to_lowercase().contains("defaults.stream"), "{stderr}");
+}
+
+#[test]
 fn a_container_needs_no_file() {
     let out = idemgate_env(
         &["check-config"],
