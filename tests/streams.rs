@@ -178,3 +178,48 @@ async fn a_recorded_event_stream_resumes_after_the_last_event_id() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_breaks_off_ends_in_an_error_and_keeps_the_key_claimed() {
+    each_backend(async |env| {
+        let path = "/live/events?events=4&gap_ms=100&fail_after=2";
+        let mut cut = env.post_keyed(path, "c-1").send().await.unwrap();
+        assert_eq!(cut.status(), 201);
+        let mut got = Vec::new();
+        let ended = loop {
+            match cut.chunk().await {
+                Ok(Some(chunk)) => got.extend_from_slice(&chunk),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        assert!(ended.is_err(), "a cut answer never ends cleanly: {got:?}");
+        assert_eq!(
+            String::from_utf8(got).unwrap(),
+            events(1, 0)[..sse_event(1, 0).len() * 2]
+        );
+        // The upstream may have done the work: the key stays claimed until its lease ends.
+        let retry = send(env.post_keyed(path, "c-1")).await;
+        assert_eq!(retry.status, 409, "{retry:?}");
+        assert_eq!(retry.problem_type(), "urn:idemgate:problem:in-flight");
+        assert_eq!(env.upstream.calls(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_streamed_answer_is_passed_on_and_releases_the_key() {
+    each_backend(async |env| {
+        let path = "/live/events?events=2&status=503";
+        let failed = send(env.post_keyed(path, "f-1")).await;
+        assert_eq!(failed.status, 503);
+        assert_eq!(
+            String::from_utf8_lossy(&failed.body),
+            events(1, 0)[..sse_event(1, 0).len() * 2]
+        );
+        let again = send(env.post_keyed(path, "f-1")).await;
+        assert_eq!((again.status, again.replayed()), (503, false), "runs again");
+        assert_eq!(env.upstream.calls(), 2);
+    })
+    .await;
+}

@@ -164,6 +164,7 @@ struct Knobs {
     control: Option<String>,
     events: Option<usize>,
     gap_ms: Option<u64>,
+    fail_after: Option<usize>,
 }
 
 async fn handle(
@@ -200,7 +201,7 @@ async fn handle(
         path if path.ends_with("/events") => events(
             n,
             status,
-            knobs.events.unwrap_or(4),
+            (knobs.events.unwrap_or(4), knobs.fail_after),
             Duration::from_millis(knobs.gap_ms.unwrap_or(0)),
         ),
         "/big" => {
@@ -237,8 +238,14 @@ async fn handle(
 }
 
 /// A server-sent-events answer of `count` events, `gap` apart, each with its `id` and the call's
-/// number: `id: 0\ndata: call 1 event 0\n\n`...
-fn events(call: usize, status: StatusCode, count: usize, gap: Duration) -> Response {
+/// number: `id: 0\ndata: call 1 event 0\n\n`...; with `fail_after`, the body fails (the
+/// connection is cut) after that many events.
+fn events(
+    call: usize,
+    status: StatusCode,
+    (count, fail_after): (usize, Option<usize>),
+    gap: Duration,
+) -> Response {
     let events = futures_util::stream::unfold(0, move |i| async move {
         if i == count {
             return None;
@@ -246,8 +253,10 @@ fn events(call: usize, status: StatusCode, count: usize, gap: Duration) -> Respo
         if i > 0 && !gap.is_zero() {
             tokio::time::sleep(gap).await;
         }
-        let event = sse_event(call, i);
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(event)), i + 1))
+        if fail_after == Some(i) {
+            return Some((Err(std::io::Error::other("cut midway")), count));
+        }
+        Some((Ok(Bytes::from(sse_event(call, i))), i + 1))
     });
     let headers = [
         ("x-call", call.to_string()),
