@@ -305,6 +305,54 @@ async fn connection(
     r
 }
 
+/// Send one request for each of the hot keys `{prefix}-0` to `{prefix}-{n - 1}` until it is
+/// answered other than `409` (recorded, or run now), over a few connections: after it, every
+/// request with these keys is a replay.
+pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, prefix: &str, n: u64) {
+    const CONNECTIONS: u64 = 8;
+    let give_up = Instant::now() + Duration::from_secs(30);
+    let tasks: Vec<_> = (0..CONNECTIONS)
+        .map(|c| {
+            let (path, body, prefix) = (path.to_string(), body.clone(), prefix.to_string());
+            tokio::spawn(async move {
+                let mut sender = None;
+                let mut i = c;
+                while i < n && Instant::now() < give_up {
+                    if sender.is_none() {
+                        sender = connect(addr).await;
+                    }
+                    let Some(s) = sender.as_mut() else {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    };
+                    let req = http::Request::post(&path)
+                        .header("host", "bench")
+                        .header("content-type", "application/json")
+                        .header("idempotency-key", format!("{prefix}-{i}"))
+                        .body(Full::new(body.clone()))
+                        .unwrap();
+                    let status = async {
+                        s.ready().await.ok()?;
+                        let resp = s.send_request(req).await.ok()?;
+                        let status = resp.status().as_u16();
+                        resp.into_body().collect().await.ok()?;
+                        Some(status)
+                    }
+                    .await;
+                    match status {
+                        Some(409) => tokio::time::sleep(Duration::from_millis(5)).await,
+                        Some(_) => i += CONNECTIONS,
+                        None => sender = None,
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
 async fn connect(addr: SocketAddr) -> Option<http1::SendRequest<Full<Bytes>>> {
     let stream = TcpStream::connect(addr).await.ok()?;
     stream.set_nodelay(true).ok()?;
