@@ -503,6 +503,7 @@ mod tests {
                 ),
             ],
             body: Bytes::copy_from_slice(body),
+            trailers: Vec::new(),
             traceparent: Some(HeaderValue::from_static(
                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             )),
@@ -569,6 +570,7 @@ mod tests {
             status: StatusCode::OK,
             headers: Vec::new(),
             body: Bytes::new(),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         };

@@ -5,6 +5,7 @@
 
 mod body;
 pub mod fingerprint;
+pub(crate) mod grpc;
 mod inner;
 pub(crate) mod json;
 pub mod key;

@@ -185,7 +185,8 @@ impl Proxy {
                 upstream: upstream.name().clone(),
                 cause: e.into(),
             })?;
-            return Ok(Response::from_parts(head, Body::from(whole.to_bytes())));
+            // Collected, the body keeps its trailers (a gRPC answer's status).
+            return Ok(Response::from_parts(head, Body::new(whole)));
         }
         Ok(Response::from_parts(head, Body::new(body)))
     }
