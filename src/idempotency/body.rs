@@ -128,6 +128,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn trailers_are_kept_whole_or_streamed_on() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = || with_trailers(Bytes::from_static(b"abcd"), Some(trailers.clone()));
+        match collect_capped(body(), 4).await.unwrap() {
+            Collected::Whole(b, t) => {
+                assert_eq!((b, t), (Bytes::from("abcd"), Some(trailers.clone())))
+            }
+            _ => panic!("within the cap"),
+        }
+        match collect_capped(body(), 2).await.unwrap() {
+            Collected::TooLarge { read, rest } => {
+                let all = replay_then_rest(read, rest).collect().await.unwrap();
+                assert_eq!(all.trailers(), Some(&trailers));
+                assert_eq!(all.to_bytes(), "abcd");
+            }
+            _ => panic!("over the cap"),
+        }
+    }
+
+    #[tokio::test]
     async fn a_declared_length_over_the_cap_is_refused_unread() {
         match collect_capped(Body::from("abcde"), 4).await.unwrap() {
             Collected::TooLarge { read, rest } => {

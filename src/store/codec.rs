@@ -490,6 +490,34 @@ mod tests {
     }
 
     #[test]
+    fn trailers_round_trip_and_a_record_without_them_is_unchanged() {
+        let field = |n: &'static str, v: &'static str| {
+            (HeaderName::from_static(n), HeaderValue::from_static(v))
+        };
+        let mut resp = StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![field("content-type", "application/grpc")],
+            body: Bytes::from_static(b"\0\0\0\0\x01x"),
+            trailers: vec![field("grpc-status", "0"), field("x-trail", "a")],
+            traceparent: None,
+            key_source: Some(KeySource::Header),
+        };
+        let (fp, tok) = (Fingerprint([7; 32]), Token([1; 16]));
+        let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
+        match decode(raw.clone()).unwrap().0.state {
+            EntryState::Completed(r) => assert_eq!(*r, resp),
+            other => panic!("unexpected {other:?}"),
+        }
+        // Cut inside the trailers: refused, never read as a response without its status.
+        assert!(decode(raw.slice(..raw.len() - 12)).is_err());
+        let with = raw.len();
+        resp.trailers.clear();
+        let without = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp)));
+        assert_eq!(with - without.len(), 2 + (6 + 11 + 1) + (6 + 7 + 1));
+        assert_eq!(without[without.len() - 7], 1, "the key source alone");
+    }
+
+    #[test]
     fn in_flight_and_truncated() {
         let raw = encode(
             &Fingerprint([1; 32]),
