@@ -14,12 +14,16 @@
 //!  run_claimed: call the inner service while the Lease is held (renewed)
 //!                   ─┬─ error carrying NotSent ─► release, the error
 //!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
-//!                    ├─ 5xx, 408, 429 ─► release, pass the response on
+//!                    ├─ 5xx, 408, 429 (gRPC: its status, grpc.rs) ─► release, pass the response on
 //!                    ├─ body ≤ max_body ─► complete (replayable), respond
 //!                    └─ body > max_body ─► complete (not replayable), stream once
 //!  complete, release and renew are fenced by the claim's token: a holder whose lease ran out
 //!  changes nothing.
 //! ```
+//!
+//! A gRPC call (`grpc.rs`) runs the same machine when it is unary (a streaming one is passed
+//! on), its answer judged by the status in its trailers, the layer's own answers as gRPC
+//! statuses.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -328,39 +332,15 @@ impl<St: Store> Shared<St> {
         let (parts, body) = req.into_parts();
         let grpc = grpc::is_call(parts.version, &parts.headers);
         let format = grpc::error_format(grpc, policy.error_format);
-        let collected = if grpc {
-            match grpc::collect_call(body, policy.max_body).await {
-                Ok(grpc::Call::Unary(collected)) => Ok(collected),
-                // A streaming gRPC call: passed on without idempotency.
-                Ok(grpc::Call::Streaming { read, rest }) => {
-                    unanswered.decided(Outcome::passthrough);
-                    let req = Request::from_parts(parts, replay_then_rest(read, rest));
-                    let passed = self.pass_through(inner, req).await;
-                    return passed.ended(Outcome::passthrough);
-                }
-                Err(e) => Err(e),
-            }
-        } else {
-            collect_capped(body, policy.max_body).await
-        };
-        let body = match collected {
-            Ok(Collected::Whole(body, _)) => body,
-            // No key in a header, and too large to look for one in the body.
-            Ok(Collected::TooLarge { read, rest }) if key.is_none() && !policy.require_key => {
+        let body = match whole_body(body, grpc, key.is_some(), &policy).await {
+            Ok(body) => body,
+            Err(Ok(body)) => {
                 unanswered.decided(Outcome::passthrough);
-                let req = Request::from_parts(parts, replay_then_rest(read, rest));
+                let req = Request::from_parts(parts, body);
                 let passed = self.pass_through(inner, req).await;
                 return passed.ended(Outcome::passthrough);
             }
-            Ok(Collected::TooLarge { .. }) => {
-                let too_large = GatewayError::BodyTooLarge {
-                    limit: policy.max_body,
-                };
-                return Finished::refused(rejected_invalid, too_large, format);
-            }
-            Err(_) => {
-                return Finished::refused(rejected_invalid, GatewayError::InvalidBody, format)
-            }
+            Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
         let found = match find_key(&policy, &parts, &body, key) {
             Ok(found) => found,
@@ -700,6 +680,38 @@ impl<St: Store> Shared<St> {
         let took = started.elapsed();
         self.metrics.upstream(took);
         Forwarded { answer, took }
+    }
+}
+
+/// A keyed request's `body` read whole (a gRPC call's as the unary rule reads it), or what
+/// becomes of it instead: passed on without idempotency (a streaming gRPC call; a body too large
+/// to look for a key in when no header carried one), or refused.
+async fn whole_body(
+    body: Body,
+    grpc: bool,
+    has_key: bool,
+    policy: &Policy,
+) -> Result<Bytes, Result<Body, GatewayError>> {
+    let collected = if grpc {
+        match grpc::collect_call(body, policy.max_body).await {
+            Ok(grpc::Call::Unary(collected)) => Ok(collected),
+            Ok(grpc::Call::Streaming { read, rest }) => {
+                return Err(Ok(replay_then_rest(read, rest)))
+            }
+            Err(e) => Err(e),
+        }
+    } else {
+        collect_capped(body, policy.max_body).await
+    };
+    match collected {
+        Ok(Collected::Whole(body, _)) => Ok(body),
+        Ok(Collected::TooLarge { read, rest }) if !has_key && !policy.require_key => {
+            Err(Ok(replay_then_rest(read, rest)))
+        }
+        Ok(Collected::TooLarge { .. }) => Err(Err(GatewayError::BodyTooLarge {
+            limit: policy.max_body,
+        })),
+        Err(_) => Err(Err(GatewayError::InvalidBody)),
     }
 }
 
