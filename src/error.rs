@@ -1,5 +1,6 @@
 //! What the client sees when the gateway itself answers: RFC 9457 `application/problem+json`
-//! with a stable `type` per kind. Internal details go to the log, not to the client.
+//! with a stable `type` per kind (or Stripe's error object, or a gRPC status to a gRPC call).
+//! Internal details go to the log, not to the client.
 
 use std::time::Duration;
 
