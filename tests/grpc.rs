@@ -18,8 +18,9 @@ const GRPCIO: &str = "grpcio==1.85.1";
 
 /// A gRPC server on a free port, printed on its first line. `*/Echo` answers
 /// `call-N:MESSAGE` with the trailing metadata `x-trail: call-N` (N counts the calls to Echo
-/// and Collect); a message `status:C` ends the call with status code C instead, `sleep:S`
-/// sleeps S seconds first. `*/Collect` (client streaming) joins its messages with commas;
+/// and Collect); a message `status:C` ends the call with status code C instead (trailers-only),
+/// `late:C` the same after its headers (the status in trailers), `sleep:S` sleeps S seconds
+/// first. `*/Collect` (client streaming) joins its messages with commas;
 /// `*/Count` says how many calls there were.
 const SERVER: &str = r#"
 import sys, time, threading, grpc
@@ -37,7 +38,9 @@ def echo(req, ctx):
     ctx.set_trailing_metadata((("x-trail", "call-%d" % n),))
     if msg.startswith("sleep:"):
         time.sleep(float(msg.split(":")[1]))
-    if msg.startswith("status:"):
+    if msg.startswith("late:"):
+        ctx.send_initial_metadata((("x-early", "1"),))
+    if msg.startswith(("status:", "late:")):
         code = int(msg.split(":")[1])
         ctx.abort(next(c for c in grpc.StatusCode if c.value[0] == code), "upstream says " + msg)
     return ("call-%d:%s" % (n, msg)).encode()
@@ -145,7 +148,8 @@ impl GrpcServer {
 }
 
 /// The gateway in front of `server` (`http2 = true`): `/test.Svc/*` with the default policy,
-/// `/wait.Svc/*` waiting for an in-flight duplicate, `/required.Svc/*` requiring a key.
+/// `/wait.Svc/*` waiting for an in-flight duplicate, `/required.Svc/*` requiring a key,
+/// `/small.Svc/*` taking messages of 11 bytes at most (`max_body = 16`).
 async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
     let config = TestConfig::new()
         .set(
@@ -155,7 +159,8 @@ async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
         .set("upstreams.grpc.http2", true)
         .set("defaults.upstream", "grpc")
         .route("/wait.Svc/{m}", toml! { on_in_flight = "wait" })
-        .route("/required.Svc/{m}", toml! { require_key = true });
+        .route("/required.Svc/{m}", toml! { require_key = true })
+        .route("/small.Svc/{m}", toml! { max_body = 16 });
     TestEnv::start_with(backend, CountingUpstream::start().await, config).await
 }
 
@@ -240,6 +245,12 @@ async fn grpc_calls(backend: Backend) {
         [waits, waits_again],
         [stream],
         [stream],
+        [echo("late:14", Some("k7"))],
+        [echo("late:14", Some("k7"))],
+        [echo("late:9", Some("k8"))],
+        [echo("late:9", Some("k8"))],
+        [echo("x", Some(&"k".repeat(300)))],
+        [{"path": "/small.Svc/Echo", "msg": "x".repeat(40), "key": "k9"}],
         [{"path": "/test.Svc/Count", "msg": "", "direct": true}],
     ]);
     let steps = run(&python, &env, &server, plan).await;
@@ -277,7 +288,18 @@ async fn grpc_calls(backend: Backend) {
     // A client-streaming call passes on without idempotency: it runs each time.
     expect(one(11), "OK", "", json!("a,b,c"));
     expect(one(12), "OK", "", json!("a,b,c"));
-    assert_eq!(one(13)["body"], "9", "calls the server saw");
+    // The same, the status coming in trailers after the headers: released, or recorded and
+    // replayed with its headers and trailers.
+    expect(one(13), "UNAVAILABLE", "call-10", Value::Null);
+    expect(one(14), "UNAVAILABLE", "call-11", Value::Null);
+    expect(one(15), "FAILED_PRECONDITION", "call-12", Value::Null);
+    expect(one(16), "FAILED_PRECONDITION", "call-12", Value::Null);
+    assert_eq!(one(16)["details"], "upstream says late:9");
+    assert_eq!(one(16)["initial"]["x-early"], "1", "{}", one(16));
+    assert_eq!(one(16)["initial"]["idempotent-replayed"], "true");
+    refused(one(17), "INVALID_ARGUMENT", "invalid-key");
+    refused(one(18), "RESOURCE_EXHAUSTED", "body-too-large");
+    assert_eq!(one(19)["body"], "12", "calls the server saw");
 }
 
 // The memory store keeps responses as they are; Redis holds them encoded, trailers included.

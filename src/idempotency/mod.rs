@@ -21,6 +21,7 @@ mod shared;
 pub(crate) mod trace;
 mod wait;
 
+pub(crate) use body::with_trailers;
 pub use inner::{Deadline, NotSent};
 pub use json::Pointer;
 pub use layer::IdempotencyLayer;
