@@ -63,7 +63,12 @@ pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected
             Err(frame) => trailers = frame.into_trailers().ok(),
         }
     }
-    let whole = match chunks.len() {
+    Ok(Collected::Whole(joined(chunks, total), trailers))
+}
+
+/// `chunks`, `total` bytes in all, in one buffer (copied only when there are several).
+pub(crate) fn joined(mut chunks: Vec<Bytes>, total: u64) -> Bytes {
+    match chunks.len() {
         0 => Bytes::new(),
         1 => chunks.pop().expect("one chunk"),
         _ => {
@@ -71,8 +76,7 @@ pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected
             chunks.iter().for_each(|c| buf.extend_from_slice(c));
             buf.freeze()
         }
-    };
-    Ok(Collected::Whole(whole, trailers))
+    }
 }
 
 /// The chunks already read, then the rest, its trailers included: a body found too large (or

@@ -16,7 +16,7 @@ use http::{Response, StatusCode, Version};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 
-use super::body::{BoxError, Collected};
+use super::body::{joined, BoxError, Collected};
 use crate::error::{ErrorFormat, GatewayError};
 
 /// The trailer (or trailers-only header) that carries a call's status code.
@@ -31,8 +31,10 @@ const PREFIX_LEN: usize = 5;
 
 /// How long a call's request stream may stay open after its first whole message before the
 /// call is taken for a streaming one. Unary clients half-close with their message (gRPC's
-/// clients send the message and the end of the stream together).
-const HALF_CLOSE_GRACE: Duration = Duration::from_millis(200);
+/// clients send the message and the end of the stream together); a second covers a
+/// retransmission or two of a last frame lost on the way, so that a unary call is not run
+/// without idempotency for it.
+const HALF_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// The gRPC status codes the gateway names (the rest are numbers it only passes on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,22 +96,20 @@ pub(super) enum Call {
 /// still open [`HALF_CLOSE_GRACE`] after it (`Streaming`). A body that ends before a whole
 /// message is `Whole` too: the upstream judges it.
 pub(super) async fn collect_call(mut body: Body, cap: u64) -> Result<Call, axum::Error> {
-    let too_large = |read, rest| Call::Unary(Collected::TooLarge { read, rest });
-    let whole = |buf: Vec<u8>| Call::Unary(Collected::Whole(buf.into(), None));
     let mut read: Vec<Bytes> = Vec::new();
-    let mut buf: Vec<u8> = Vec::new();
+    // The bytes read, and the first of them: the first message's length prefix.
+    let (mut total, mut prefix) = (0u64, Vec::with_capacity(PREFIX_LEN));
     loop {
-        let expected = declared_len(&buf).map(|n| n + PREFIX_LEN as u64);
+        let expected = declared_len(&prefix).map(|n| n + PREFIX_LEN as u64);
         match expected {
-            Some(n) if n > cap => return Ok(too_large(read, body)),
-            Some(n) if buf.len() as u64 > n => return Ok(Call::Streaming { read, rest: body }),
+            Some(n) if n > cap => return Ok(Call::Unary(Collected::TooLarge { read, rest: body })),
+            Some(n) if total > n => return Ok(Call::Streaming { read, rest: body }),
             _ => {}
         }
-        let one = expected == Some(buf.len() as u64);
-        if one && body.is_end_stream() {
-            return Ok(whole(buf));
-        }
-        let next = if one {
+        let one = expected == Some(total);
+        let next = if one && body.is_end_stream() {
+            None
+        } else if one {
             match tokio::time::timeout(HALF_CLOSE_GRACE, body.frame()).await {
                 Ok(next) => next,
                 Err(_) => return Ok(Call::Streaming { read, rest: body }),
@@ -118,12 +118,13 @@ pub(super) async fn collect_call(mut body: Body, cap: u64) -> Result<Call, axum:
             body.frame().await
         };
         let Some(frame) = next else {
-            return Ok(whole(buf));
+            return Ok(Call::Unary(Collected::Whole(joined(read, total), None)));
         };
         match frame?.into_data() {
-            Ok(data) if data.is_empty() => {}
             Ok(data) => {
-                buf.extend_from_slice(&data);
+                let missing = PREFIX_LEN.saturating_sub(prefix.len()).min(data.len());
+                prefix.extend_from_slice(&data[..missing]);
+                total += data.len() as u64;
                 read.push(data);
             }
             // Request trailers: not what a unary client sends; passed on as they are.
@@ -342,6 +343,10 @@ mod tests {
         assert!(streams(frames(vec![msg, b"\0\0\0\0\x01z"], false)).await);
         assert!(streams(frames(vec![b"\0\0\0\0\x01z\0"], false)).await);
         assert!(streams(frames(vec![msg], true)).await, "still open");
+        match collect_call(frames(vec![b"\0\0"], false), 64).await {
+            Ok(Call::Unary(Collected::Whole(b, _))) => assert_eq!(&b[..], b"\0\0"),
+            _ => panic!("cut short: the upstream judges it"),
+        }
         let big = frames(vec![b"\0\0\0\x01\0"], true);
         assert!(matches!(
             collect_call(big, 64).await,
