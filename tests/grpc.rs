@@ -20,8 +20,9 @@ const GRPCIO: &str = "grpcio==1.85.1";
 /// `call-N:MESSAGE` with the trailing metadata `x-trail: call-N` (N counts the calls to Echo
 /// and Collect); a message `status:C` ends the call with status code C instead (trailers-only),
 /// `late:C` the same after its headers (the status in trailers), `sleep:S` sleeps S seconds
-/// first. `*/Collect` (client streaming) joins its messages with commas;
-/// `*/Count` says how many calls there were.
+/// first. `*/Collect` (client streaming) joins its messages with commas, `*/Chat`
+/// (bidirectional) answers each message with `pong:MESSAGE` (both counted too); `*/Count` says
+/// how many calls there were.
 const SERVER: &str = r#"
 import sys, time, threading, grpc
 from concurrent import futures
@@ -47,6 +48,10 @@ def echo(req, ctx):
 def collect(it, ctx):
     counted()
     return b",".join(it)
+def chat(it, ctx):
+    counted()
+    for m in it:
+        yield b"pong:" + m
 def count(req, ctx):
     return str(calls).encode()
 class Handler(grpc.GenericRpcHandler):
@@ -56,6 +61,8 @@ class Handler(grpc.GenericRpcHandler):
             return grpc.unary_unary_rpc_method_handler(echo)
         if method == "Collect":
             return grpc.stream_unary_rpc_method_handler(collect)
+        if method == "Chat":
+            return grpc.stream_stream_rpc_method_handler(chat)
         if method == "Count":
             return grpc.unary_unary_rpc_method_handler(count)
         return None
@@ -69,12 +76,13 @@ server.wait_for_termination()
 
 /// Run a plan of calls: argv is the gateway's address, the server's, and the plan in JSON, a
 /// list of steps run one after the other, each a list of calls run at once on one channel (one
-/// HTTP/2 connection). A call: `path`, `msg` (comma-separated messages for a `stream` call),
+/// HTTP/2 connection). A call: `path`, `msg` (comma-separated messages for a `stream` call,
+/// or a `pingpong` one, which sends each message only once the answer to the one before came),
 /// `key` (the `idempotency-key` metadata), `at_ms` (a delay before it starts), `direct` (to
 /// the server, not through the gateway). Prints each call's code, details, response and
 /// metadata, as JSON.
 const CLIENT: &str = r#"
-import sys, json, time, threading, grpc
+import sys, json, time, threading, queue, grpc
 gateway, server, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 options = [("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0)]
 channels = {False: grpc.insecure_channel(gateway, options=options),
@@ -86,6 +94,17 @@ def call(c):
     channel = channels[c.get("direct", False)]
     meta = [("idempotency-key", c["key"])] if c.get("key") else []
     try:
+        if c.get("pingpong"):
+            answered = queue.Queue()
+            def messages():
+                for m in c["msg"].split(","):
+                    yield m.encode()
+                    answered.get(timeout=10)
+            got = []
+            for r in channel.stream_stream(c["path"])(messages(), metadata=meta, timeout=10):
+                got.append(r.decode())
+                answered.put(1)
+            return {"code": "OK", "details": "", "body": ",".join(got), "initial": {}, "trailing": {}}
         if c.get("stream"):
             msgs = iter([m.encode() for m in c["msg"].split(",")])
             body, rpc = channel.stream_unary(c["path"]).with_call(msgs, metadata=meta, timeout=10)
@@ -251,6 +270,7 @@ async fn grpc_calls(backend: Backend) {
         [echo("late:9", Some("k8"))],
         [echo("x", Some(&"k".repeat(300)))],
         [{"path": "/small.Svc/Echo", "msg": "x".repeat(40), "key": "k9"}],
+        [{"path": "/test.Svc/Chat", "msg": "a,b", "key": "k10", "pingpong": true}],
         [{"path": "/test.Svc/Count", "msg": "", "direct": true}],
     ]);
     let steps = run(&python, &env, &server, plan).await;
@@ -299,7 +319,10 @@ async fn grpc_calls(backend: Backend) {
     assert_eq!(one(16)["initial"]["idempotent-replayed"], "true");
     refused(one(17), "INVALID_ARGUMENT", "invalid-key");
     refused(one(18), "RESOURCE_EXHAUSTED", "body-too-large");
-    assert_eq!(one(19)["body"], "12", "calls the server saw");
+    // A bidirectional call that waits for each answer before its next message: passed on once
+    // the stream stays open after its first message, never held for its end.
+    expect(one(19), "OK", "", json!("pong:a,pong:b"));
+    assert_eq!(one(20)["body"], "13", "calls the server saw");
 }
 
 // The memory store keeps responses as they are; Redis holds them encoded, trailers included.
