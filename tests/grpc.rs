@@ -168,7 +168,8 @@ impl GrpcServer {
 
 /// The gateway in front of `server` (`http2 = true`): `/test.Svc/*` with the default policy,
 /// `/wait.Svc/*` waiting for an in-flight duplicate, `/required.Svc/*` requiring a key,
-/// `/small.Svc/*` taking messages of 11 bytes at most (`max_body = 16`).
+/// `/small.Svc/*` taking messages of 11 bytes at most (`max_body = 16`), `/down.Svc/*` to an
+/// upstream that is not there.
 async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
     let config = TestConfig::new()
         .set(
@@ -179,7 +180,13 @@ async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
         .set("defaults.upstream", "grpc")
         .route("/wait.Svc/{m}", toml! { on_in_flight = "wait" })
         .route("/required.Svc/{m}", toml! { require_key = true })
-        .route("/small.Svc/{m}", toml! { max_body = 16 });
+        .route("/small.Svc/{m}", toml! { max_body = 16 })
+        .set(
+            "upstreams.down.url",
+            format!("http://127.0.0.1:{}", common::free_port()),
+        )
+        .set("upstreams.down.http2", true)
+        .route("/down.Svc/{m}", toml! { upstream = "down" });
     TestEnv::start_with(backend, CountingUpstream::start().await, config).await
 }
 
@@ -272,6 +279,8 @@ async fn grpc_calls(backend: Backend) {
         [{"path": "/small.Svc/Echo", "msg": "x".repeat(40), "key": "k9"}],
         [{"path": "/test.Svc/Chat", "msg": "a,b", "key": "k10", "pingpong": true}],
         [{"path": "/test.Svc/Count", "msg": "", "direct": true}],
+        [{"path": "/down.Svc/Echo", "msg": "x"}],
+        [{"path": "/down.Svc/Echo", "msg": "x", "key": "k11"}],
     ]);
     let steps = run(&python, &env, &server, plan).await;
     let one = |i: usize| &steps[i][0];
@@ -323,6 +332,9 @@ async fn grpc_calls(backend: Backend) {
     // the stream stays open after its first message, never held for its end.
     expect(one(19), "OK", "", json!("pong:a,pong:b"));
     assert_eq!(one(20)["body"], "13", "calls the server saw");
+    // The upstream's failure, unkeyed (the listener's answer) or keyed (the engine's).
+    refused(one(21), "UNAVAILABLE", "upstream-unavailable");
+    refused(one(22), "UNAVAILABLE", "upstream-unavailable");
 }
 
 // The memory store keeps responses as they are; Redis holds them encoded, trailers included.
