@@ -1,5 +1,6 @@
 //! What the client sees when the gateway itself answers: RFC 9457 `application/problem+json`
-//! with a stable `type` per kind. Internal details go to the log, not to the client.
+//! with a stable `type` per kind (or Stripe's error object, or a gRPC status to a gRPC call).
+//! Internal details go to the log, not to the client.
 
 use std::time::Duration;
 
@@ -17,6 +18,10 @@ pub enum ErrorFormat {
     /// Stripe's error object, `{"error": {"type", "message", "code"}}`, which Stripe's SDKs
     /// read (a reused key raises their `IdempotencyError`).
     Stripe,
+    /// A gRPC status (trailers-only, HTTP 200): what every gRPC call gets, whatever its route's
+    /// format (`idempotency/grpc.rs`); not a configuration value.
+    #[serde(skip)]
+    Grpc,
 }
 
 /// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
@@ -153,7 +158,8 @@ impl GatewayError {
         }
     }
 
-    /// The stable problem type (the last part of the `type` URI), also the metrics outcome label.
+    /// The stable problem type (the last part of the `type` URI), also the metrics outcome label
+    /// and the start of a gRPC refusal's message.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::InvalidKey(_) => "invalid-key",
@@ -230,6 +236,7 @@ impl GatewayError {
             }
             .into_response(),
             ErrorFormat::Stripe => self.stripe(),
+            ErrorFormat::Grpc => crate::idempotency::grpc::refusal(&self, self.retry_after()),
         }
     }
 

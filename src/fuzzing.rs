@@ -503,10 +503,30 @@ mod tests {
                 ),
             ],
             body: Bytes::copy_from_slice(body),
+            trailers: Vec::new(),
             traceparent: Some(HeaderValue::from_static(
                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             )),
             key_source,
+        }
+    }
+
+    /// A gRPC answer's record: its status and trailing metadata in trailers.
+    fn grpc_response() -> StoredResponse {
+        let field = |n: &'static str, v: &'static str| {
+            (HeaderName::from_static(n), HeaderValue::from_static(v))
+        };
+        StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![field("content-type", "application/grpc")],
+            body: Bytes::from_static(b"\0\0\0\0\x02ok"),
+            trailers: vec![
+                field("grpc-status", "5"),
+                field("grpc-message", "not%20found"),
+                field("x-trail", "a"),
+            ],
+            traceparent: None,
+            key_source: Some(KeySource::Header),
         }
     }
 
@@ -569,9 +589,17 @@ mod tests {
             status: StatusCode::OK,
             headers: Vec::new(),
             body: Bytes::new(),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         };
+        let grpc = completed(grpc_response());
+        // The trailer count follows the key-source byte; the trailers end the head.
+        let trailer_bytes: usize = (grpc_response().trailers.iter())
+            .map(|(n, v)| 6 + n.as_str().len() + v.len())
+            .sum();
+        let trailers_at = head_len(&grpc, false) - 2 - trailer_bytes;
+        let grpc = encoded(grpc);
         let tombstone =
             |status, expired_ms| encoded(EntryState::Expired(Tombstone { status, expired_ms }));
         let in_flight = encoded(EntryState::InFlight);
@@ -610,6 +638,15 @@ mod tests {
                 patched(full.clone(), value_at, &[0xff; 4]),
             ),
             ("key-source-4", patched(full.clone(), key_source_at, &[4])),
+            ("completed-trailers", grpc.clone()),
+            (
+                "trailer-count-65535",
+                patched(grpc.clone(), trailers_at, &[0xff; 2]),
+            ),
+            (
+                "trailers-announced-none-follow",
+                patched(full.clone(), key_source_at, &[0x82]),
+            ),
             (
                 "compressed-claims-1GiB",
                 patched(packed.clone(), expanded_at, &(1u32 << 30).to_le_bytes()),

@@ -18,6 +18,21 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Whether a request's `TE` accepts trailers. `TE: trailers` is the one `TE` HTTP/2 allows
+/// (RFC 9113 section 8.2.2), and a gRPC server requires it; the proxy says it again to an
+/// HTTP/2 upstream, as hop-by-hop headers are never forwarded as they came.
+pub(crate) fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            let coding = t.split(';').next().unwrap_or("").trim();
+            coding.eq_ignore_ascii_case("trailers")
+        })
+}
+
 /// Remove the hop-by-hop headers and every header that `Connection` names.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them: one pass over the few names present is cheaper than a
@@ -175,6 +190,19 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn te_trailers_is_told_apart() {
+        let te = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::TE, HeaderValue::from_static(v));
+            }
+            accepts_trailers(&h)
+        };
+        assert!(te(&["trailers"]) && te(&["gzip, Trailers"]) && te(&["deflate", "trailers"]));
+        assert!(!te(&[]) && !te(&["gzip"]) && !te(&["trailersx"]));
     }
 
     #[test]

@@ -101,7 +101,9 @@
 //!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
 //!   `idempotency/routes.rs` ([`Routes`]), `idempotency/trace.rs` (W3C `traceparent`, and
 //!   what the engine's spans carry as OTel spans), `idempotency/key.rs`,
-//!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/fingerprint.rs`,
+//!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC
+//!   calls: the unary rule, recorded statuses, refusals as gRPC statuses),
+//!   `idempotency/fingerprint.rs`,
 //!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
 //!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
 //!   `idempotency/json/canonical.rs` and `idempotency/json/pointer.rs` (strict JSON, its
@@ -109,7 +111,7 @@
 //!   tests against serde_json and an exact oracle), and `idempotency/tests.rs` (every branch of the
 //!   protocol without sockets).
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
-//!   (`error.rs`: problem+json and Stripe-shaped answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
+//!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
 //!   (certificates, keys, rustls configurations).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the
 //!   record decoder, the configuration, JSON), built with the `fuzzing` feature and in tests,

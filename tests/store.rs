@@ -279,6 +279,7 @@ fn response(body: &'static str) -> EntryState {
         status: StatusCode::OK,
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
+        trailers: Vec::new(),
         traceparent: None,
         key_source: None,
     }))
@@ -482,6 +483,7 @@ fn large(fill: u8) -> EntryState {
         status: StatusCode::OK,
         headers: vec![],
         body: Bytes::from(vec![fill; 100_000]),
+        trailers: Vec::new(),
         traceparent: None,
         key_source: None,
     }))

@@ -6,8 +6,9 @@ use std::error::Error as StdError;
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use http_body::Body as _;
-use http_body_util::BodyExt;
+use http::HeaderMap;
+use http_body::{Body as _, Frame};
+use http_body_util::{BodyExt, BodyStream, StreamBody};
 
 /// An error of any kind, boxed: what a body's error becomes in an axum [`Body`].
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
@@ -28,8 +29,8 @@ where
 
 /// A body read whole, or found larger than the cap.
 pub(crate) enum Collected {
-    /// Every byte, in one buffer.
-    Whole(Bytes),
+    /// Every byte, in one buffer, and the trailers after them (a gRPC answer's status).
+    Whole(Bytes, Option<HeaderMap>),
     /// More than the cap: the chunks read so far, and the rest, unread.
     TooLarge { read: Vec<Bytes>, rest: Body },
 }
@@ -45,20 +46,29 @@ pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected
     }
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut total = 0u64;
+    let mut trailers = None;
     while let Some(frame) = body.frame().await {
-        // Trailers are not part of what is fingerprinted or recorded.
-        if let Ok(data) = frame?.into_data() {
-            total += data.len() as u64;
-            chunks.push(data);
-            if total > cap {
-                return Ok(Collected::TooLarge {
-                    read: chunks,
-                    rest: body,
-                });
+        // Trailers are not fingerprinted; a response's are recorded.
+        match frame?.into_data() {
+            Ok(data) => {
+                total += data.len() as u64;
+                chunks.push(data);
+                if total > cap {
+                    return Ok(Collected::TooLarge {
+                        read: chunks,
+                        rest: body,
+                    });
+                }
             }
+            Err(frame) => trailers = frame.into_trailers().ok(),
         }
     }
-    Ok(Collected::Whole(match chunks.len() {
+    Ok(Collected::Whole(joined(chunks, total), trailers))
+}
+
+/// `chunks`, `total` bytes in all, in one buffer (copied only when there are several).
+pub(crate) fn joined(mut chunks: Vec<Bytes>, total: u64) -> Bytes {
+    match chunks.len() {
         0 => Bytes::new(),
         1 => chunks.pop().expect("one chunk"),
         _ => {
@@ -66,14 +76,26 @@ pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected
             chunks.iter().for_each(|c| buf.extend_from_slice(c));
             buf.freeze()
         }
-    }))
+    }
 }
 
-/// The chunks already read, then the rest: a body found too large, streamed on once.
+/// The chunks already read, then the rest, its trailers included: a body found too large (or
+/// a streaming call's), streamed on once.
 pub(crate) fn replay_then_rest(read: Vec<Bytes>, rest: Body) -> Body {
     use futures_util::StreamExt;
-    let read = futures_util::stream::iter(read.into_iter().map(Ok::<_, axum::Error>));
-    Body::from_stream(read.chain(rest.into_data_stream()))
+    let read = futures_util::stream::iter(read.into_iter().map(|b| Ok(Frame::data(b))));
+    Body::new(StreamBody::new(read.chain(BodyStream::new(rest))))
+}
+
+/// A whole body, then its trailers when it has some.
+pub(crate) fn with_trailers(body: Bytes, trailers: Option<HeaderMap>) -> Body {
+    let Some(trailers) = trailers else {
+        return Body::from(body);
+    };
+    let frames = [Frame::data(body), Frame::trailers(trailers)];
+    Body::new(StreamBody::new(futures_util::stream::iter(
+        frames.into_iter().map(Ok::<_, axum::Error>),
+    )))
 }
 
 #[cfg(test)]
@@ -92,7 +114,7 @@ mod tests {
 
     async fn whole(c: Collected) -> Bytes {
         match c {
-            Collected::Whole(b) => b,
+            Collected::Whole(b, _) => b,
             Collected::TooLarge { read, rest } => {
                 panic!("too large after {} chunks: {rest:?}", read.len())
             }
@@ -110,6 +132,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn trailers_are_kept_whole_or_streamed_on() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let body = || with_trailers(Bytes::from_static(b"abcd"), Some(trailers.clone()));
+        match collect_capped(body(), 4).await.unwrap() {
+            Collected::Whole(b, t) => {
+                assert_eq!((b, t), (Bytes::from("abcd"), Some(trailers.clone())))
+            }
+            _ => panic!("within the cap"),
+        }
+        match collect_capped(body(), 2).await.unwrap() {
+            Collected::TooLarge { read, rest } => {
+                let all = replay_then_rest(read, rest).collect().await.unwrap();
+                assert_eq!(all.trailers(), Some(&trailers));
+                assert_eq!(all.to_bytes(), "abcd");
+            }
+            _ => panic!("over the cap"),
+        }
+    }
+
+    #[tokio::test]
     async fn a_declared_length_over_the_cap_is_refused_unread() {
         match collect_capped(Body::from("abcde"), 4).await.unwrap() {
             Collected::TooLarge { read, rest } => {
@@ -117,7 +160,7 @@ mod tests {
                 let all = replay_then_rest(read, rest).collect().await.unwrap();
                 assert_eq!(all.to_bytes(), "abcde");
             }
-            Collected::Whole(_) => panic!("over the cap"),
+            _ => panic!("over the cap"),
         }
     }
 
@@ -132,7 +175,7 @@ mod tests {
                 let all = replay_then_rest(read, rest).collect().await.unwrap();
                 assert_eq!(all.to_bytes(), "abcdefgh");
             }
-            Collected::Whole(_) => panic!("over the cap"),
+            _ => panic!("over the cap"),
         }
     }
 }

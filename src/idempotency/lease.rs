@@ -12,7 +12,7 @@ use tracing::{debug, error, warn};
 
 use super::fingerprint::Fingerprint;
 use super::key::{IdempotencyKey, KeySource, ScopedKey};
-use super::policy::{AfterExpiry, Policy, Ttl};
+use super::policy::{AfterExpiry, ErrorFormat, Policy, Ttl};
 use super::record::{EntryState, Token};
 use super::shared::Shared;
 use crate::metrics::StoreOp;
@@ -30,6 +30,8 @@ pub(super) struct Held {
     pub(super) client_key: IdempotencyKey,
     // Where the key came from, kept with the record.
     pub(super) source: KeySource,
+    // The shape of the gateway's own answers to this request (a gRPC status to a gRPC call).
+    pub(super) format: ErrorFormat,
 }
 
 impl Held {

@@ -341,6 +341,7 @@ mod tests {
                 "text/event-stream".parse().unwrap(),
             )],
             body: Bytes::new(),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         };

@@ -5,6 +5,7 @@
 
 mod body;
 pub mod fingerprint;
+pub(crate) mod grpc;
 mod inner;
 pub(crate) mod json;
 pub mod key;
@@ -22,6 +23,7 @@ mod sse;
 pub(crate) mod trace;
 mod wait;
 
+pub(crate) use body::with_trailers;
 pub use inner::{Deadline, NotSent};
 pub use json::Pointer;
 pub use layer::IdempotencyLayer;

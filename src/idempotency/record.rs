@@ -22,7 +22,7 @@ impl Token {
     }
 }
 
-/// A response as stored for replay: status, end-to-end headers, and the whole body.
+/// A response as stored for replay: status, end-to-end headers, the whole body, and its trailers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The upstream's status code.
@@ -31,6 +31,8 @@ pub struct StoredResponse {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The body, byte for byte.
     pub body: Bytes,
+    /// The trailers after the body, in order (a gRPC answer's status is there); empty for most.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
     /// The W3C `traceparent` of the request that produced it, so a replay can name the trace of
     /// the original execution.
     pub traceparent: Option<HeaderValue>,
@@ -80,30 +82,35 @@ impl Tombstone {
 
 impl StoredResponse {
     /// What is stored of a response: its status, its end-to-end headers in order (hop-by-hop ones
-    /// never are), its whole body, and the `traceparent` of the request that produced it.
+    /// never are), its whole body and trailers, and the `traceparent` of the request that
+    /// produced it.
     pub fn new(
         mut head: http::response::Parts,
-        body: Bytes,
+        (body, trailers): (Bytes, Option<http::HeaderMap>),
         traceparent: Option<HeaderValue>,
         key_source: KeySource,
     ) -> Self {
         crate::headers::strip_hop_by_hop(&mut head.headers);
-        let mut headers = Vec::with_capacity(head.headers.len());
-        // HeaderMap's owned iterator names each header once, then its further values.
-        let mut name = None;
-        for (n, v) in head.headers {
-            if let Some(n) = n {
-                name = Some(n);
-            }
-            headers.push((name.clone().expect("the first value has a name"), v));
-        }
         StoredResponse {
             status: head.status,
-            headers,
+            headers: in_order(head.headers),
             body,
+            trailers: trailers.map(in_order).unwrap_or_default(),
             traceparent,
             key_source: Some(key_source),
         }
+    }
+
+    /// The trailers, as a map to send after the body (`None`: there are none).
+    pub fn trailer_map(&self) -> Option<http::HeaderMap> {
+        if self.trailers.is_empty() {
+            return None;
+        }
+        let mut map = http::HeaderMap::with_capacity(self.trailers.len());
+        for (n, v) in &self.trailers {
+            map.append(n.clone(), v.clone());
+        }
+        Some(map)
     }
 
     /// The `Content-Length` values it declares.
@@ -120,21 +127,38 @@ impl StoredResponse {
     pub fn detached(&self) -> Arc<StoredResponse> {
         Arc::new(StoredResponse {
             status: self.status,
-            headers: self
-                .headers
-                .iter()
-                .map(|(n, v)| {
-                    (
-                        n.clone(),
-                        HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value"),
-                    )
-                })
-                .collect(),
+            headers: detached(&self.headers),
             body: Bytes::copy_from_slice(&self.body),
+            trailers: detached(&self.trailers),
             traceparent: self.traceparent.clone(),
             key_source: self.key_source,
         })
     }
+}
+
+/// The fields of `map` in order, each value of a repeated name after the first one.
+fn in_order(map: http::HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    let mut fields = Vec::with_capacity(map.len());
+    // HeaderMap's owned iterator names each header once, then its further values.
+    let mut name = None;
+    for (n, v) in map {
+        if let Some(n) = n {
+            name = Some(n);
+        }
+        fields.push((name.clone().expect("the first value has a name"), v));
+    }
+    fields
+}
+
+/// Fields in values of their own (not slices of a connection's buffer).
+fn detached(fields: &[(HeaderName, HeaderValue)]) -> Vec<(HeaderName, HeaderValue)> {
+    fields
+        .iter()
+        .map(|(n, v)| {
+            let v = HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value");
+            (n.clone(), v)
+        })
+        .collect()
 }
 
 /// A stored entry: the state and the fingerprint of the request that claimed the key.

@@ -9,7 +9,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{response, HeaderMap, Response, StatusCode};
 
-use super::body::ByteBody;
+use super::body::{with_trailers, ByteBody};
+use super::grpc;
 use super::policy::{Policy, Ttl};
 use super::record::StoredResponse;
 use crate::headers::declares_its_length;
@@ -35,16 +36,30 @@ pub(super) fn relayed(resp: Response<impl ByteBody>) -> Response<Body> {
 }
 
 /// How long to record a response whose head is `head`, or `None` when it must not be recorded
-/// (a status that says "try again", or `Idempotency-Control: no-store`). Takes
-/// `Idempotency-Control` out of the head either way.
-pub(super) fn recorded_for(head: &mut response::Parts, policy: &Policy) -> Option<Ttl> {
+/// (a status that says "try again", or `Idempotency-Control: no-store`). The answer to a gRPC
+/// call (`grpc`) with HTTP 200 is judged by its gRPC status, read from `trailers` (or its head,
+/// when trailers-only). Takes `Idempotency-Control` out of the head either way.
+pub(super) fn recorded_for(
+    head: &mut response::Parts,
+    trailers: Option<&HeaderMap>,
+    grpc: bool,
+    policy: &Policy,
+) -> Option<Ttl> {
     let control = Control::take(&mut head.headers);
-    if !is_storable(head.status, policy.cache_server_errors) || control.no_store {
+    let (storable, failure) = if grpc && head.status == StatusCode::OK {
+        let code = grpc::status_of(&head.headers, trailers);
+        let storable = grpc::is_storable(code, policy.cache_server_errors);
+        (storable, grpc::is_failure(code))
+    } else {
+        let storable = is_storable(head.status, policy.cache_server_errors);
+        (storable, head.status.as_u16() >= 400)
+    };
+    if !storable || control.no_store {
         return None;
     }
     Some(match control.max_age {
         Some(age) => Ttl::For(age).min(policy.max_ttl),
-        None if head.status.as_u16() >= 400 => policy.failure_ttl,
+        None if failure => policy.failure_ttl,
         None => policy.ttl,
     })
 }
@@ -102,7 +117,7 @@ pub(super) fn framed(stored: &StoredResponse, to_head: bool) -> bool {
 
 /// The first answer from a response just recorded for `ttl`.
 pub(super) fn first(stored: &StoredResponse, policy: &Policy, ttl: Ttl) -> Response<Body> {
-    let body = Body::from(stored.body.clone());
+    let body = with_trailers(stored.body.clone(), stored.trailer_map());
     respond(stored, body, None, expiry(policy, ttl.finite()))
 }
 
@@ -115,7 +130,7 @@ pub(super) fn replay(
     lives: Option<Duration>,
     from: usize,
 ) -> Response<Body> {
-    let body = Body::from(stored.body.slice(from..));
+    let body = with_trailers(stored.body.slice(from..), stored.trailer_map());
     let drop = Some(&policy.replay_drop_headers[..]);
     let mut resp = respond(stored, body, drop, expiry(policy, lives));
     if from > 0 && resp.headers().contains_key(header::CONTENT_LENGTH) {

@@ -15,7 +15,7 @@
 //!  run_claimed: call the inner service while the Lease is held (renewed)
 //!                   ─┬─ error carrying NotSent ─► release, the error
 //!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
-//!                    ├─ 5xx, 408, 429 ─► release, pass the response on
+//!                    ├─ 5xx, 408, 429 (gRPC: its status, grpc.rs) ─► release, pass the response on
 //!                    ├─ body ≤ max_body ─► complete (replayable), respond
 //!                    ├─ body > max_body ─► complete (not replayable), stream once
 //!                    └─ stream = true ─► answer the head now; the task reads the body onto a
@@ -23,6 +23,10 @@
 //!  complete, release and renew are fenced by the claim's token: a holder whose lease ran out
 //!  changes nothing.
 //! ```
+//!
+//! A gRPC call (`grpc.rs`) runs the same machine when it is unary (a streaming one is passed
+//! on), its answer judged by the status in its trailers, the layer's own answers as gRPC
+//! statuses.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -41,8 +45,9 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
-use super::body::{collect_capped, replay_then_rest, ByteBody, Collected};
+use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Collected};
 use super::fingerprint::Fingerprint;
+use super::grpc;
 use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
@@ -131,21 +136,25 @@ where
             Ok(None)
         };
         let repeatable = applies && repeatability::is_repeatable(policy, req.headers());
+        let grpc = grpc::is_call(req.version(), req.headers());
+        let format = grpc::error_format(grpc, policy.error_format);
         let key = match key {
             Ok(Some(key)) => Some(key),
-            // The key may be in the body: the keyed path reads it first.
-            Ok(None) if applies && policy.keys_from_body() => None,
+            // The key may be in the body (a JSON one: never a gRPC call's): the keyed path reads
+            // it first.
+            Ok(None) if applies && policy.keys_from_body() && !grpc => None,
             Ok(None) if applies && policy.require_key => {
-                return shared.refuse_now(&route, started, GatewayError::MissingKey, false)
+                let e = GatewayError::MissingKey;
+                return shared.refuse_now(&route, started, e, format, false);
             }
             // Not idempotent: simply the inner service.
             Ok(None) => return shared.pass_now(route, inner, req, started),
-            Err(e) => return shared.refuse_now(&route, started, e, repeatable),
+            Err(e) => return shared.refuse_now(&route, started, e, format, repeatable),
         };
         if repeatable {
             let now = std::time::SystemTime::now();
             if let Err(e) = repeatability::check_first_sent(req.headers(), policy.ttl, now) {
-                return shared.refuse_now(&route, started, e, true);
+                return shared.refuse_now(&route, started, e, format, true);
             }
         }
         // At debug level: at the default `info`, a span per request and its formatted fields
@@ -245,8 +254,9 @@ enum Called<E> {
     NotFinal(http::StatusCode),
     /// A response that must not be stored (5xx, 408, 429): passed on, key released.
     Transient(Response<Body>),
-    /// A storable response whose whole body fits in `max_body`, to keep for the duration.
-    Whole(http::response::Parts, Bytes, Ttl),
+    /// A storable response whose whole body (and trailers) fit in `max_body`, to keep for the
+    /// duration.
+    Whole(http::response::Parts, (Bytes, Option<http::HeaderMap>), Ttl),
     /// A storable response larger than `max_body`: the chunks read so far and the rest; the
     /// key is recorded as not replayable for the duration.
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
@@ -265,13 +275,14 @@ struct Tail {
 }
 
 impl<St: Store> Shared<St> {
-    /// Answer `e` without calling anything, counted as a refusal (marked rejected for a
-    /// `repeatable` request).
+    /// Answer `e` in `format` without calling anything, counted as a refusal (marked rejected
+    /// for a `repeatable` request).
     fn refuse_now<E>(
         &self,
         route: &RouteState,
         started: Instant,
         e: GatewayError,
+        format: ErrorFormat,
         repeatable: bool,
     ) -> BoxFuture<Result<Response<Body>, E>>
     where
@@ -280,7 +291,7 @@ impl<St: Store> Shared<St> {
         debug!(problem = e.kind(), route = %route.policy.route, "refused");
         route.metrics.count(Outcome::rejected_invalid);
         self.metrics.overhead(started.elapsed());
-        let mut answer = e.respond(route.policy.error_format);
+        let mut answer = e.respond(format);
         if repeatable {
             repeatability::mark(answer.headers_mut(), false);
         }
@@ -335,26 +346,18 @@ impl<St: Store> Shared<St> {
     {
         use Outcome::rejected_invalid;
         let policy = route.policy.clone();
-        let format = policy.error_format;
         let (parts, body) = req.into_parts();
-        let body = match collect_capped(body, policy.max_body).await {
-            Ok(Collected::Whole(body)) => body,
-            // No key in a header, and too large to look for one in the body.
-            Ok(Collected::TooLarge { read, rest }) if key.is_none() && !policy.require_key => {
+        let grpc = grpc::is_call(parts.version, &parts.headers);
+        let format = grpc::error_format(grpc, policy.error_format);
+        let body = match whole_body(body, grpc, key.is_some(), &policy).await {
+            Ok(body) => body,
+            Err(Ok(body)) => {
                 unanswered.decided(Outcome::passthrough);
-                let req = Request::from_parts(parts, replay_then_rest(read, rest));
+                let req = Request::from_parts(parts, body);
                 let passed = self.pass_through(inner, req).await;
                 return passed.ended(Outcome::passthrough);
             }
-            Ok(Collected::TooLarge { .. }) => {
-                let too_large = GatewayError::BodyTooLarge {
-                    limit: policy.max_body,
-                };
-                return Finished::refused(rejected_invalid, too_large, format);
-            }
-            Err(_) => {
-                return Finished::refused(rejected_invalid, GatewayError::InvalidBody, format)
-            }
+            Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
         let found = match find_key(&policy, &parts, &body, key) {
             Ok(found) => found,
@@ -376,6 +379,7 @@ impl<St: Store> Shared<St> {
             policy: policy.clone(),
             client_key: key,
             source,
+            format,
         };
         drop(found.doc);
         let lease = Lease::new(self.clone(), held);
@@ -449,7 +453,7 @@ impl<St: Store> Shared<St> {
             return Finished::refused(
                 Outcome::store_error,
                 GatewayError::RecordUnreadable,
-                held.policy.error_format,
+                held.format,
             );
         }
         if let StoreError::Decode(e) = &e {
@@ -457,7 +461,7 @@ impl<St: Store> Shared<St> {
             return Finished::refused(
                 Outcome::store_error,
                 GatewayError::CorruptRecord,
-                held.policy.error_format,
+                held.format,
             );
         }
         if matches!(e, StoreError::NotAcknowledged { .. }) {
@@ -469,7 +473,7 @@ impl<St: Store> Shared<St> {
                 Finished::refused(
                     Outcome::store_error,
                     GatewayError::StoreUnavailable,
-                    held.policy.error_format,
+                    held.format,
                 )
             }
             OnStoreError::Pass => {
@@ -493,7 +497,7 @@ impl<St: Store> Shared<St> {
             return Finished::refused(
                 Outcome::store_error,
                 GatewayError::CorruptRecord,
-                held.policy.error_format,
+                held.format,
             );
         }
         if let Some(original) = &stored.traceparent {
@@ -564,7 +568,7 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let format = lease.held.policy.error_format;
+        let format = lease.held.format;
         let this = self.clone();
         this.metrics.in_flight().inc();
         let work = async move {
@@ -603,7 +607,7 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let (held, policy) = (&*lease.held, &*lease.held.policy);
-        let format = policy.error_format;
+        let format = held.format;
         // The record keeps the trace of this execution: this request's own span when it is
         // recorded as an OTel span, else the client's traceparent, as it was forwarded.
         let traceparent = trace::traceparent_of(&Span::current())
@@ -669,7 +673,8 @@ impl<St: Store> Shared<St> {
                 Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
             Ok(Called::Streamed(head, body, ttl)) => {
-                let head = StoredResponse::new(head, Bytes::new(), traceparent, held.source);
+                let head =
+                    StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
                 let head = Arc::new(head);
                 let tape = Tape::new(
                     head.clone(),
@@ -740,6 +745,7 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         let policy = &*held.policy;
+        let grpc = grpc::is_call(req.version(), req.headers());
         let resp = match inner.oneshot(req).await {
             Ok(resp) => resp,
             Err(e) if is_not_sent(&e) => return Called::NotSent(e),
@@ -750,15 +756,42 @@ impl<St: Store> Shared<St> {
         }
         let (mut head, body) = resp.into_parts();
         let body = Body::new(body);
-        let Some(ttl) = response::recorded_for(&mut head, policy) else {
+        // A gRPC call's status comes in the trailers: decided once the body is read.
+        let later = grpc && grpc::status_follows(&head);
+        let now = (!later).then(|| response::recorded_for(&mut head, None, grpc, policy));
+        if let Some(None) = now {
             return Called::Transient(Response::from_parts(head, body));
-        };
-        if policy.stream {
+        }
+        // On a streamed route the answer goes on as it comes (a gRPC call's, whose status
+        // follows the body, is read whole).
+        if let (true, Some(Some(ttl))) = (policy.stream, now) {
             return Called::Streamed(head, body, ttl);
         }
         match collect_capped(body, policy.max_body).await {
-            Ok(Collected::Whole(body)) => Called::Whole(head, body, ttl),
-            Ok(Collected::TooLarge { read, rest }) => Called::TooLarge(head, read, rest, ttl),
+            Ok(Collected::Whole(body, trailers)) => {
+                let ttl = now
+                    .flatten()
+                    .or_else(|| response::recorded_for(&mut head, trailers.as_ref(), grpc, policy));
+                match ttl {
+                    Some(ttl) => Called::Whole(head, (body, trailers), ttl),
+                    None => {
+                        Called::Transient(Response::from_parts(head, with_trailers(body, trailers)))
+                    }
+                }
+            }
+            // Too large to wait for a gRPC call's status: recorded as not replayable, as
+            // any answer too large is (unless it says no-store).
+            Ok(Collected::TooLarge { read, rest }) => {
+                match now
+                    .flatten()
+                    .or_else(|| response::recorded_for(&mut head, None, false, policy))
+                {
+                    Some(ttl) => Called::TooLarge(head, read, rest, ttl),
+                    None => {
+                        Called::Transient(Response::from_parts(head, replay_then_rest(read, rest)))
+                    }
+                }
+            }
             Err(e) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream response body failed midway; key stays claimed until its lease ends");
                 Called::BodyFailed
@@ -778,6 +811,38 @@ impl<St: Store> Shared<St> {
         let took = started.elapsed();
         self.metrics.upstream(took);
         Forwarded { answer, took }
+    }
+}
+
+/// A keyed request's `body` read whole (a gRPC call's as the unary rule reads it), or what
+/// becomes of it instead: passed on without idempotency (a streaming gRPC call; a body too large
+/// to look for a key in when no header carried one), or refused.
+async fn whole_body(
+    body: Body,
+    grpc: bool,
+    has_key: bool,
+    policy: &Policy,
+) -> Result<Bytes, Result<Body, GatewayError>> {
+    let collected = if grpc {
+        match grpc::collect_call(body, policy.max_body).await {
+            Ok(grpc::Call::Unary(collected)) => Ok(collected),
+            Ok(grpc::Call::Streaming { read, rest }) => {
+                return Err(Ok(replay_then_rest(read, rest)))
+            }
+            Err(e) => Err(e),
+        }
+    } else {
+        collect_capped(body, policy.max_body).await
+    };
+    match collected {
+        Ok(Collected::Whole(body, _)) => Ok(body),
+        Ok(Collected::TooLarge { read, rest }) if !has_key && !policy.require_key => {
+            Err(Ok(replay_then_rest(read, rest)))
+        }
+        Ok(Collected::TooLarge { .. }) => Err(Err(GatewayError::BodyTooLarge {
+            limit: policy.max_body,
+        })),
+        Err(_) => Err(Err(GatewayError::InvalidBody)),
     }
 }
 

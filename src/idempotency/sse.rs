@@ -107,6 +107,7 @@ mod tests {
             status: http::StatusCode::OK,
             headers: vec![(http::header::CONTENT_TYPE, ct.parse().unwrap())],
             body: bytes::Bytes::new(),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         };

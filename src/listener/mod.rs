@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 
 use crate::error::GatewayError;
 use crate::headers::admit;
-use crate::idempotency::Routes;
+use crate::idempotency::{grpc, Routes};
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
 pub(crate) use watch::Timeouts;
@@ -331,9 +331,10 @@ where
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let in_progress = self.conn.request_started();
+        let call = grpc::is_call(req.version(), req.headers());
         if let Err(refused) = admit(&req) {
             let format = self.routes.policy_for(req.uri().path()).error_format;
-            let resp = refused.respond(format);
+            let resp = refused.respond(grpc::error_format(call, format));
             return Box::pin(std::future::ready(Ok(
                 resp.map(|b| in_progress.response_body(b))
             )));
@@ -347,7 +348,7 @@ where
                 Ok(resp) => resp.map(Body::new),
                 Err(e) => {
                     let format = routes.policy_for(uri.path()).error_format;
-                    GatewayError::from(&e).respond(format)
+                    GatewayError::from(&e).respond(grpc::error_format(call, format))
                 }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))

@@ -25,7 +25,7 @@ use http_body_util::BodyExt;
 
 use crate::error::GatewayError;
 use crate::headers::content_length;
-use crate::idempotency::{Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
+use crate::idempotency::{with_trailers, Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
 use crate::metrics::{Metrics, UpstreamResult};
 pub use settings::{UpstreamConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 use upstream::Upstream;
@@ -185,7 +185,10 @@ impl Proxy {
                 upstream: upstream.name().clone(),
                 cause: e.into(),
             })?;
-            return Ok(Response::from_parts(head, Body::from(whole.to_bytes())));
+            // Its trailers (a gRPC answer's status) go on after it.
+            let trailers = whole.trailers().cloned();
+            let body = with_trailers(whole.to_bytes(), trailers);
+            return Ok(Response::from_parts(head, body));
         }
         Ok(Response::from_parts(head, Body::new(body)))
     }

@@ -27,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::connect::{is_handshake_alert, ConnectError, Connector};
 use super::ProxyError;
 use super::UpstreamConfig;
-use crate::headers::{is_final_status, relayable};
+use crate::headers::{accepts_trailers, is_final_status, relayable};
 use crate::idempotency::NotSent;
 use crate::metrics::{Metrics, UpstreamCounters, UpstreamResult};
 
@@ -339,6 +339,7 @@ impl Upstream {
             Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
             None => req.headers().get(header::HOST).cloned(),
         };
+        let trailers = accepts_trailers(req.headers());
         relayable(req.headers_mut());
         if let Some(host) = client_host {
             req.headers_mut()
@@ -361,6 +362,12 @@ impl Upstream {
                     .build()
                     .expect("scheme, authority and path are valid");
                 req.headers_mut().remove(header::HOST);
+                // Over HTTP/1.1 `TE` would ask for trailers of that one connection's chunked
+                // coding, which nobody downstream needs from it; HTTP/2 (gRPC) needs it.
+                if trailers {
+                    req.headers_mut()
+                        .insert(header::TE, HeaderValue::from_static("trailers"));
+                }
                 *req.version_mut() = http::Version::HTTP_2;
                 self.send_h2(slot, req).await
             }

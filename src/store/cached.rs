@@ -304,6 +304,7 @@ mod tests {
             status: StatusCode::OK,
             headers: vec![],
             body: Bytes::from_static(body),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         }))
@@ -373,6 +374,7 @@ mod tests {
             status: StatusCode::OK,
             headers: vec![],
             body: Bytes::from(vec![0u8; 1000]),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         });

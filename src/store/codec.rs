@@ -15,12 +15,18 @@
 //! u16      status
 //! u16      header count, then per header: u16 name length, name, u32 value length, value
 //! u8       length of the original request's W3C traceparent (0: none), then its bytes
-//! u8       where the key came from: 0 unknown, 1 a header, 2 the body, 3 derived
+//! u8       where the key came from: 0 unknown, 1 a header, 2 the body, 3 derived; plus
+//!          TRAILERS_FOLLOW (0x80) when the response has trailers, which come next:
+//! u16      trailer count, then per trailer as per header (only with TRAILERS_FOLLOW)
 //! rest     body bytes; for b'Z' a u32 little-endian uncompressed length, then one LZ4 block
 //! -- only for b'X' (the token is zeros; written-at is when the record was written):
 //! u16      the record's status (0: not replayable)
 //! u64      when the record expired, in ms since the Unix epoch
 //! ```
+//!
+//! Trailers (a gRPC answer's status) came in without a new version: a record without them is
+//! byte for byte what it was, and a build from before them refuses a record with them as one it
+//! cannot decode (a bad key source) rather than replay it without its status.
 //!
 //! The Redis Lua scripts (`redis/lua/`) read the state byte and the token directly; the offsets and
 //! state bytes are defined once here, and filled into the scripts when they load. A later version
@@ -58,6 +64,9 @@ pub(crate) const COMPRESSED: u8 = b'Z';
 pub(crate) const NOT_REPLAYABLE: u8 = b'N';
 /// State byte: a tombstone of an expired record.
 pub(crate) const EXPIRED: u8 = b'X';
+
+/// Set in the key-source byte when the response's trailers follow it.
+const TRAILERS_FOLLOW: u8 = 0x80;
 
 /// Bodies from this size on are worth trying to compress.
 pub(crate) const COMPRESS_FROM: usize = 1024;
@@ -227,11 +236,12 @@ pub(crate) fn encode_parts<'a>(
     };
     let size = HEADER_LEN
         + resp.map_or(0, |r| {
-            4 + r
-                .headers
-                .iter()
-                .map(|(n, v)| 6 + n.as_str().len() + v.len())
-                .sum::<usize>()
+            4 + fields_len(&r.headers)
+                + if r.trailers.is_empty() {
+                    0
+                } else {
+                    2 + fields_len(&r.trailers)
+                }
                 + 1
                 + r.traceparent.as_ref().map_or(0, |t| t.len().min(255))
                 + 1
@@ -244,13 +254,7 @@ pub(crate) fn encode_parts<'a>(
     out.put_u64(now_ms());
     if let Some(r) = resp {
         out.put_u16(r.status.as_u16());
-        out.put_u16(r.headers.len() as u16);
-        for (n, v) in &r.headers {
-            out.put_u16(n.as_str().len() as u16);
-            out.put_slice(n.as_str().as_bytes());
-            out.put_u32(v.len() as u32);
-            out.put_slice(v.as_bytes());
-        }
+        put_fields(&mut out, &r.headers);
         // A traceparent is 55 bytes; anything longer than a length byte allows is not one.
         match r.traceparent.as_ref().filter(|t| t.len() <= 255) {
             Some(t) => {
@@ -259,18 +263,72 @@ pub(crate) fn encode_parts<'a>(
             }
             None => out.put_u8(0),
         }
-        out.put_u8(match r.key_source {
+        let source = match r.key_source {
             None => 0,
             Some(KeySource::Header) => 1,
             Some(KeySource::Body) => 2,
             Some(KeySource::Derived) => 3,
-        });
+        };
+        if r.trailers.is_empty() {
+            out.put_u8(source);
+        } else {
+            out.put_u8(source | TRAILERS_FOLLOW);
+            put_fields(&mut out, &r.trailers);
+        }
     }
     if let EntryState::Expired(t) = state {
         out.put_u16(t.status.map_or(0, |s| s.as_u16()));
         out.put_u64(t.expired_ms);
     }
     Encoded { head: out, body }
+}
+
+/// The bytes `fields` take in a record.
+fn fields_len(fields: &[(HeaderName, HeaderValue)]) -> usize {
+    fields
+        .iter()
+        .map(|(n, v)| 6 + n.as_str().len() + v.len())
+        .sum()
+}
+
+/// A u16 count, then per field: u16 name length, name, u32 value length, value.
+fn put_fields(out: &mut BytesMut, fields: &[(HeaderName, HeaderValue)]) {
+    out.put_u16(fields.len() as u16);
+    for (n, v) in fields {
+        out.put_u16(n.as_str().len() as u16);
+        out.put_slice(n.as_str().as_bytes());
+        out.put_u32(v.len() as u32);
+        out.put_slice(v.as_bytes());
+    }
+}
+
+/// Fields as [`put_fields`] writes them.
+fn get_fields(buf: &mut Bytes) -> Result<Vec<(HeaderName, HeaderValue)>, DecodeError> {
+    need(buf, 2)?;
+    let count = buf.get_u16() as usize;
+    let mut fields = Vec::with_capacity(count.min(buf.remaining() / MIN_HEADER_BYTES));
+    for _ in 0..count {
+        need(buf, 2)?;
+        let n = buf.get_u16() as usize;
+        need(buf, n + 4)?;
+        let name =
+            HeaderName::from_bytes(&buf.split_to(n)).map_err(|_| DecodeError("bad header name"))?;
+        let v = buf.get_u32() as usize;
+        need(buf, v)?;
+        let value = HeaderValue::from_maybe_shared(buf.split_to(v))
+            .map_err(|_| DecodeError("bad header value"))?;
+        fields.push((name, value));
+    }
+    Ok(fields)
+}
+
+/// At least `n` bytes are left in `buf`.
+fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
+    if buf.remaining() < n {
+        Err(DecodeError("truncated"))
+    } else {
+        Ok(())
+    }
 }
 
 /// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
@@ -336,29 +394,9 @@ pub(crate) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
 
 fn decode_response(mut buf: Bytes, version: u8) -> Result<StoredResponse, DecodeError> {
     let with_trace = version >= 2;
-    let need = |buf: &Bytes, n: usize| {
-        if buf.remaining() < n {
-            Err(DecodeError("truncated"))
-        } else {
-            Ok(())
-        }
-    };
-    need(&buf, 4)?;
+    need(&buf, 2)?;
     let status = StatusCode::from_u16(buf.get_u16()).map_err(|_| DecodeError("bad status"))?;
-    let count = buf.get_u16() as usize;
-    let mut headers = Vec::with_capacity(count.min(buf.remaining() / MIN_HEADER_BYTES));
-    for _ in 0..count {
-        need(&buf, 2)?;
-        let n = buf.get_u16() as usize;
-        need(&buf, n + 4)?;
-        let name =
-            HeaderName::from_bytes(&buf.split_to(n)).map_err(|_| DecodeError("bad header name"))?;
-        let v = buf.get_u32() as usize;
-        need(&buf, v)?;
-        let value = HeaderValue::from_maybe_shared(buf.split_to(v))
-            .map_err(|_| DecodeError("bad header value"))?;
-        headers.push((name, value));
-    }
+    let headers = get_fields(&mut buf)?;
     let t = if with_trace {
         need(&buf, 1)?;
         buf.get_u8() as usize
@@ -373,22 +411,29 @@ fn decode_response(mut buf: Bytes, version: u8) -> Result<StoredResponse, Decode
                 .map_err(|_| DecodeError("bad traceparent"))?,
         ),
     };
-    let key_source = if version >= 3 {
+    let source = if version >= 3 {
         need(&buf, 1)?;
-        match buf.get_u8() {
-            0 => None,
-            1 => Some(KeySource::Header),
-            2 => Some(KeySource::Body),
-            3 => Some(KeySource::Derived),
-            _ => return Err(DecodeError("bad key source")),
-        }
+        buf.get_u8()
     } else {
-        None
+        0
+    };
+    let key_source = match source & !TRAILERS_FOLLOW {
+        0 => None,
+        1 => Some(KeySource::Header),
+        2 => Some(KeySource::Body),
+        3 => Some(KeySource::Derived),
+        _ => return Err(DecodeError("bad key source")),
+    };
+    let trailers = if source & TRAILERS_FOLLOW != 0 {
+        get_fields(&mut buf)?
+    } else {
+        Vec::new()
     };
     Ok(StoredResponse {
         status,
         headers,
         body: buf,
+        trailers,
         traceparent,
         key_source,
     })
@@ -418,6 +463,7 @@ mod tests {
                 ),
             ],
             body: Bytes::from(body),
+            trailers: Vec::new(),
             traceparent: Some(HeaderValue::from_static(
                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             )),
@@ -444,6 +490,34 @@ mod tests {
     }
 
     #[test]
+    fn trailers_round_trip_and_a_record_without_them_is_unchanged() {
+        let field = |n: &'static str, v: &'static str| {
+            (HeaderName::from_static(n), HeaderValue::from_static(v))
+        };
+        let mut resp = StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![field("content-type", "application/grpc")],
+            body: Bytes::from_static(b"\0\0\0\0\x01x"),
+            trailers: vec![field("grpc-status", "0"), field("x-trail", "a")],
+            traceparent: None,
+            key_source: Some(KeySource::Header),
+        };
+        let (fp, tok) = (Fingerprint([7; 32]), Token([1; 16]));
+        let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp.clone())));
+        match decode(raw.clone()).unwrap().0.state {
+            EntryState::Completed(r) => assert_eq!(*r, resp),
+            other => panic!("unexpected {other:?}"),
+        }
+        // Cut inside the trailers: refused, never read as a response without its status.
+        assert!(decode(raw.slice(..raw.len() - 12)).is_err());
+        let with = raw.len();
+        resp.trailers.clear();
+        let without = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp)));
+        assert_eq!(with - without.len(), 2 + (6 + 11 + 1) + (6 + 7 + 1));
+        assert_eq!(without[without.len() - 7], 1, "the key source alone");
+    }
+
+    #[test]
     fn in_flight_and_truncated() {
         let raw = encode(
             &Fingerprint([1; 32]),
@@ -463,6 +537,7 @@ mod tests {
                 status: StatusCode::OK,
                 headers: vec![(HeaderName::from_static("x"), HeaderValue::from_static("y"))],
                 body: Bytes::new(),
+                trailers: Vec::new(),
                 traceparent: None,
                 key_source: None,
             })),
@@ -517,6 +592,7 @@ mod tests {
             status: StatusCode::OK,
             headers,
             body: Bytes::from(body),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         }))
@@ -624,6 +700,7 @@ mod sealed {
                 HeaderValue::from_static("application/json"),
             )],
             body: Bytes::from(body.to_string()),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         }))

@@ -516,6 +516,7 @@ mod tests {
             status: http::StatusCode::OK,
             headers: vec![],
             body: bytes::Bytes::from(vec![0u8; 4000]),
+            trailers: Vec::new(),
             traceparent: None,
             key_source: None,
         };

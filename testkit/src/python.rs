@@ -1,5 +1,6 @@
-//! [`PythonEnv`]: a Python virtual environment with real client SDKs from PyPI (stripe-python),
-//! made once per target directory and shared by the tests that drive the gateway with them.
+//! [`PythonEnv`]: a Python virtual environment with real client SDKs from PyPI (stripe-python,
+//! grpcio), made once per target directory and shared by the tests that drive the gateway with
+//! them.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -32,6 +33,14 @@ impl PythonEnv {
             std::fs::write(&stamp, wanted).expect("the venv's stamp");
         }
         env
+    }
+
+    /// The command that runs `script` (Python source) in the environment, for a test to start
+    /// as a child process of its own (a server).
+    pub fn command(&self, script: &str) -> Command {
+        let mut cmd = Command::new(self.dir.join("bin/python"));
+        cmd.arg("-c").arg(script);
+        cmd
     }
 
     /// Run `script` (Python source) with `args`; its output, whatever its exit status.
