@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idemgate::config::{Config, StoreConfig, KEY_SECRET_VAR};
-use idemgate::telemetry::Telemetry;
+use idemgate::telemetry::{Telemetry, UnsampledOff};
 use idemgate::Metrics;
 use tokio::net::TcpListener;
 use tracing_subscriber::layer::SubscriberExt;
@@ -115,7 +115,8 @@ fn init_logging(format: LogFormat, telemetry: Option<&Telemetry>) {
         return;
     };
     // With traces, each layer filters for itself: the debug-level spans of sampled requests
-    // reach the OTel layer whatever RUST_LOG says.
+    // reach the OTel layer whatever RUST_LOG says; an unsampled request's are not made at all.
+    let filter_level = filter.max_level_hint();
     let fmt = match format {
         LogFormat::Text => tracing_subscriber::fmt::layer().with_filter(filter).boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
@@ -125,6 +126,7 @@ fn init_logging(format: LogFormat, telemetry: Option<&Telemetry>) {
             .boxed(),
     };
     tracing_subscriber::registry()
+        .with(UnsampledOff::new(filter_level))
         .with(fmt)
         .with(telemetry.layer())
         .init();

@@ -247,6 +247,16 @@ impl SampledSpans {
     fn ours(meta: &Metadata<'_>) -> bool {
         meta.is_span() && meta.target().starts_with("idemgate")
     }
+
+    /// Whether one of the engine's spans is recorded: a request's when it is sampled, a store
+    /// operation's or upstream call's when it is inside a span that was (`in_recorded`).
+    fn sampled(meta: &Metadata<'_>, in_recorded: impl FnOnce() -> bool) -> bool {
+        if meta.name() == REQUEST_SPAN {
+            SAMPLING.with(Cell::get)
+        } else {
+            in_recorded()
+        }
+    }
 }
 
 impl<S> Filter<S> for SampledSpans
@@ -254,15 +264,7 @@ where
     S: Subscriber + for<'a> LookupSpan<'a>,
 {
     fn enabled(&self, meta: &Metadata<'_>, cx: &LayerContext<'_, S>) -> bool {
-        if !Self::ours(meta) {
-            return false;
-        }
-        if meta.name() == REQUEST_SPAN {
-            SAMPLING.with(Cell::get)
-        } else {
-            // A store operation or upstream call: inside a request this filter let through.
-            cx.lookup_current().is_some()
-        }
+        Self::ours(meta) && Self::sampled(meta, || cx.lookup_current().is_some())
     }
 
     fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
@@ -275,6 +277,44 @@ where
 
     fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
         Some(tracing::level_filters::LevelFilter::DEBUG)
+    }
+}
+
+/// A filter in front of every layer: the engine's spans of a request that is not sampled are
+/// not made at all, unless the log asks for spans of their level (`logs_debug`). The per-layer
+/// filters alone would leave the registry making, entering and closing spans that no layer
+/// records, on every request.
+#[derive(Debug, Clone, Copy)]
+pub struct UnsampledOff {
+    logs_debug: bool,
+}
+
+impl UnsampledOff {
+    /// The gate for a log whose filter lets through at most `log_level` (`None`: unknown).
+    pub fn new(log_level: Option<tracing::level_filters::LevelFilter>) -> Self {
+        let debug = tracing::level_filters::LevelFilter::DEBUG;
+        UnsampledOff {
+            logs_debug: log_level.is_none_or(|level| level >= debug),
+        }
+    }
+}
+
+impl<S> Layer<S> for UnsampledOff
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+        if !self.logs_debug && SampledSpans::ours(meta) {
+            Interest::sometimes()
+        } else {
+            Interest::always()
+        }
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>, cx: LayerContext<'_, S>) -> bool {
+        self.logs_debug
+            || !SampledSpans::ours(meta)
+            || SampledSpans::sampled(meta, || cx.lookup_current().is_some())
     }
 }
 
@@ -403,5 +443,61 @@ mod tests {
             .filter(|_| sampled_parent(&none, 0.25).is_some())
             .count();
         assert!((800..1200).contains(&sampled), "{sampled} of 4000 at 0.25");
+    }
+
+    /// Records the spans it is shown.
+    struct Count(Arc<AtomicUsize>);
+
+    impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Count {
+        fn on_new_span(
+            &self,
+            _: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: LayerContext<'_, S>,
+        ) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Make the engine's request span and a store operation's inside it, under `subscriber`;
+    /// whether each exists (is not disabled).
+    fn made(subscriber: impl Subscriber + Send + Sync + 'static, sampled: bool) -> (bool, bool) {
+        tracing::subscriber::with_default(subscriber, || {
+            let _sampled = sampled.then(SampledCall::start);
+            let request = tracing::debug_span!(target: "idemgate::idempotency::service", "idempotent_request");
+            let _in = request.enter();
+            let op = tracing::debug_span!(target: "idemgate::idempotency::shared", "store.claim");
+            (!request.is_disabled(), !op.is_disabled())
+        })
+    }
+
+    #[test]
+    fn an_unsampled_request_makes_no_span_at_all() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let world = |gate: UnsampledOff, recorded: &Arc<AtomicUsize>| {
+            let log = tracing_subscriber::EnvFilter::new("info");
+            tracing_subscriber::registry()
+                .with(gate)
+                .with(tracing_subscriber::fmt::layer().with_filter(log))
+                .with(Count(recorded.clone()).with_filter(SampledSpans))
+        };
+        let info = UnsampledOff::new(Some(tracing::level_filters::LevelFilter::INFO));
+        let recorded = Arc::new(AtomicUsize::new(0));
+        assert_eq!(made(world(info, &recorded), false), (false, false));
+        assert_eq!(recorded.load(Ordering::SeqCst), 0);
+        assert_eq!(made(world(info, &recorded), true), (true, true));
+        assert_eq!(
+            recorded.load(Ordering::SeqCst),
+            2,
+            "a sampled request's spans are recorded"
+        );
+        // A log at debug level wants the spans of every request.
+        let debug = UnsampledOff::new(Some(tracing::level_filters::LevelFilter::DEBUG));
+        assert_eq!(made(world(debug, &recorded), false), (true, true));
+        assert_eq!(
+            recorded.load(Ordering::SeqCst),
+            2,
+            "but the OTel layer still records none"
+        );
     }
 }
