@@ -74,6 +74,7 @@ pub fn print(b: &Bench) {
             );
         }
     }
+    first_byte(b);
     println!("\nratios (same run; in brackets the same ratio from CPU per request of all processes, which noise moves less):");
     for &size in &[1024usize, 65536] {
         let get = |name: &str| {
@@ -99,6 +100,24 @@ pub fn print(b: &Bench) {
                     human(size),
                     ratio(on, off)
                 );
+            }
+        }
+        for (gateway, nginx) in [
+            (
+                "gateway replay, redis, event stream",
+                "nginx proxy, event stream",
+            ),
+            (
+                "gateway replay, redis, event stream",
+                "nginx proxy, proxy_buffering off, 64 KiB stream",
+            ),
+            (
+                "gateway replay, redis, local_cache 0, event stream",
+                "nginx proxy, event stream",
+            ),
+        ] {
+            if let (Some(g), Some(n)) = (get(gateway), get(nginx)) {
+                println!("- {}: {gateway} / {nginx} = {}", human(size), ratio(g, n));
             }
         }
         let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
@@ -129,4 +148,49 @@ pub fn print(b: &Bench) {
     }
     println!("\nnotes:");
     b.notes.iter().for_each(|n| println!("- {n}"));
+}
+
+/// The first-byte rows (section `stream`), when there are: percentiles over all their rounds,
+/// each added to those of the row it is compared with.
+fn first_byte(b: &Bench) {
+    if b.first_byte.is_empty() {
+        return;
+    }
+    println!("\nfirst byte at a fixed rate (open loop; percentiles over all rounds, CPU of the median round; added: over the row above):");
+    println!("| scenario | body | rate /s | requests | first byte p50 ms | p99 ms | p99.9 ms | added p50 ms | added p99 ms | added p99.9 ms | whole answer p50 ms | p99 ms | proxy CPU µs/req | all CPU µs/req | 409s + errors |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for row in &b.first_byte {
+        let r = row.merged();
+        let against = row.against.as_ref().and_then(|name| {
+            let other = b.first_byte.iter().find(|o| &o.scenario == name)?;
+            Some(other.merged())
+        });
+        let added = |q: f64| {
+            against.as_ref().map_or(String::new(), |o| {
+                format!("{:+.3}", r.first_byte_ms(q) - o.first_byte_ms(q))
+            })
+        };
+        let (proxy_cpu, all_cpu) = match r.cpu {
+            Some(c) => (format!("{:.1}", c.proxy), format!("{:.1}", c.all())),
+            None => (String::new(), String::new()),
+        };
+        println!(
+            "| {} | {} | {:.0} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {:.2} | {:.2} | {} | {} | {} |",
+            row.scenario,
+            human(row.body),
+            row.rate,
+            r.requests,
+            r.first_byte_ms(0.5),
+            r.first_byte_ms(0.99),
+            r.first_byte_ms(0.999),
+            added(0.5),
+            added(0.99),
+            added(0.999),
+            r.ms(0.5),
+            r.ms(0.99),
+            proxy_cpu,
+            all_cpu,
+            r.conflicts + r.errors
+        );
+    }
 }
