@@ -207,7 +207,10 @@ fn check_config_shows_streamed_routes_and_refuses_a_bad_stream_value() {
     );
     assert!(!bad.status.success());
     let stderr = String::from_utf8_lossy(&bad.stderr);
-    assert!(stderr.to_lowercase().contains("defaults.stream"), "{stderr}");
+    assert!(
+        stderr.to_lowercase().contains("defaults.stream"),
+        "{stderr}"
+    );
 }
 
 #[test]
