@@ -3,10 +3,11 @@
 //!
 //! - **First byte at a fixed rate**: a 1 KiB event stream whose head and first event come at
 //!   once and three more events `GAP_MS` apart, straight from the upstream, passed through the
-//!   gateway (no key) and as a keyed miss on the same route (a fresh key each); open loop at
-//!   `RATE`, rounds interleaved with the order rotated. Time to the first byte of body: its
-//!   percentiles over all rounds, the keyed miss's against the pass-through's, and the CPU per
-//!   request of each.
+//!   gateway (no key) and as a keyed miss on the same route (a fresh key each), on Redis and, to
+//!   tell the store's round trip from the streaming, on the memory store; open loop at `RATE`,
+//!   rounds interleaved with the order rotated. Time to the first byte of body: its percentiles
+//!   over all rounds and by round, each keyed miss's against the pass-through's, and the CPU
+//!   per request of each.
 //! - **Replay of a 64 KiB event stream**: 16 events sent at once, chunked (no `Content-Length`),
 //!   replayed through the gateway (its local cache, and `local_cache = "0"`) against nginx
 //!   proxying the upstream's same answer (unbuffered, as in front of event streams, and buffered
@@ -47,11 +48,12 @@ const EXPORT: (usize, usize) = (65536, 16);
 /// local cache's default 64 MiB.
 const HOT: u64 = 200;
 
-/// The first-byte scenarios, in the order of their rows.
-const FIRST_BYTE: [&str; 3] = [
-    "event stream, direct to upstream",
-    "event stream, gateway pass-through (no key)",
-    "event stream, gateway keyed miss, redis",
+/// The first-byte scenarios, in the order of their rows, each with the row it is compared with.
+const FIRST_BYTE: [(&str, Option<usize>); 4] = [
+    ("event stream, direct to upstream", None),
+    ("event stream, gateway pass-through (no key)", Some(0)),
+    ("event stream, gateway keyed miss, redis", Some(1)),
+    ("event stream, gateway keyed miss, memory", Some(1)),
 ];
 
 /// The replay scenarios, in the order of their rows (the chart compares the gateway's with the
@@ -72,9 +74,13 @@ fn path(size: usize, events: usize, gap_ms: u64) -> String {
 fn gateway(dir: &Path, redis_url: &str, upstream: SocketAddr, cached: bool) -> Proc {
     let cache = if cached { "" } else { "\nlocal_cache = \"0\"" };
     let store = format!("backend = \"redis\"\nurl = \"{redis_url}\"{cache}");
-    let route = format!("\n[[routes]]\npath = \"{ROUTE}\"\nstream = true\n");
     let prefix = if cached { "stream:" } else { "stream-nc:" };
-    procs::gateway_with_prefix(dir, &store, upstream, &route, prefix)
+    procs::gateway_with_prefix(dir, &store, upstream, &streamed_route(), prefix)
+}
+
+/// The gateways' `[[routes]]` entry: `ROUTE`, streamed.
+fn streamed_route() -> String {
+    format!("\n[[routes]]\npath = \"{ROUTE}\"\nstream = true\n")
 }
 
 /// Section `stream`: the first byte at a fixed rate, then the replays against nginx.
@@ -92,7 +98,9 @@ pub async fn run(
         gateway(dir, redis_url, up.addr, false),
     ];
     streams(b, &gws[0]).await;
-    first_byte(b, &gws[0], &up).await;
+    let memory = procs::gateway(dir, "memory", up.addr, &streamed_route());
+    first_byte(b, [&gws[0], &memory], &up).await;
+    drop(memory);
     replay(b, dir, &gws, &up).await;
     executed_once(b, up.addr).await;
     b.notes.push(format!(
@@ -205,16 +213,17 @@ async fn streams(b: &mut Bench, gw: &Proc) {
 }
 
 /// The first-byte phases: each scenario at `RATE`, rounds interleaved, order rotated each round.
-async fn first_byte(b: &mut Bench, gw: &Proc, up: &Proc) {
+async fn first_byte(b: &mut Bench, [gw, memory]: [&Proc; 2], up: &Proc) {
     b.path = path(EVENTS.0, EVENTS.1, GAP_MS);
     b.size = EVENTS.0;
     let connections = std::mem::replace(&mut b.connections, RATE_CONNECTIONS);
     let target = |i: usize| match i {
         0 => (up.addr, Vec::new()),
+        3 => (memory.addr, memory.pids()),
         _ => (gw.addr, gw.pids()),
     };
     let keys = |b: &mut Bench, i: usize| match i {
-        2 => Keys::Unique(b.prefix("stream-miss")),
+        2 | 3 => Keys::Unique(b.prefix("stream-miss")),
         _ => Keys::None,
     };
     for i in 0..FIRST_BYTE.len() {
@@ -238,7 +247,7 @@ async fn first_byte(b: &mut Bench, gw: &Proc, up: &Proc) {
                     [0, 1, 2].map(|j| (slow[j] - before.1[j] as f64) / r.requests.max(1) as f64);
                 trips.push((per(round_trips(admin) - before.0), slow));
             }
-            let name = format!("{} at {RATE:.0}/s (round {})", FIRST_BYTE[i], round + 1);
+            let name = format!("{} at {RATE:.0}/s (round {})", FIRST_BYTE[i].0, round + 1);
             b.check(&name, &r, false);
             eprintln!(
                 "  {name:<64} first byte p50 {:.3} ms  p99 {:.3} ms  proxy {:.1} µs/req",
@@ -252,36 +261,55 @@ async fn first_byte(b: &mut Bench, gw: &Proc, up: &Proc) {
     b.connections = connections;
     b.notes.push(first_byte_note(&rounds, &trips));
     for (i, rounds) in rounds.into_iter().enumerate() {
+        let (scenario, against) = FIRST_BYTE[i];
         b.first_byte.push(FirstByteRow {
-            scenario: FIRST_BYTE[i].to_string(),
+            scenario: scenario.to_string(),
             body: EVENTS.0,
             rate: RATE,
             rounds,
-            against: (i > 0).then(|| FIRST_BYTE[i - 1].to_string()),
+            against: against.map(|j| FIRST_BYTE[j].0.to_string()),
         });
     }
 }
 
-/// The note of the first-byte phases: the keyed miss's first byte against the pass-through's,
-/// round by round, and the miss's Redis round trips.
+/// The note of the first-byte phases: each keyed miss's first byte against the pass-through's,
+/// round by round, and the Redis miss's round trips and slow claims.
 fn first_byte_note(rounds: &[Vec<Report>], trips: &[(f64, [f64; 3])]) -> String {
-    let by_round: Vec<String> = rounds[2]
-        .iter()
-        .zip(&rounds[1])
-        .map(|(miss, pass)| {
-            let d = |q: f64| miss.first_byte_ms(q) - pass.first_byte_ms(q);
-            format!("{:+.3} / {:+.3} / {:+.3}", d(0.5), d(0.99), d(0.999))
-        })
-        .collect();
+    let by_round = |k: usize| -> String {
+        let d: Vec<[f64; 3]> = rounds[k]
+            .iter()
+            .zip(&rounds[1])
+            .map(|(miss, pass)| {
+                [0.5, 0.99, 0.999].map(|q| miss.first_byte_ms(q) - pass.first_byte_ms(q))
+            })
+            .collect();
+        let median = |j: usize| {
+            let mut v: Vec<f64> = d.iter().map(|x| x[j]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let list: Vec<String> = d
+            .iter()
+            .map(|x| format!("{:+.3} / {:+.3} / {:+.3}", x[0], x[1], x[2]))
+            .collect();
+        format!(
+            "{} (the rounds' median: {:+.3} / {:+.3} / {:+.3})",
+            list.join(", "),
+            median(0),
+            median(1),
+            median(2)
+        )
+    };
     let slow: Vec<String> = trips
         .iter()
         .map(|(_, s)| format!("{:.1} / {:.1} / {:.1}", s[0] * 1e3, s[1] * 1e3, s[2] * 1e3))
         .collect();
     let trips: Vec<String> = trips.iter().map(|t| format!("{:.2}", t.0)).collect();
     format!(
-        "stream (1 KiB event stream in {} events {GAP_MS} ms apart, {RATE:.0}/s on {RATE_CONNECTIONS} connections): first byte of the keyed miss minus the pass-through's, p50 / p99 / p99.9 ms by round: {} (goal: p99 under +1 ms); Redis round trips per keyed miss by round: {}; claims slower than 0.8 / 1.6 / 3.2 ms per 1000 keyed misses by round (the gateway's histogram): {}",
+        "stream (1 KiB event stream in {} events {GAP_MS} ms apart, {RATE:.0}/s on {RATE_CONNECTIONS} connections): first byte of the keyed miss minus the pass-through's, p50 / p99 / p99.9 ms by round, on Redis: {} (goal: p99 under +1 ms); on the memory store: {}; Redis round trips per keyed miss by round: {}; claims slower than 0.8 / 1.6 / 3.2 ms per 1000 keyed misses by round (the gateway's histogram): {}",
         EVENTS.1,
-        by_round.join(", "),
+        by_round(2),
+        by_round(3),
         trips.join(", "),
         slow.join(", ")
     )

@@ -156,7 +156,7 @@ fn first_byte(b: &Bench) {
     if b.first_byte.is_empty() {
         return;
     }
-    println!("\nfirst byte at a fixed rate (open loop; percentiles over all rounds, CPU of the median round; added: over the row above):");
+    println!("\nfirst byte at a fixed rate (open loop; percentiles over all rounds, CPU of the median round; added: over the row it is compared with, direct for the pass-through, the pass-through for a keyed miss):");
     println!("| scenario | body | rate /s | requests | first byte p50 ms | p99 ms | p99.9 ms | added p50 ms | added p99 ms | added p99.9 ms | whole answer p50 ms | p99 ms | proxy CPU µs/req | all CPU µs/req | 409s + errors |");
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in &b.first_byte {
