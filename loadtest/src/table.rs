@@ -77,17 +77,7 @@ pub fn print(b: &Bench) {
     first_byte(b);
     println!("\nratios (same run; in brackets the same ratio from CPU per request of all processes, which noise moves less):");
     for &size in &[1024usize, 65536] {
-        let get = |name: &str| {
-            b.rows
-                .iter()
-                .find(|r| r.body == size && r.scenario == name)
-                .map(|r| (r.closed.rps(), r.closed.cpu.map(|c| c.all()).unwrap_or(0.0)))
-        };
-        // Throughput ratio a / b, and the one CPU predicts: b's CPU per request / a's.
-        let ratio = |a: (f64, f64), b: (f64, f64)| {
-            let by_cpu = if a.1 > 0.0 { b.1 / a.1 } else { 0.0 };
-            format!("{:.2} [{by_cpu:.2}]", a.0 / b.0)
-        };
+        let get = |name: &str| figures(b, size, name);
         for path in [
             "gateway miss, redis",
             "gateway replay, redis",
@@ -102,24 +92,7 @@ pub fn print(b: &Bench) {
                 );
             }
         }
-        for (gateway, nginx) in [
-            (
-                "gateway replay, redis, event stream",
-                "nginx proxy, event stream",
-            ),
-            (
-                "gateway replay, redis, event stream",
-                "nginx proxy, proxy_buffering off, 64 KiB stream",
-            ),
-            (
-                "gateway replay, redis, local_cache 0, event stream",
-                "nginx proxy, event stream",
-            ),
-        ] {
-            if let (Some(g), Some(n)) = (get(gateway), get(nginx)) {
-                println!("- {}: {gateway} / {nginx} = {}", human(size), ratio(g, n));
-            }
-        }
+        stream_ratios(b, size);
         let (Some(nginx), Some(pass)) = (get("nginx proxy"), get("gateway pass-through (no key)"))
         else {
             continue;
@@ -148,6 +121,43 @@ pub fn print(b: &Bench) {
     }
     println!("\nnotes:");
     b.notes.iter().for_each(|n| println!("- {n}"));
+}
+
+/// The req/s of the row `name` at `size`, and its CPU per request of all processes.
+fn figures(b: &Bench, size: usize, name: &str) -> Option<(f64, f64)> {
+    b.rows
+        .iter()
+        .find(|r| r.body == size && r.scenario == name)
+        .map(|r| (r.closed.rps(), r.closed.cpu.map(|c| c.all()).unwrap_or(0.0)))
+}
+
+/// Throughput ratio a / b of two rows' [`figures`], and in brackets the one CPU predicts: b's
+/// CPU per request / a's.
+fn ratio(a: (f64, f64), b: (f64, f64)) -> String {
+    let by_cpu = if a.1 > 0.0 { b.1 / a.1 } else { 0.0 };
+    format!("{:.2} [{by_cpu:.2}]", a.0 / b.0)
+}
+
+/// The stream section's replays against nginx, when it ran at `size`.
+fn stream_ratios(b: &Bench, size: usize) {
+    for (gateway, nginx) in [
+        (
+            "gateway replay, redis, event stream",
+            "nginx proxy, event stream",
+        ),
+        (
+            "gateway replay, redis, event stream",
+            "nginx proxy, proxy_buffering off, 64 KiB stream",
+        ),
+        (
+            "gateway replay, redis, local_cache 0, event stream",
+            "nginx proxy, event stream",
+        ),
+    ] {
+        if let (Some(g), Some(n)) = (figures(b, size, gateway), figures(b, size, nginx)) {
+            println!("- {}: {gateway} / {nginx} = {}", human(size), ratio(g, n));
+        }
+    }
 }
 
 /// The first-byte rows (section `stream`), when there are: percentiles over all their rounds,
