@@ -317,3 +317,25 @@ pub fn json_body(size: usize) -> Vec<u8> {
     bytes.truncate(size);
     bytes
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_stream_is_its_size_in_its_events() {
+        for (size, events) in [(1024, 4), (65536, 16), (1024, 2)] {
+            let chunks = sse_events(size, events);
+            assert_eq!(chunks.len(), events);
+            assert_eq!(chunks.iter().map(Bytes::len).sum::<usize>(), size);
+            for (i, c) in chunks.iter().enumerate() {
+                let text = std::str::from_utf8(c).unwrap();
+                assert!(text.starts_with(&format!("id: {i}\ndata: ")), "{text:.20}");
+                assert!(text.ends_with("\n\n") && text.matches('\n').count() == 3);
+            }
+        }
+        let q = EventsQuery::parse("size=65536&events=16&gap_ms=5").unwrap();
+        assert_eq!((q.size, q.events, q.gap_ms), (65536, 16, 5));
+        assert!(EventsQuery::parse("events=16").is_none());
+    }
+}
