@@ -89,7 +89,7 @@ pub async fn run(
     dir: &Path,
     (redis_conn, redis_url): (&mut MultiplexedConnection, &str),
 ) {
-    let load_before = load_average();
+    let (load_before, size) = (load_average(), b.size);
     flush(redis_conn).await;
     let up = procs::upstream_with(EVENTS.0, 0, true);
     b.upstream_pids = up.pids();
@@ -107,7 +107,7 @@ pub async fn run(
         "stream: load average {load_before} at the section's start, {} at its end",
         load_average()
     ));
-    b.path = PAYMENTS.to_string();
+    (b.path, b.size) = (PAYMENTS.to_string(), size);
     drop((gws, up));
     // The records of the section are of no use to the next ones.
     flush(redis_conn).await;
