@@ -271,7 +271,7 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("stream") {
         b.redis_pids = redis.pid().into_iter().collect();
-        stream::run(&mut b, dir.path(), (&mut redis_conn, &redis_url)).await;
+        stream::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
     }
     if run("telemetry") {
         telemetry::run(&mut b, dir.path()).await;

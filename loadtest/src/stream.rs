@@ -83,13 +83,18 @@ fn streamed_route() -> String {
     format!("\n[[routes]]\npath = \"{ROUTE}\"\nstream = true\n")
 }
 
-/// Section `stream`: the first byte at a fixed rate, then the replays against nginx.
+/// Section `stream`: the first byte at a fixed rate, then the replays against nginx; `quick`
+/// (the CI smoke run) in phases of 0.5 s at most.
 pub async fn run(
     b: &mut Bench,
     dir: &Path,
     (redis_conn, redis_url): (&mut MultiplexedConnection, &str),
+    quick: bool,
 ) {
-    let (load_before, size) = (load_average(), b.size);
+    let (load_before, size, secs) = (load_average(), b.size, b.secs);
+    if quick {
+        b.secs = secs.min(std::time::Duration::from_millis(500));
+    }
     flush(redis_conn).await;
     let up = procs::upstream_with(EVENTS.0, 0, true);
     b.upstream_pids = up.pids();
@@ -107,7 +112,7 @@ pub async fn run(
         "stream: load average {load_before} at the section's start, {} at its end",
         load_average()
     ));
-    (b.path, b.size) = (PAYMENTS.to_string(), size);
+    (b.path, b.size, b.secs) = (PAYMENTS.to_string(), size, secs);
     drop((gws, up));
     // The records of the section are of no use to the next ones.
     flush(redis_conn).await;
