@@ -128,8 +128,21 @@ struct Answer {
     body: Bytes,
 }
 
-/// One POST to `path` on a new connection, with `key` and `Last-Event-ID` when given.
+/// One POST to `path` on a new connection, with `key` and `Last-Event-ID` when given; `None`
+/// without a whole answer within 10 s.
 async fn fetch(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    last_event_id: Option<&str>,
+) -> Option<Answer> {
+    let answer = fetch_once(addr, path, key, last_event_id);
+    tokio::time::timeout(std::time::Duration::from_secs(10), answer)
+        .await
+        .ok()?
+}
+
+async fn fetch_once(
     addr: SocketAddr,
     path: &str,
     key: Option<&str>,
