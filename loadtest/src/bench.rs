@@ -21,11 +21,46 @@ pub struct Row {
     pub at_rate: Option<Report>,
 }
 
+/// A scenario measured at a fixed rate for its time to first byte (section `stream`): every
+/// round's report, with its percentiles taken over all of them together.
+pub struct FirstByteRow {
+    pub scenario: String,
+    pub body: usize,
+    pub rate: f64,
+    pub rounds: Vec<Report>,
+    /// The row whose first-byte percentiles this one's are compared with ("added").
+    pub against: Option<String>,
+}
+
+impl FirstByteRow {
+    /// The rounds' reports as one: their histograms merged, the CPU the median round's.
+    pub fn merged(&self) -> Report {
+        let mut all = self.rounds[0].clone();
+        for r in &self.rounds[1..] {
+            all.hist.add(&r.hist).unwrap();
+            all.first_byte.add(&r.first_byte).unwrap();
+            all.requests += r.requests;
+            all.ok += r.ok;
+            all.conflicts += r.conflicts;
+            all.errors += r.errors;
+            all.elapsed += r.elapsed;
+        }
+        let mut by_cpu: Vec<&Report> = self.rounds.iter().collect();
+        by_cpu.sort_by(|x, y| {
+            let proxy = |r: &Report| r.cpu.map_or(0.0, |c| c.proxy);
+            proxy(x).total_cmp(&proxy(y))
+        });
+        all.cpu = by_cpu[by_cpu.len() / 2].cpu;
+        all
+    }
+}
+
 pub struct Bench {
     pub secs: Duration,
     pub warm: Duration,
     pub connections: usize,
     pub rows: Vec<Row>,
+    pub first_byte: Vec<FirstByteRow>,
     pub notes: Vec<String>,
     pub insane: Vec<String>,
     pub run_id: u64,
@@ -38,7 +73,12 @@ pub struct Bench {
     pub redis_pids: Vec<u32>,
     // The body of every request sent (the small payment, but for the fingerprint phases).
     pub request: bytes::Bytes,
+    // The path every request goes to (`/v1/payments`, but for the stream section's).
+    pub path: String,
 }
+
+/// The path of every section's requests but the stream section's.
+pub const PAYMENTS: &str = "/v1/payments";
 
 impl Bench {
     /// A run of `secs` phases after `warm` of warm-up, on `connections` connections, `rounds`
@@ -49,6 +89,7 @@ impl Bench {
             warm,
             connections,
             rows: Vec::new(),
+            first_byte: Vec::new(),
             notes: Vec::new(),
             insane: Vec::new(),
             run_id: 0,
@@ -57,6 +98,7 @@ impl Bench {
             upstream_pids: Vec::new(),
             redis_pids: Vec::new(),
             request: load::small_request(),
+            path: PAYMENTS.to_string(),
         }
     }
 
@@ -71,7 +113,7 @@ impl Bench {
     pub async fn warm_up(&mut self, addrs: &[SocketAddr], keys: Keys, what: &str) -> Keys {
         load::run_spread(
             addrs,
-            "/v1/payments",
+            &self.path,
             self.request.clone(),
             keys.clone(),
             self.connections,
@@ -122,7 +164,7 @@ impl Bench {
         let before = sample();
         let mut r = load::run_spread(
             addrs,
-            "/v1/payments",
+            &self.path,
             self.request.clone(),
             keys,
             self.connections,
@@ -143,7 +185,7 @@ impl Bench {
     }
 
     pub async fn at_rate(&self, addr: SocketAddr, keys: Keys, rate: f64) -> Report {
-        load::run(addr, "/v1/payments", keys, 32, self.secs, Pace::Rate(rate)).await
+        load::run(addr, PAYMENTS, keys, 32, self.secs, Pace::Rate(rate)).await
     }
 
     pub fn check(&mut self, name: &str, r: &Report, expect_conflicts: bool) {

@@ -737,6 +737,7 @@ mod tests {
             errors: 0,
             elapsed: Duration::from_secs(1),
             hist,
+            first_byte: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
             cpu: cpu.map(|[proxy, upstream, redis, load]| CpuPerRequest {
                 proxy,
                 upstream,

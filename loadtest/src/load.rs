@@ -1,7 +1,9 @@
 //! The load generator: HTTP/1.1 keep-alive connections over hyper, closed loop (as fast as the
 //! server answers) or open loop at a fixed rate, with latencies in an HDR histogram. In the open
 //! loop, a request the server made late is measured from its scheduled time, so a stalled server
-//! is charged for the requests it delayed (no coordinated omission).
+//! is charged for the requests it delayed (no coordinated omission). Beside the whole answer's
+//! latency, each request's time to its first byte of body (of its head, for an empty body) goes
+//! in a histogram of its own: for a streamed answer the two differ.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,7 +58,10 @@ pub struct Report {
     pub conflicts: u64,
     pub errors: u64,
     pub elapsed: Duration,
+    /// Latency to the answer's end, µs.
     pub hist: Histogram<u64>,
+    /// Latency to the answer's first byte of body (its head, for an empty body), µs.
+    pub first_byte: Histogram<u64>,
     /// CPU time per request of the processes involved, when the harness measured it.
     pub cpu: Option<CpuPerRequest>,
 }
@@ -81,7 +86,8 @@ impl CpuPerRequest {
 }
 
 impl Report {
-    fn empty() -> Self {
+    /// No request yet.
+    pub fn empty() -> Self {
         Report {
             requests: 0,
             ok: 0,
@@ -89,6 +95,7 @@ impl Report {
             errors: 0,
             elapsed: Duration::ZERO,
             hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+            first_byte: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
             cpu: None,
         }
     }
@@ -99,6 +106,10 @@ impl Report {
     /// Latency at quantile `q`, in milliseconds.
     pub fn ms(&self, q: f64) -> f64 {
         self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+    /// Time to the first byte at quantile `q`, in milliseconds.
+    pub fn first_byte_ms(&self, q: f64) -> f64 {
+        self.first_byte.value_at_quantile(q) as f64 / 1000.0
     }
 }
 
@@ -218,6 +229,7 @@ pub async fn run_spread(
         report.conflicts += r.conflicts;
         report.errors += r.errors;
         report.hist.add(&r.hist).unwrap();
+        report.first_byte.add(&r.first_byte).unwrap();
     }
     report.elapsed = start.elapsed();
     report
@@ -272,26 +284,17 @@ async fn connection(
             Instant::now()
         };
         let i = counter.fetch_add(1, Ordering::Relaxed);
-        let mut req = http::Request::post(path)
-            .header("host", "bench")
-            .header("content-type", "application/json");
-        if let Some(k) = keys.key(i) {
-            req = req.header("idempotency-key", k);
-        }
-        let req = req.body(Full::new(body.clone())).unwrap();
-        let s = sender.as_mut().unwrap();
-        let result = async {
-            s.ready().await.ok()?;
-            let resp = s.send_request(req).await.ok()?;
-            let status = resp.status().as_u16();
-            resp.into_body().collect().await.ok()?;
-            Some(status)
-        }
-        .await;
+        let req = post(path, &body, keys.key(i));
+        let result = exchange(sender.as_mut().unwrap(), req).await;
         prev_done = Instant::now();
         let latency = prev_done - start;
         r.requests += 1;
-        match result {
+        if let Some((_, first)) = result {
+            let first = first.unwrap_or(prev_done) - start;
+            r.first_byte
+                .saturating_record(first.as_micros().max(1) as u64);
+        }
+        match result.map(|(status, _)| status) {
             Some(200..=299) => r.ok += 1,
             Some(409) => r.conflicts += 1,
             Some(_) => r.errors += 1,
@@ -325,21 +328,8 @@ pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, prefix: &str
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     };
-                    let req = http::Request::post(&path)
-                        .header("host", "bench")
-                        .header("content-type", "application/json")
-                        .header("idempotency-key", format!("{prefix}-{i}"))
-                        .body(Full::new(body.clone()))
-                        .unwrap();
-                    let status = async {
-                        s.ready().await.ok()?;
-                        let resp = s.send_request(req).await.ok()?;
-                        let status = resp.status().as_u16();
-                        resp.into_body().collect().await.ok()?;
-                        Some(status)
-                    }
-                    .await;
-                    match status {
+                    let req = post(&path, &body, Some(format!("{prefix}-{i}")));
+                    match exchange(s, req).await.map(|(status, _)| status) {
                         Some(409) => tokio::time::sleep(Duration::from_millis(5)).await,
                         Some(_) => i += CONNECTIONS,
                         None => sender = None,
@@ -351,6 +341,43 @@ pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, prefix: &str
     for t in tasks {
         let _ = t.await;
     }
+}
+
+/// A POST of `body` to `path`, with `key` as its `Idempotency-Key` when there is one.
+fn post(path: &str, body: &Bytes, key: Option<String>) -> http::Request<Full<Bytes>> {
+    let mut req = http::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("idempotency-key", k);
+    }
+    req.body(Full::new(body.clone())).unwrap()
+}
+
+/// Send `req` on `s` and read its answer whole: its status, and when its first byte of data
+/// came. `None` when the exchange failed.
+async fn exchange(
+    s: &mut http1::SendRequest<Full<Bytes>>,
+    req: http::Request<Full<Bytes>>,
+) -> Option<(u16, Option<Instant>)> {
+    s.ready().await.ok()?;
+    let resp = s.send_request(req).await.ok()?;
+    let status = resp.status().as_u16();
+    let first = read_body(resp.into_body()).await?;
+    Some((status, first))
+}
+
+/// Read `body` to its end; when its first byte of data came (`None`: it had none). `None` when
+/// it failed.
+async fn read_body(mut body: hyper::body::Incoming) -> Option<Option<Instant>> {
+    let mut first = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.ok()?;
+        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+            first = Some(Instant::now());
+        }
+    }
+    Some(first)
 }
 
 async fn connect(addr: SocketAddr) -> Option<http1::SendRequest<Full<Bytes>>> {

@@ -2,7 +2,7 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `seal`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`,
+//! `fingerprint`, `expiry`, `seal`, `stream`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`,
 //! `embedded`, `failover`), on `bench` (the measuring they share), `load` (the load generator),
 //! `procs` (the processes under test; Redis's come from `testkit`), `metrics`, `table` (the
 //! printed results) and `charts` (the same as SVG charts). `upstream`, `app` and `collector`
@@ -27,6 +27,7 @@ mod proxy;
 mod seal;
 mod soak;
 mod storm;
+mod stream;
 mod table;
 mod telemetry;
 mod tls;
@@ -44,8 +45,9 @@ use testkit::RedisServer;
 #[derive(Parser)]
 #[command(about = "Benchmark idemgate against a direct upstream and nginx")]
 struct Cli {
-    /// A short run (about two minutes) for CI: 1 KiB bodies only, 1.2 s phases, no soak, the
-    /// cluster section in 0.5 s phases and one failover (cluster, wait_replicas 1).
+    /// A short run (about two minutes) for CI: 1 KiB bodies only (but the stream section's
+    /// replays), 1.2 s phases, no soak, the cluster and stream sections in 0.5 s phases and one
+    /// failover (cluster, wait_replicas 1).
     #[arg(long)]
     quick: bool,
     /// Seconds of each measured phase (default 5, or 1.2 with --quick).
@@ -64,7 +66,9 @@ struct Cli {
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
     /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
     /// default), seal (the Redis miss and replay, with and without the local cache, with
-    /// seal = "on" against "off"), telemetry (the miss and replay with OTel traces exported,
+    /// seal = "on" against "off"), stream (the first byte of a keyed streamed miss against a
+    /// pass-through at a fixed rate, and replays of a 64 KiB event stream against nginx),
+    /// telemetry (the miss and replay with OTel traces exported,
     /// sampled, or to a collector that is down, against none), storm, soak, cluster (2 gateways
     /// on a Redis Cluster against one Redis, and wait_replicas), postgres (the gateway on
     /// PostgreSQL against pgbench with the
@@ -265,6 +269,10 @@ async fn bench(cli: Cli) -> ExitCode {
             cli.quick,
         )
         .await;
+    }
+    if run("stream") {
+        b.redis_pids = redis.pid().into_iter().collect();
+        stream::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
     }
     if run("telemetry") {
         telemetry::run(&mut b, dir.path()).await;

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use hdrhistogram::Histogram;
 use testkit::PostgresServer;
 
 use crate::bench::{human, keep_round, medians, Bench};
@@ -329,13 +328,8 @@ fn window(dir: &Path, t0: SystemTime, t1: SystemTime) -> Report {
     let us = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_micros() as u64;
     let (from, to) = (us(t0), us(t1));
     let mut r = Report {
-        requests: 0,
-        ok: 0,
-        conflicts: 0,
-        errors: 0,
         elapsed: t1.duration_since(t0).unwrap_or_default(),
-        hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
-        cpu: None,
+        ..Report::empty()
     };
     for file in std::fs::read_dir(dir).unwrap().flatten() {
         let text = std::fs::read_to_string(file.path()).unwrap_or_default();

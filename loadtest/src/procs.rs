@@ -272,6 +272,17 @@ pub fn nginx(dir: &Path, upstream: SocketAddr) -> Proc {
     nginx_with(dir, upstream, location)
 }
 
+/// [`nginx`] passing the upstream's answer on as it arrives (`proxy_buffering off`), as nginx is
+/// set up in front of event streams.
+pub fn nginx_unbuffered(dir: &Path, upstream: SocketAddr) -> Proc {
+    let location = r#"
+            proxy_pass http://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;"#;
+    nginx_with(dir, upstream, location)
+}
+
 /// nginx as a reverse proxy to `upstream` with `location` as its one location's directives.
 fn nginx_with(dir: &Path, upstream: SocketAddr, location: &str) -> Proc {
     let addr = free_addr();

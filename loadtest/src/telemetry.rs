@@ -202,7 +202,7 @@ fn dropped_spans(gw: &Proc) -> u64 {
 }
 
 /// The first three fields of /proc/loadavg.
-fn load_average() -> String {
+pub fn load_average() -> String {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     text.split_whitespace()
         .take(3)
