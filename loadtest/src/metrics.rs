@@ -65,6 +65,15 @@ pub fn moved(before: &HashMap<String, u64>, after: &HashMap<String, u64>) -> Has
         .collect()
 }
 
+/// The harness upstream's executions so far (`GET /__count`).
+pub async fn executions(upstream: SocketAddr) -> u64 {
+    get_text(upstream, "/__count")
+        .await
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
 /// `GET path` from `addr`, the body as text.
 pub async fn get_text(addr: SocketAddr, path: &str) -> String {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -16,7 +16,7 @@ use redis::aio::MultiplexedConnection;
 use crate::bench::{human, keep_round, medians, Bench};
 use crate::expiry::flush;
 use crate::load::{self, CpuPerRequest, Keys, Report};
-use crate::metrics::{get_text, round_trips};
+use crate::metrics::{executions, round_trips};
 use crate::procs::{self, Proc};
 
 /// The gateways' `seal`, in the order of the rows.
@@ -239,15 +239,6 @@ async fn phase(
         round_trips: trips as f64 / report.requests.max(1) as f64,
         report,
     }
-}
-
-/// The upstream's executions so far.
-async fn executions(upstream: SocketAddr) -> u64 {
-    get_text(upstream, "/__count")
-        .await
-        .trim()
-        .parse()
-        .unwrap_or(0)
 }
 
 /// The sanity checks, none on a timing: replays ran nothing upstream, and each scenario made

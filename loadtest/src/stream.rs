@@ -28,7 +28,7 @@ use redis::aio::MultiplexedConnection;
 use crate::bench::{keep_round, medians, Bench, FirstByteRow, PAYMENTS};
 use crate::expiry::flush;
 use crate::load::{self, Keys, Pace, Report};
-use crate::metrics::{get_text, round_trips, scrape};
+use crate::metrics::{executions, get_text, round_trips, scrape};
 use crate::procs::{self, Proc};
 use crate::telemetry::load_average;
 use crate::upstream::sse_events;
@@ -442,15 +442,6 @@ fn slow_claims(admin: SocketAddr) -> [u64; 3] {
     };
     let all = count("+Inf");
     ["0.0008", "0.0016", "0.0032"].map(|le| all.saturating_sub(count(le)))
-}
-
-/// The upstream's executions so far.
-async fn executions(upstream: SocketAddr) -> u64 {
-    get_text(upstream, "/__count")
-        .await
-        .trim()
-        .parse()
-        .unwrap_or(0)
 }
 
 /// The upstream ran each key it saw once (`/__keys`: keys, executions, keys run twice).

@@ -673,27 +673,44 @@ impl<St: Store> Shared<St> {
                 Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
             Ok(Called::Streamed(head, body, ttl)) => {
-                let head =
-                    StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
-                let head = Arc::new(head);
-                let tape = Tape::new(
-                    head.clone(),
-                    held.fingerprint,
-                    ttl.finite(),
-                    policy.max_body,
-                );
-                let first = tape.first_reader().into_body();
+                let (first, streamed) = self.stream_on(held, head, traceparent, (body, ttl));
                 tail = Some(Tail {
-                    _on_air: self.live.open(held.key, &tape),
-                    tape,
-                    body,
-                    ttl,
                     is_head,
+                    ..streamed
                 });
-                Ok(response::first_streamed(&head, first, policy, ttl))
+                Ok(first)
             }
         };
         (Forwarded { answer, took }, tail)
+    }
+
+    /// The first answer of a streamed response whose head is `head`, read from a new tape
+    /// offered to duplicates, and what is left to record: the body onto that tape.
+    fn stream_on(
+        &self,
+        held: &Held,
+        head: http::response::Parts,
+        traceparent: Option<http::HeaderValue>,
+        (body, ttl): (Body, Ttl),
+    ) -> (Response<Body>, Tail) {
+        let policy = &*held.policy;
+        let head = StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
+        let head = Arc::new(head);
+        let tape = Tape::new(
+            head.clone(),
+            held.fingerprint,
+            ttl.finite(),
+            policy.max_body,
+        );
+        let first = tape.first_reader().into_body();
+        let tail = Tail {
+            _on_air: self.live.open(held.key, &tape),
+            tape,
+            body,
+            ttl,
+            is_head: false,
+        };
+        (response::first_streamed(&head, first, policy, ttl), tail)
     }
 
     /// Read a streamed answer to its end onto its tape, whether or not anyone still reads it,
