@@ -7,6 +7,8 @@ use std::time::Duration;
 use axum::body::Body;
 use http::{header, HeaderValue, Response, StatusCode};
 
+use crate::grpc_status::{self, Code};
+
 /// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
 /// or an upstream's answer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
@@ -236,7 +238,41 @@ impl GatewayError {
             }
             .into_response(),
             ErrorFormat::Stripe => self.stripe(),
-            ErrorFormat::Grpc => crate::idempotency::grpc::refusal(&self, self.retry_after()),
+            ErrorFormat::Grpc => {
+                let message = format!("{}: {self}", self.kind());
+                grpc_status::trailers_only(self.grpc_code(), &message, self.retry_after())
+            }
+        }
+    }
+
+    /// The gRPC status of each of the gateway's own answers: the key's refusals say what the
+    /// client must change (`FAILED_PRECONDITION`: another request under a used key; `ABORTED`:
+    /// the same one still running, retry), a request it cannot take is `INVALID_ARGUMENT`, and
+    /// failures of the store or the upstream are `UNAVAILABLE` (`DEADLINE_EXCEEDED` for a timeout).
+    fn grpc_code(&self) -> Code {
+        use GatewayError as E;
+        match self {
+            E::InvalidKey(_)
+            | E::MissingKey
+            | E::InvalidBody
+            | E::InvalidJson(_)
+            | E::InvalidFraming(_)
+            | E::InvalidAuthority(_)
+            | E::InvalidRepeatability(_) => Code::InvalidArgument,
+            E::Mismatch { .. }
+            | E::NotReplayable
+            | E::KeyExpired { .. }
+            | E::RepeatabilityRejected(_) => Code::FailedPrecondition,
+            E::InFlight { .. } => Code::Aborted,
+            E::BodyTooLarge { .. } => Code::ResourceExhausted,
+            E::UnsupportedTransferCoding | E::UnsupportedMethod(_) => Code::Unimplemented,
+            E::CorruptRecord | E::RecordUnreadable => Code::DataLoss,
+            E::UpstreamTimeout => Code::DeadlineExceeded,
+            E::Upstream
+            | E::UpstreamTls
+            | E::UpstreamInvalidResponse(_)
+            | E::UpstreamBusy
+            | E::StoreUnavailable => Code::Unavailable,
         }
     }
 

@@ -111,8 +111,9 @@
 //!   tests against serde_json and an exact oracle), and `idempotency/tests.rs` (every branch of the
 //!   protocol without sockets).
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
-//!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`), [`metrics`] (`metrics.rs`), `tls.rs`
-//!   (certificates, keys, rustls configurations).
+//!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
+//!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
+//!   answer), [`metrics`] (`metrics.rs`), `tls.rs` (certificates, keys, rustls configurations).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the
 //!   record decoder, the configuration, JSON), built with the `fuzzing` feature and in tests,
 //!   which replay the fuzz corpus through them.
@@ -134,6 +135,7 @@ pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+mod grpc_status;
 mod headers;
 pub mod idempotency;
 mod listener;

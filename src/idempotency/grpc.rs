@@ -11,20 +11,14 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Response, StatusCode, Version};
+use http::header::{self, HeaderMap};
+use http::{StatusCode, Version};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 
 use super::body::{joined, BoxError, Collected};
-use crate::error::{ErrorFormat, GatewayError};
-
-/// The trailer (or trailers-only header) that carries a call's status code.
-pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-/// The trailer that carries a call's status message, percent-encoded.
-pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
-/// How long a client that asks to be retried should wait, in ms (gRPC's retry pushback).
-const GRPC_RETRY_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+use crate::error::ErrorFormat;
+use crate::grpc_status::{Code, GRPC_STATUS};
 
 /// The length prefix of a gRPC message: a compressed flag, then a 4-byte big-endian length.
 const PREFIX_LEN: usize = 5;
@@ -35,22 +29,6 @@ const PREFIX_LEN: usize = 5;
 /// retransmission or two of a last frame lost on the way, so that a unary call is not run
 /// without idempotency for it.
 const HALF_CLOSE_GRACE: Duration = Duration::from_secs(1);
-
-/// The gRPC status codes the gateway names (the rest are numbers it only passes on).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Code {
-    Ok = 0,
-    Unknown = 2,
-    InvalidArgument = 3,
-    DeadlineExceeded = 4,
-    ResourceExhausted = 8,
-    FailedPrecondition = 9,
-    Aborted = 10,
-    Unimplemented = 12,
-    Unavailable = 14,
-    DataLoss = 15,
-}
 
 /// Whether a request is a gRPC call: HTTP/2 with a `application/grpc` content type (alone or
 /// with a `+subtype` or parameters). Such a request gets the gRPC rules on whatever route it
@@ -177,76 +155,12 @@ pub(super) fn is_failure(code: u32) -> bool {
     code != Code::Ok as u32
 }
 
-/// The gRPC status of each of the gateway's own answers: the key's refusals say what the
-/// client must change (`FAILED_PRECONDITION`: another request under a used key; `ABORTED`:
-/// the same one still running, retry), a request it cannot take is `INVALID_ARGUMENT`, and
-/// failures of the store or the upstream are `UNAVAILABLE` (`DEADLINE_EXCEEDED` for a timeout).
-fn code_of(e: &GatewayError) -> Code {
-    use GatewayError as E;
-    match e {
-        E::InvalidKey(_)
-        | E::MissingKey
-        | E::InvalidBody
-        | E::InvalidJson(_)
-        | E::InvalidFraming(_)
-        | E::InvalidAuthority(_)
-        | E::InvalidRepeatability(_) => Code::InvalidArgument,
-        E::Mismatch { .. }
-        | E::NotReplayable
-        | E::KeyExpired { .. }
-        | E::RepeatabilityRejected(_) => Code::FailedPrecondition,
-        E::InFlight { .. } => Code::Aborted,
-        E::BodyTooLarge { .. } => Code::ResourceExhausted,
-        E::UnsupportedTransferCoding | E::UnsupportedMethod(_) => Code::Unimplemented,
-        E::CorruptRecord | E::RecordUnreadable => Code::DataLoss,
-        E::UpstreamTimeout => Code::DeadlineExceeded,
-        E::Upstream
-        | E::UpstreamTls
-        | E::UpstreamInvalidResponse(_)
-        | E::UpstreamBusy
-        | E::StoreUnavailable => Code::Unavailable,
-    }
-}
-
-/// The gateway's answer `e` to a gRPC call: trailers-only (HTTP 200, no body), its status in
-/// `grpc-status`, its message (`kind: what happened`) in `grpc-message`, and when the client
-/// should retry later, `grpc-retry-pushback-ms`.
-pub(crate) fn refusal(e: &GatewayError, retry_after: Option<Duration>) -> Response<Body> {
-    let mut resp = Response::new(Body::empty());
-    let headers = resp.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
-    headers.insert(GRPC_STATUS, HeaderValue::from(code_of(e) as u16));
-    let message = percent_encoded(&format!("{}: {e}", e.kind()));
-    headers.insert(GRPC_MESSAGE, message);
-    if let Some(after) = retry_after {
-        headers.insert(
-            GRPC_RETRY_PUSHBACK,
-            HeaderValue::from(after.as_millis() as u64),
-        );
-    }
-    resp
-}
-
-/// `grpc-message`'s encoding: printable ASCII except `%` as it is, every other byte of the
-/// UTF-8 as `%XX`.
-fn percent_encoded(message: &str) -> HeaderValue {
-    let mut out = String::with_capacity(message.len());
-    for b in message.bytes() {
-        if (0x20..=0x7e).contains(&b) && b != b'%' {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    HeaderValue::from_str(&out).expect("printable ASCII")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::GatewayError;
+    use crate::grpc_status::{GRPC_MESSAGE, GRPC_RETRY_PUSHBACK};
+    use http::HeaderValue;
 
     fn headers(ct: &'static str) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -300,7 +214,7 @@ mod tests {
 
     #[test]
     fn refusals_are_trailers_only_statuses() {
-        let resp = refusal(&GatewayError::MissingKey, None);
+        let resp = GatewayError::MissingKey.respond(ErrorFormat::Grpc);
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()[GRPC_STATUS], "3");
         assert_eq!(
@@ -313,7 +227,6 @@ mod tests {
         let resp = e.respond(ErrorFormat::Grpc);
         assert_eq!(resp.headers()[GRPC_STATUS], "10");
         assert_eq!(resp.headers()[GRPC_RETRY_PUSHBACK], "1000");
-        assert_eq!(percent_encoded("50% é\n"), "50%25 %C3%A9%0A");
     }
 
     fn frames(parts: Vec<&'static [u8]>, open: bool) -> Body {
