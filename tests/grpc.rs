@@ -349,6 +349,16 @@ async fn grpc_calls_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_on_postgres() {
+    grpc_calls(Backend::Postgres).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_on_embedded() {
+    grpc_calls(Backend::Embedded).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_is_unavailable_and_a_call_without_key_still_passes() {
     let python = python().await;
     let server = GrpcServer::start(&python).await;
