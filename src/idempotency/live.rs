@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::Body;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
-use super::body::BoxError;
+use super::body::{joined, BoxError};
 use super::fingerprint::Fingerprint;
 use super::key::ScopedKey;
 use super::record::StoredResponse;
@@ -53,6 +53,12 @@ struct TapeState {
 }
 
 impl TapeState {
+    /// The answer so far, in one buffer: within `max_body` the tape holds all of it.
+    fn whole(&self) -> Bytes {
+        debug_assert_eq!(self.base, 0, "nothing is let go of within the cap");
+        joined(self.chunks.iter().cloned().collect(), self.held)
+    }
+
     /// Let go of the chunks every reader has read.
     fn trim(&mut self) {
         let end = self.base + self.chunks.len();
@@ -165,10 +171,7 @@ impl Tape {
         if st.total > self.cap {
             return None;
         }
-        debug_assert_eq!(st.base, 0, "nothing is let go of within the cap");
-        let mut body = BytesMut::with_capacity(st.total as usize);
-        st.chunks.iter().for_each(|c| body.extend_from_slice(c));
-        Some(body.freeze())
+        Some(st.whole())
     }
 
     /// A reader from the first byte, or (`last_event_id`) from after the event with that id
@@ -181,9 +184,7 @@ impl Tape {
         }
         let skip = match last_event_id {
             Some(id) if sse::is_event_stream(&self.head) => {
-                let mut so_far = BytesMut::with_capacity(st.total as usize);
-                st.chunks.iter().for_each(|c| so_far.extend_from_slice(c));
-                sse::after_event(&so_far, id).unwrap_or(0)
+                sse::after_event(&st.whole(), id).unwrap_or(0)
             }
             _ => 0,
         };

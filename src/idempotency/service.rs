@@ -175,7 +175,7 @@ where
             let unanswered = Unanswered::new(&shared.metrics);
             let finished = shared
                 .clone()
-                .keyed(route.clone(), inner, key, req, &unanswered)
+                .keyed(route.clone(), inner, (key, grpc), req, &unanswered)
                 .instrument(span.clone())
                 .await;
             unanswered.answered();
@@ -334,7 +334,7 @@ impl<St: Store> Shared<St> {
         self: Arc<Self>,
         route: Arc<RouteState>,
         inner: S,
-        key: Option<IdempotencyKey>,
+        (key, grpc): (Option<IdempotencyKey>, bool),
         req: Request<Body>,
         unanswered: &Unanswered<'_>,
     ) -> Finished<S::Error>
@@ -347,7 +347,6 @@ impl<St: Store> Shared<St> {
         use Outcome::rejected_invalid;
         let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
-        let grpc = grpc::is_call(parts.version, &parts.headers);
         let format = grpc::error_format(grpc, policy.error_format);
         let body = match whole_body(body, grpc, key.is_some(), &policy).await {
             Ok(body) => body,
@@ -673,23 +672,22 @@ impl<St: Store> Shared<St> {
                 Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
             Ok(Called::Streamed(head, body, ttl)) => {
-                let (first, streamed) = self.stream_on(held, head, traceparent, (body, ttl));
-                tail = Some(Tail {
-                    is_head,
-                    ..streamed
-                });
+                let (first, streamed) =
+                    self.stream_on(held, (head, is_head), traceparent, (body, ttl));
+                tail = Some(streamed);
                 Ok(first)
             }
         };
         (Forwarded { answer, took }, tail)
     }
 
-    /// The first answer of a streamed response whose head is `head`, read from a new tape
-    /// offered to duplicates, and what is left to record: the body onto that tape.
+    /// The first answer of a streamed response whose head is `head` (to a `HEAD` request when
+    /// `is_head`), read from a new tape offered to duplicates, and what is left to record: the
+    /// body onto that tape.
     fn stream_on(
         &self,
         held: &Held,
-        head: http::response::Parts,
+        (head, is_head): (http::response::Parts, bool),
         traceparent: Option<http::HeaderValue>,
         (body, ttl): (Body, Ttl),
     ) -> (Response<Body>, Tail) {
@@ -708,7 +706,7 @@ impl<St: Store> Shared<St> {
             tape,
             body,
             ttl,
-            is_head: false,
+            is_head,
         };
         (response::first_streamed(&head, first, policy, ttl), tail)
     }
@@ -737,19 +735,20 @@ impl<St: Store> Shared<St> {
             return;
         }
         let state = match tape.recorded() {
-            Some(body) => EntryState::Completed(Arc::new(StoredResponse {
-                body,
-                ..(*tape.head).clone()
-            })),
+            Some(body) => {
+                let stored = StoredResponse {
+                    body,
+                    ..(*tape.head).clone()
+                };
+                if !response::framed(&stored, is_head) {
+                    error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
+                    tape.finish(false);
+                    return;
+                }
+                EntryState::Completed(Arc::new(stored))
+            }
             None => EntryState::NotReplayable,
         };
-        if let EntryState::Completed(stored) = &state {
-            if !response::framed(stored, is_head) {
-                error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
-                tape.finish(false);
-                return;
-            }
-        }
         lease.complete(&state, ttl).await;
         tape.finish(true);
     }
