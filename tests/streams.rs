@@ -125,6 +125,39 @@ async fn a_duplicate_attaches_to_the_live_answer_and_resumes_after_its_last_even
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_arrives_before_the_head_attaches_as_the_head_arrives() {
+    each_backend(async |env| {
+        // The head comes 400 ms after the call: the duplicate, sent as the call starts, has
+        // been waiting long enough for its looks at the store to be 100 ms apart.
+        let path = format!("/live/events{EVENTS}&delay_ms=400");
+        let head = |request: reqwest::RequestBuilder| {
+            tokio::spawn(async move {
+                let response = request.send().await.unwrap();
+                (Instant::now(), response)
+            })
+        };
+        let original = head(env.post_keyed(&path, "h-1"));
+        env.upstream.wait_for_calls(1).await;
+        let duplicate = head(env.post_keyed(&path, "h-1"));
+        let (original_head, original) = original.await.unwrap();
+        let (duplicate_head, duplicate) = duplicate.await.unwrap();
+        assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+        let late = duplicate_head.saturating_duration_since(original_head);
+        assert!(
+            late < Duration::from_millis(40),
+            "{:?}: the duplicate's head came {late:?} after the original's",
+            env.backend
+        );
+        let original = rest(original, Vec::new()).await;
+        let duplicate = rest(duplicate, Vec::new()).await;
+        assert_eq!(String::from_utf8(original).unwrap(), events(1, 0));
+        assert_eq!(String::from_utf8(duplicate).unwrap(), events(1, 0));
+        assert_eq!(env.upstream.calls(), 1, "the upstream is called once");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_mid_stream_leaves_the_whole_answer_recorded() {
     each_backend(async |env| {
         let path = format!("/live/events{EVENTS}");

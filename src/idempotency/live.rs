@@ -8,6 +8,7 @@
 //! away (a client that disconnects) never holds the upstream call back.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -273,16 +274,33 @@ impl Drop for Reader {
 
 /// The live answers of this process, by key, for duplicates to attach to.
 #[derive(Default)]
-pub(crate) struct LiveAnswers(Mutex<HashMap<ScopedKey, Arc<Tape>>>);
+pub(crate) struct LiveAnswers {
+    tapes: Mutex<Offers>,
+    // Woken when a tape is offered, so that a waiting duplicate attaches at once.
+    opened: Notify,
+}
+
+/// The tapes on offer, each with the serial number of its offer.
+#[derive(Default)]
+struct Offers {
+    last: u64,
+    by_key: HashMap<ScopedKey, (u64, Arc<Tape>)>,
+}
 
 impl LiveAnswers {
-    fn map(&self) -> MutexGuard<'_, HashMap<ScopedKey, Arc<Tape>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    fn map(&self) -> MutexGuard<'_, Offers> {
+        self.tapes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Offer `tape` to duplicates of `key` until the returned guard is dropped.
     pub(super) fn open(self: &Arc<Self>, key: ScopedKey, tape: &Arc<Tape>) -> OnAir {
-        self.map().insert(key, tape.clone());
+        {
+            let mut offers = self.map();
+            offers.last += 1;
+            let serial = offers.last;
+            offers.by_key.insert(key, (serial, tape.clone()));
+        }
+        self.opened.notify_waiters();
         OnAir {
             answers: self.clone(),
             key,
@@ -300,13 +318,37 @@ impl LiveAnswers {
         last_event_id: Option<&[u8]>,
         permit: OwnedSemaphorePermit,
     ) -> Option<(Arc<Tape>, Reader)> {
-        let tape = self.map().get(key)?.clone();
+        let tape = self.map().by_key.get(key)?.1.clone();
         if tape.fingerprint != *fingerprint {
             return None;
         }
         let mut reader = tape.reader(last_event_id)?;
         reader._permit = Some(permit);
         Some((tape, reader))
+    }
+
+    /// A future that ends when a live answer of `key` is offered here after this call (other
+    /// than the one offered now, if any): made before a duplicate tries to attach, it wakes the
+    /// duplicate for an answer offered after that try.
+    pub(super) fn offered<'a>(&'a self, key: &'a ScopedKey) -> impl Future<Output = ()> + 'a {
+        // Made now: `notify_waiters` wakes a `Notified` from its creation on.
+        let first = self.opened.notified();
+        let now = self.tape_of(key);
+        async move {
+            let mut opened = pin!(first);
+            loop {
+                opened.as_mut().await;
+                opened.set(self.opened.notified());
+                if self.tape_of(key).is_some_and(|tape| Some(tape) != now) {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The serial number of the offer of `key`'s tape, if any.
+    fn tape_of(&self, key: &ScopedKey) -> Option<u64> {
+        self.map().by_key.get(key).map(|(serial, _)| *serial)
     }
 }
 
@@ -319,13 +361,14 @@ pub(super) struct OnAir {
 
 impl Drop for OnAir {
     fn drop(&mut self) {
-        let mut map = self.answers.map();
+        let mut offers = self.answers.map();
         // A newer claim of the same key may have put a tape of its own there.
-        if map
+        if offers
+            .by_key
             .get(&self.key)
-            .is_some_and(|t| Arc::ptr_eq(t, &self.tape))
+            .is_some_and(|(_, t)| Arc::ptr_eq(t, &self.tape))
         {
-            map.remove(&self.key);
+            offers.by_key.remove(&self.key);
         }
     }
 }
@@ -348,6 +391,31 @@ mod tests {
         };
         let fingerprint = Fingerprint([7; 32]);
         Tape::new(Arc::new(head), fingerprint, None, cap)
+    }
+
+    #[tokio::test]
+    async fn a_waiting_duplicate_is_woken_by_a_new_answer_of_its_key_only() {
+        let poll = |f: &mut std::pin::Pin<&mut dyn Future<Output = ()>>| {
+            let waker = std::task::Waker::noop();
+            f.as_mut()
+                .poll(&mut std::task::Context::from_waker(waker))
+                .is_ready()
+        };
+        let live = Arc::new(LiveAnswers::default());
+        let (key, other) = (ScopedKey([1; 32]), ScopedKey([2; 32]));
+        // Made before the answer is offered, it ends on that offer, not on another key's.
+        let mut offered: std::pin::Pin<&mut dyn Future<Output = ()>> = pin!(live.offered(&key));
+        assert!(!poll(&mut offered));
+        let _elsewhere = live.open(other, &tape(100));
+        assert!(!poll(&mut offered), "another key's answer");
+        let first = live.open(key, &tape(100));
+        assert!(poll(&mut offered), "its key's answer");
+        // Made while an answer is offered, it waits for another one.
+        let mut next: std::pin::Pin<&mut dyn Future<Output = ()>> = pin!(live.offered(&key));
+        assert!(!poll(&mut next));
+        drop(first);
+        let _second = live.open(key, &tape(100));
+        assert!(poll(&mut next), "a newer answer of its key");
     }
 
     #[tokio::test]

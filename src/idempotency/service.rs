@@ -382,20 +382,9 @@ impl<St: Store> Shared<St> {
         };
         drop(found.doc);
         let lease = Lease::new(self.clone(), held);
-        // A duplicate of an in-flight request may wait for it (`on_in_flight = "wait"`).
-        let mut waiter = Waiter::new(route.clone());
-        let claim = loop {
-            match lease.claim().await {
-                Ok(Claim::InFlight) => {
-                    if let Some(attached) = self.attach(&route, &lease.held, &parts.headers) {
-                        return attached;
-                    }
-                    if !waiter.look_again(&lease).await {
-                        break Ok(Claim::InFlight);
-                    }
-                }
-                claim => break claim,
-            }
+        let claim = match self.claim_waiting(&route, &lease, &parts.headers).await {
+            Ok(claim) => claim,
+            Err(attached) => return attached,
         };
         match claim {
             Err(e) => self.without_store(e, &lease.held, inner, parts, body).await,
@@ -422,9 +411,43 @@ impl<St: Store> Shared<St> {
             }
             Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts, &lease.held),
             Ok(Claim::Claimed) => {
-                drop(waiter);
                 unanswered.decided(Outcome::miss);
                 self.run_in_task(lease, inner, parts, body).await
+            }
+        }
+    }
+
+    /// Claim the key. A duplicate of an in-flight request may wait for it (`on_in_flight =
+    /// "wait"`), looking at the store again until it can answer, or attach to its answer
+    /// streaming in this process (`Err`: the attached answer).
+    async fn claim_waiting<E>(
+        &self,
+        route: &Arc<RouteState>,
+        lease: &Lease<St>,
+        headers: &http::HeaderMap,
+    ) -> Result<Result<Claim, StoreError>, Finished<E>> {
+        let mut waiter = Waiter::new(route.clone());
+        loop {
+            match lease.claim().await {
+                Ok(Claim::InFlight) => {
+                    // Made before the try to attach: an answer offered after it wakes the wait.
+                    let policy = &lease.held.policy;
+                    let attaches = policy.stream && policy.on_in_flight == OnInFlight::Wait;
+                    let offered = attaches.then(|| self.live.offered(&lease.held.key));
+                    let offered = async {
+                        match offered {
+                            Some(offered) => offered.await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    if let Some(attached) = self.attach(route, &lease.held, headers) {
+                        return Err(attached);
+                    }
+                    if !waiter.look_again(lease, offered).await {
+                        return Ok(Ok(Claim::InFlight));
+                    }
+                }
+                claim => return Ok(claim),
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The wait of a duplicate for an in-flight request (`on_in_flight = "wait"`): bounded in
 //! number by the route's `max_waiters` and in time by its `wait_timeout`.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,10 +30,14 @@ impl Waiter {
         }
     }
 
-    /// The key was found in flight: whether to look at the store again (after waiting for the
-    /// holder when this is not the first look), or to answer "in flight" now (the route does
-    /// not wait, its waiters are all taken, or the wait is over).
-    pub(super) async fn look_again<St: Store>(&mut self, lease: &Lease<St>) -> bool {
+    /// The key was found in flight: whether to look again (after waiting for the holder, or
+    /// until `offered` ends, when this is not the first look), or to answer "in flight" now
+    /// (the route does not wait, its waiters are all taken, or the wait is over).
+    pub(super) async fn look_again<St: Store>(
+        &mut self,
+        lease: &Lease<St>,
+        offered: impl Future<Output = ()>,
+    ) -> bool {
         if self.route.policy.on_in_flight != OnInFlight::Wait {
             return false;
         }
@@ -49,7 +54,10 @@ impl Waiter {
         let Some(delay) = waiting.next_delay() else {
             return false;
         };
-        waiting.sleep(delay).await;
+        tokio::select! {
+            () = waiting.sleep(delay) => {}
+            () = offered => {}
+        }
         true
     }
 }
