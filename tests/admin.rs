@@ -1,6 +1,6 @@
 //! Operating the gateway: metrics, the admin listener and its key API, trace context.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

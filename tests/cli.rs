@@ -1,6 +1,6 @@
 //! The binary as a user runs it: bad config exits non-zero naming the field; check-config works.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! on a route with `error_format = "stripe"` (and read by the real stripe-python SDK, installed
 //! from PyPI into a venv of the tests' own), while replays and upstream answers stay untouched.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, SystemTime};
 

@@ -4,7 +4,7 @@
 //! shards, admin evictions cluster-wide, waiters woken by pub/sub, and failovers injected by
 //! `kill -9` with `wait_replicas = 1` (no duplicate) and `wait_replicas = 0` (duplicates shown).
 
-mod common;
+use crate::common;
 
 /// Tests that kill a node run one at a time: failure detection is a 1 s timeout, and two
 /// failovers under load at once on two cores can starve a healthy node into a spurious one.

@@ -2,7 +2,7 @@
 //! by the hundred; an upstream that answers `101`; a request whose `Host` and `:authority`
 //! disagree. Raw bytes and raw HTTP/2 frames (the `h2` crate) where a polite client would not do.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

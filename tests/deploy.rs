@@ -3,7 +3,7 @@
 //! operations docs, and the rules pass `promtool check rules` and their own `promtool test
 //! rules` (promtool from Debian's `prometheus` package, which scripts/test installs).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::Command;

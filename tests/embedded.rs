@@ -1,7 +1,7 @@
 //! The durable embedded store on real files: what survives a `kill -9` of the gateway binary, one
 //! process per directory, group commit, bounds and the purge.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

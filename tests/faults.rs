@@ -1,7 +1,7 @@
 //! Exactly once through faults: client aborts, gateway crashes, store outages, waiting
 //! duplicates, graceful shutdown, Redis restarts. Every fault is injected for real.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! client reads byte for byte and what the upstream receives. A framing error on a reused
 //! connection would let one response (or request) bleed into the next.
 
-mod common;
+use crate::common;
 
 use common::raw::{RawClient, RawUpstream};
 use common::{Backend, InProcessGateway, StoreServer, TestConfig};

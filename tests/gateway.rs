@@ -1,6 +1,6 @@
 //! The gateway's behaviour as a client sees it, over real sockets, against both stores.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! upstream with `http2 = true`. Calls carry raw bytes through grpcio's generic handlers, so no
 //! code is generated. docs/behaviour.md, "gRPC", is what these tests hold the gateway to.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 

@@ -1,7 +1,7 @@
 //! HTTP/2 clients: h2c with prior knowledge on the plain listener, and ALPN `h2` on a TLS one.
 //! The protocol is the same as over HTTP/1.1: replays, conflicts, exactly one execution.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! ignored fields, headers), how long a record lives (by status, as the upstream says), and what
 //! a replay carries (no Set-Cookie, the expiry header).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, SystemTime};
 

@@ -3,7 +3,7 @@
 //! stalls or restarts, or two gateways share it. The contract and the behaviour tests run on it
 //! too (tests/store.rs, `on_postgres` in every behaviour test).
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

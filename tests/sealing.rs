@@ -3,7 +3,7 @@
 //! a record changed or moved in the store is refused (500 record-unreadable), never replayed and
 //! never run again.
 
-mod common;
+use crate::common;
 
 use common::{send, Backend, InProcessGateway, TestConfig, TestEnv};
 

@@ -5,7 +5,7 @@
 //! atomic claims and token fencing (a holder whose lease ran out can neither overwrite nor delete
 //! a newer claim).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

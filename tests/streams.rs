@@ -3,7 +3,7 @@
 //! client that hangs up does not stop the recording, an answer past `max_body` is delivered once,
 //! and an SSE retry with `Last-Event-ID` resumes after that event.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! this test runs, which decodes each export with `opentelemetry-proto`; and a collector that
 //! is down costs dropped (counted) spans, not answers.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -1,7 +1,7 @@
 //! Where payment APIs live: TLS and mutual-TLS upstreams, several named upstreams, HTTP/2 to the
 //! upstream, and the forwarding headers. Every peer is a real server the test starts.
 
-mod common;
+use crate::common;
 
 use common::{
     send, Backend, CountingUpstream, InProcessGateway, Seen, StoreServer, TestCa, TestConfig,

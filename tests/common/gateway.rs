@@ -248,7 +248,7 @@ pub struct TestEnv {
     pub client: reqwest::Client,
     server: Option<StoreServer>,
     /// The embedded store's directory, on that backend (removed when the world goes).
-    dir: Option<tempfile::TempDir>,
+    _dir: Option<tempfile::TempDir>,
     /// The gateway's whole config, to restart it alike or start a sibling.
     config: TestConfig,
 }
@@ -279,7 +279,7 @@ impl TestEnv {
             gateway,
             client: client(),
             server,
-            dir,
+            _dir: dir,
             config,
         }
     }

@@ -34,8 +34,8 @@
 //! A behavioural test is an `async fn(Backend)` listed in [`on_both_backends!`], which makes one
 //! test per store (memory, Redis, embedded).
 
-// Every test binary compiles this module and uses only part of it (and of its re-exports).
-#![allow(dead_code, unreachable_pub, unused_imports)]
+// The fixtures are `pub` for the test modules, in a binary that exports nothing.
+#![allow(unreachable_pub)]
 
 pub mod client;
 pub mod config;
@@ -44,12 +44,14 @@ pub mod raw;
 pub mod tls;
 pub mod upstream;
 
+// The fixture modules named above; the tests use their items through the re-exports below.
+#[allow(unused_imports)]
 pub use testkit::{cluster, ports, postgres, redis, wait};
 
 pub use self::client::{client, send, Seen};
 pub use self::config::TestConfig;
 pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
-pub use self::tls::{Issued, TestCa, Validity};
+pub use self::tls::{TestCa, Validity};
 pub use self::upstream::CountingUpstream;
 pub use testkit::{
     free_port, wait_until, Backend, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,

@@ -1,0 +1,28 @@
+//! The integration tests, in one binary: one module per area, each with a page of its own
+//! (`cargo test --test integration streams::` runs one area), sharing the fixtures of
+//! [`common`]. One binary links the gateway once, shares one PostgreSQL template and one
+//! Python venv per SDK, and lets the test threads run any area's tests side by side.
+
+#[macro_use]
+mod common;
+
+mod admin;
+mod cli;
+mod clients;
+mod cluster;
+mod connections;
+mod deploy;
+mod docs;
+mod embedded;
+mod faults;
+mod framing;
+mod gateway;
+mod grpc;
+mod http2;
+mod policy;
+mod postgres;
+mod sealing;
+mod store;
+mod streams;
+mod telemetry;
+mod upstreams;
