@@ -171,6 +171,11 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -261,6 +266,7 @@ struct StoreFamilies {
     store_commits: Counter,
     evictions: Family<ReasonLabels, Counter>,
     unreadable: Family<ReasonLabels, Counter>,
+    not_replayable: Family<RouteLabels, Counter>,
 }
 
 impl StoreFamilies {
@@ -307,6 +313,12 @@ impl StoreFamilies {
             "Stored records that did not open (reason: tampered, unknown_key, clear) and were refused, never replayed nor run again",
             Family::<ReasonLabels, Counter>::default(),
         );
+        let not_replayable = registered(
+            registry,
+            "idemgate_records_not_replayable",
+            "Responses recorded without their body because it passed the route's max_body (by route): a retry of such a key gets 409 not-replayable",
+            Family::<RouteLabels, Counter>::default(),
+        );
         StoreFamilies {
             unacknowledged,
             local_cache_hits,
@@ -315,6 +327,7 @@ impl StoreFamilies {
             store_commits,
             evictions,
             unreadable,
+            not_replayable,
         }
     }
 }
@@ -518,6 +531,10 @@ impl Metrics {
 
     /// The counters of one route, one per outcome, resolved now so requests only increment.
     pub fn route(&self, route: &str) -> RouteMetrics {
+        let labels = RouteLabels {
+            route: route.to_string(),
+        };
+        drop(self.inner.store.not_replayable.get_or_create(&labels));
         let counter = |outcome| {
             self.inner
                 .requests
@@ -629,6 +646,16 @@ impl Metrics {
             .store
             .unreadable
             .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    /// Count a response of `route` recorded as not replayable (its body passed `max_body`).
+    pub fn not_replayable(&self, route: &str) {
+        let route = route.to_string();
+        self.inner
+            .store
+            .not_replayable
+            .get_or_create(&RouteLabels { route })
             .inc();
     }
 

@@ -33,24 +33,8 @@ fn timeouts() -> TestConfig {
 
 /// How many connections the gateway says it closed for `reason`.
 async fn closed(gateway: &InProcessGateway, reason: &str) -> u64 {
-    let metrics = gateway.metrics().await;
-    let line = format!("idemgate_client_connections_closed_total{{reason=\"{reason}\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&line))
-        .map_or(0, |n| n.trim().parse().unwrap())
-}
-
-/// A metric without labels.
-async fn metric(gateway: &InProcessGateway, name: &str) -> f64 {
-    let metrics = gateway.metrics().await;
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("{name} not in {metrics}"))
-        .trim()
-        .parse()
-        .unwrap()
+    let series = format!("idemgate_client_connections_closed_total{{reason=\"{reason}\"}}");
+    gateway.metric(&series).await as u64
 }
 
 /// Read (and drop) whatever the gateway sends until it closes the connection; how long that took.
@@ -260,7 +244,7 @@ async fn the_connection_cap_holds_silent_connections_back_while_a_client_is_serv
     wait_until(
         Duration::from_secs(5),
         "the gateway accepted up to its cap",
-        async || metric(&gateway, "idemgate_client_connections").await >= 50.0,
+        async || gateway.metric("idemgate_client_connections").await >= 50.0,
     )
     .await;
     // Behind 250 silent connections in the backlog, each batch of 50 closed after 1 s.
@@ -277,7 +261,7 @@ async fn the_connection_cap_holds_silent_connections_back_while_a_client_is_serv
         tokio::select! {
             seen = &mut served => break seen,
             () = tokio::time::sleep(Duration::from_millis(100)) => {
-                most = most.max(metric(&gateway, "idemgate_client_connections").await);
+                most = most.max(gateway.metric("idemgate_client_connections").await);
             }
         }
     };
@@ -288,7 +272,12 @@ async fn the_connection_cap_holds_silent_connections_back_while_a_client_is_serv
         started.elapsed()
     );
     assert!(most <= 50.0, "{most} connections open at once");
-    assert!(metric(&gateway, "idemgate_client_connections_at_cap_seconds_total").await > 1.0);
+    assert!(
+        gateway
+            .metric("idemgate_client_connections_at_cap_seconds_total")
+            .await
+            > 1.0
+    );
     assert!(closed(&gateway, "header_timeout").await >= 250);
     drop(silent);
 }

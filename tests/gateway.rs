@@ -351,7 +351,12 @@ async fn unkeyed_and_other_methods_pass_through(b: Backend) {
 }
 
 async fn oversized_response_is_delivered_once_and_not_replayed(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.max_body", "64KiB")).await;
+    let config = TestConfig::new()
+        .set("defaults.max_body", "64KiB")
+        .set("admin.listen", "127.0.0.1:0");
+    let env = TestEnv::start(b, config).await;
+    let recorded = r#"idemgate_records_not_replayable_total{route="defaults"}"#;
+    assert_eq!(env.gateway.metric(recorded).await, 0.0);
     let first = send(env.post_keyed("/big?bytes=300000", "big").body("x")).await;
     assert_eq!(first.status, 201);
     assert_eq!(first.body.len(), 300_000);
@@ -364,6 +369,11 @@ async fn oversized_response_is_delivered_once_and_not_replayed(b: Backend) {
     assert_eq!(retry.status, 409);
     assert_eq!(retry.problem_type(), "urn:idemgate:problem:not-replayable");
     assert_eq!(env.upstream.calls(), 1);
+    assert_eq!(
+        env.gateway.metric(recorded).await,
+        1.0,
+        "counted once, when recorded"
+    );
 }
 
 async fn hop_by_hop_headers_are_not_forwarded(b: Backend) {

@@ -64,12 +64,8 @@ async fn pay(env: &TestEnv, gateway: &InProcessGateway, key: &str) -> common::Se
 }
 
 async fn unreadable_count(gateway: &InProcessGateway, reason: &str) -> u64 {
-    let metrics = gateway.metrics().await;
-    let line = format!("idemgate_records_unreadable_total{{reason=\"{reason}\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&line))
-        .map_or(0, |n| n.trim().parse().unwrap())
+    let series = format!("idemgate_records_unreadable_total{{reason=\"{reason}\"}}");
+    gateway.metric(&series).await as u64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,6 +17,7 @@ const EVENTS: &str = "?events=4&gap_ms=300";
 
 fn config() -> TestConfig {
     TestConfig::new()
+        .set("admin.listen", "127.0.0.1:0")
         .route(
             "/live/events",
             toml! { stream = true
@@ -186,6 +187,8 @@ async fn an_answer_past_max_body_is_delivered_whole_once_and_never_run_again() {
         assert_eq!(again.status, 409, "{again:?}");
         assert_eq!(again.problem_type(), "urn:idemgate:problem:not-replayable");
         assert_eq!(env.upstream.calls(), 1);
+        let recorded = r#"idemgate_records_not_replayable_total{route="/small/events"}"#;
+        assert_eq!(env.gateway.metric(recorded).await, 1.0);
     })
     .await;
 }

@@ -128,6 +128,10 @@ impl<St: Store> Lease<St> {
     pub(super) async fn complete(&self, state: &EntryState, ttl: Ttl) {
         let (shared, held) = (&self.shared, &self.held);
         let route = &held.policy.route;
+        if matches!(state, EntryState::NotReplayable) {
+            shared.metrics.not_replayable(route);
+            warn!(%route, key = %held.tag(), max_body = held.policy.max_body, "response larger than the route's max_body: recorded as not replayable, a retry of this key gets 409 not-replayable");
+        }
         let keep = keep(&held.policy, ttl);
         let complete =
             shared

@@ -86,6 +86,19 @@ impl InProcessGateway {
             .unwrap()
     }
 
+    /// The value of one series of `GET /metrics`, named as it is exposed, labels and all:
+    /// `idemgate_client_connections`, `idemgate_records_unreadable_total{reason="tampered"}`.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let metrics = self.metrics().await;
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("{series} not in {metrics}"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     /// Stop accepting and wait for the server task to end.
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
