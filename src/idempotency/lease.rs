@@ -75,18 +75,11 @@ impl<St: Store> Lease<St> {
         let pending = PendingClaim::arm(self);
         let (key, fingerprint, token) = (&held.key, &held.fingerprint, &held.token);
         let lease = held.policy.lock_ttl;
-        let claim = match held.policy.after_expiry {
-            AfterExpiry::Run => {
-                let claim = shared.store.claim(key, fingerprint, token, lease);
-                shared.timed(StoreOp::claim, claim).await
-            }
-            AfterExpiry::Refuse => {
-                let claim = shared
-                    .store
-                    .claim_unless_expired(key, fingerprint, token, lease);
-                shared.timed(StoreOp::claim, claim).await
-            }
-        };
+        let tombstones = held.policy.after_expiry == AfterExpiry::Refuse;
+        let claim = shared
+            .store
+            .claim_with(key, fingerprint, token, lease, tombstones);
+        let claim = shared.timed(StoreOp::claim, claim).await;
         match &claim {
             Ok(_) | Err(StoreError::Decode(_) | StoreError::Unreadable(_)) => pending.disarm(),
             Err(_) => drop(pending),

@@ -145,24 +145,15 @@ fn local_cache(
 }
 
 impl Store for AnyStore {
-    async fn claim(
+    async fn claim_with(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
+        tombstones: bool,
     ) -> Result<Claim, StoreError> {
-        on_store!(self, s => s.claim(key, fingerprint, token, lease).await)
-    }
-
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        on_store!(self, s => s.claim_unless_expired(key, fingerprint, token, lease).await)
+        on_store!(self, s => s.claim_with(key, fingerprint, token, lease, tombstones).await)
     }
 
     async fn complete(

@@ -201,34 +201,22 @@ impl<S: Store> CachedStore<S> {
 }
 
 impl<S: Store> Store for CachedStore<S> {
-    async fn claim(
+    async fn claim_with(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
+        tombstones: bool,
     ) -> Result<Claim, StoreError> {
-        if let Some(replay) = self.cache.get(key, fingerprint) {
-            return Ok(Claim::Replay(replay));
-        }
-        let claim = self.inner.claim(key, fingerprint, token, lease).await?;
-        Ok(self.cached(key, fingerprint, claim))
-    }
-
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        // A cached record is live (it never outlives its record), so it wins as in the store.
+        // A cached record is live (it never outlives its record), so it wins over a tombstone
+        // as in the store.
         if let Some(replay) = self.cache.get(key, fingerprint) {
             return Ok(Claim::Replay(replay));
         }
         let claim = self
             .inner
-            .claim_unless_expired(key, fingerprint, token, lease);
+            .claim_with(key, fingerprint, token, lease, tombstones);
         Ok(self.cached(key, fingerprint, claim.await?))
     }
 

@@ -770,9 +770,9 @@ impl EmbeddedStore {
         entry.expires_in = lives(at, now_ms());
         Ok(Claim::decide(entry, &holder, fingerprint, token))
     }
+}
 
-    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
-    /// its record has expired.
+impl Store for EmbeddedStore {
     async fn claim_with(
         &self,
         key: &ScopedKey,
@@ -806,28 +806,6 @@ impl EmbeddedStore {
             Done::Claim(Some(held)) => self.decided(key, held, fingerprint, token),
             other => unreachable!("a claim answered {other:?}"),
         }
-    }
-}
-
-impl Store for EmbeddedStore {
-    async fn claim(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, false).await
-    }
-
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, true).await
     }
 
     async fn complete(

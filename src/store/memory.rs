@@ -318,10 +318,8 @@ impl super::Inspect for MemoryStore {
     }
 }
 
-impl MemoryStore {
-    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
-    /// its record has expired.
-    fn claim_with(
+impl Store for MemoryStore {
+    async fn claim_with(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
@@ -354,28 +352,6 @@ impl MemoryStore {
             },
         );
         Ok(Claim::Claimed)
-    }
-}
-
-impl Store for MemoryStore {
-    async fn claim(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, false)
-    }
-
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, true)
     }
 
     async fn complete(

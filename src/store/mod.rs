@@ -186,26 +186,41 @@ pub enum StoreError {
 /// The operations the state machine needs. Implementations must make each one atomic.
 pub trait Store: Clone + Send + Sync + 'static {
     /// Claim `key` as in flight for `lease` if it is free; otherwise decide from what it holds
-    /// ([`Claim::decide`]).
+    /// ([`Claim::decide`]). With `tombstones` (a route that refuses a retry after expiry), a key
+    /// whose record has expired but whose tombstone lives is not free, and the decision comes
+    /// from the tombstone ([`Claim::Expired`], or [`Claim::Mismatch`] for another request); a
+    /// live record wins over its tombstone.
+    fn claim_with(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+        tombstones: bool,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// [`Store::claim_with`] without tombstones: a key whose record has expired is free.
     fn claim(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        self.claim_with(key, fingerprint, token, lease, false)
+    }
 
-    /// [`Store::claim`] on a route that refuses a retry after expiry: a key whose record has
-    /// expired but whose tombstone lives is not free, and the decision comes from the tombstone
-    /// ([`Claim::Expired`], or [`Claim::Mismatch`] for another request). A live record wins
-    /// over its tombstone.
+    /// [`Store::claim_with`] with tombstones: a key whose record has expired is refused while
+    /// its tombstone lives.
     fn claim_unless_expired(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         token: &Token,
         lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        self.claim_with(key, fingerprint, token, lease, true)
+    }
 
     /// Replace our in-flight claim with a completed entry kept as `keep` says (with the
     /// tombstone it leaves, if any, in the same atomic step). Returns `false` (and writes

@@ -580,29 +580,9 @@ impl PostgresStore {
     }
 }
 
-impl Store for PostgresStore {
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        // A live record wins over its tombstone: the claim decides first. A key it takes is
-        // then given back if its tombstone lives (others saw it in flight meanwhile).
-        let claim = self.claim(key, fingerprint, token, lease).await?;
-        if !matches!(claim, Claim::Claimed) {
-            return Ok(claim);
-        }
-        let Some(row) = self.live(&key.tombstone()).await? else {
-            return Ok(claim);
-        };
-        self.release(key, token).await?;
-        let (held, holder) = entry_of(&self.shared.codec, key, &row)?;
-        Ok(Claim::decide(held, &holder, fingerprint, token))
-    }
-
-    async fn claim(
+impl PostgresStore {
+    /// Claim `key` for `lease` if it is free; otherwise decide from its row.
+    async fn claim_record(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
@@ -623,6 +603,30 @@ impl Store for PostgresStore {
             }
         }
         Err(PostgresError::Contended.into())
+    }
+}
+
+impl Store for PostgresStore {
+    async fn claim_with(
+        &self,
+        key: &ScopedKey,
+        fingerprint: &Fingerprint,
+        token: &Token,
+        lease: Duration,
+        tombstones: bool,
+    ) -> Result<Claim, StoreError> {
+        // A live record wins over its tombstone: the claim decides first. A key it takes is
+        // then given back if its tombstone lives (others saw it in flight meanwhile).
+        let claim = self.claim_record(key, fingerprint, token, lease).await?;
+        if !tombstones || !matches!(claim, Claim::Claimed) {
+            return Ok(claim);
+        }
+        let Some(row) = self.live(&key.tombstone()).await? else {
+            return Ok(claim);
+        };
+        self.release(key, token).await?;
+        let (held, holder) = entry_of(&self.shared.codec, key, &row)?;
+        Ok(Claim::decide(held, &holder, fingerprint, token))
     }
 
     async fn complete(

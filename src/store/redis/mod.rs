@@ -642,9 +642,7 @@ impl RedisStore {
     }
 }
 
-impl RedisStore {
-    /// Claim `key`, or decide from what it holds; with `tombstones`, from its tombstone when
-    /// its record has expired.
+impl Store for RedisStore {
     async fn claim_with(
         &self,
         key: &ScopedKey,
@@ -673,28 +671,6 @@ impl RedisStore {
                 Ok(Claim::decide(held, &holder, fingerprint, token))
             }
         }
-    }
-}
-
-impl Store for RedisStore {
-    async fn claim(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, false).await
-    }
-
-    async fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.claim_with(key, fingerprint, token, lease, true).await
     }
 
     async fn complete(
