@@ -243,14 +243,12 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
+/// The store server goes down under a gateway (Redis killed, PostgreSQL stopped): keyed requests
+/// get 503 store-unavailable and reach nothing, unkeyed ones flow, and once the server is back
+/// the gateway serves keys again by itself (and PostgreSQL replays what it recorded before).
+async fn store_outage_rejects_keyed_requests_and_recovers_by_itself(b: Backend) {
     // A short store timeout so that an outage is detected quickly.
-    let env = TestEnv::start(
-        Backend::Redis,
-        TestConfig::new().set("store.timeout", "500ms"),
-    )
-    .await;
+    let env = TestEnv::start(b, TestConfig::new().set("store.timeout", "500ms")).await;
     assert_eq!(
         send(env.post_keyed("/v1/p", "before").body("x"))
             .await
@@ -258,7 +256,7 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
         201
     );
 
-    env.redis().kill();
+    env.store_server().take_down();
     let calls = env.upstream.calls();
     let refused = send(env.post_keyed("/v1/p", "during").body("x")).await;
     assert_eq!(refused.status, 503);
@@ -275,10 +273,10 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
     // Unkeyed requests keep flowing.
     assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
 
-    env.redis().restart().await;
+    env.store_server().bring_back().await;
     let recovered = wait_until(
         Duration::from_secs(5),
-        "keyed requests succeed after the Redis restart",
+        "keyed requests succeed after the store is back",
         async || {
             let r = send(env.post_keyed("/v1/p", "after").body("x")).await;
             if r.status != 201 {
@@ -288,10 +286,26 @@ async fn store_outage_rejects_keyed_requests_and_recovers_by_itself() {
         },
     )
     .await;
-    eprintln!("recovered {recovered:?} after the Redis restart");
+    eprintln!("{b:?}: recovered {recovered:?} after the store came back");
     assert!(send(env.post_keyed("/v1/p", "after").body("x"))
         .await
         .replayed());
+    // PostgreSQL kept what it committed; the test's redis-server keeps nothing on disk.
+    if matches!(b, Backend::Postgres) {
+        assert!(send(env.post_keyed("/v1/p", "before").body("x"))
+            .await
+            .replayed());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_rejects_keyed_requests_and_recovers_by_itself() {
+    store_outage_rejects_keyed_requests_and_recovers_by_itself(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_rejects_keyed_requests_and_recovers_by_itself() {
+    store_outage_rejects_keyed_requests_and_recovers_by_itself(Backend::Postgres).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,6 +29,23 @@ impl StoreServer {
         }
     }
 
+    /// Take the server down, killed (Redis) or stopped (PostgreSQL), keeping its data.
+    pub fn take_down(&self) {
+        match self {
+            StoreServer::Redis(r) => r.kill(),
+            StoreServer::Postgres(p) => p.stop(),
+        }
+    }
+
+    /// Start the server taken down again, on the same port and data; when this returns it
+    /// accepts connections.
+    pub async fn bring_back(&self) {
+        match self {
+            StoreServer::Redis(r) => r.restart().await,
+            StoreServer::Postgres(p) => p.start_again().await,
+        }
+    }
+
     /// The PostgreSQL server; panics on another backend.
     pub fn postgres(&self) -> &PostgresServer {
         match self {

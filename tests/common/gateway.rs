@@ -311,6 +311,13 @@ impl TestEnv {
             .redis()
     }
 
+    /// The server of a Redis- or Postgres-backend world, whichever it is.
+    pub fn store_server(&self) -> &StoreServer {
+        self.server
+            .as_ref()
+            .expect("a store server runs only on the Redis and Postgres backends")
+    }
+
     /// The PostgreSQL server of a Postgres-backend world.
     pub fn postgres(&self) -> &PostgresServer {
         self.server
