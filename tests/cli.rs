@@ -90,12 +90,7 @@ fn invalid_config_exits_non_zero_naming_the_field() {
 fn check_config_accepts_the_shipped_example() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml");
     let out = idemgate(&["check-config", example]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let shown = String::from_utf8_lossy(&out.stdout);
+    let shown = succeeded(&out);
     assert!(shown.contains("valid"));
     for line in [
         "client_header_timeout  = 30s",
@@ -104,6 +99,13 @@ fn check_config_accepts_the_shipped_example() {
     ] {
         assert!(shown.contains(line), "{line:?} not in {shown}");
     }
+}
+
+/// What a command that must succeed printed; its stderr when it failed.
+fn succeeded(out: &std::process::Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn idemgate_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
@@ -130,12 +132,7 @@ fn environment_overrides_beat_the_file_and_secrets_stay_hidden() {
             ("IDEMGATE_ADMIN_TOKEN", "admin-token-very-secret"),
         ],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(stdout.contains("ttl: 7200s"), "{stdout}");
     assert!(
         stdout.contains("redis redis://app:***@127.0.0.1:6379/0"),
@@ -163,12 +160,7 @@ fn check_config_shows_records_kept_forever() {
             ("IDEMGATE_DEFAULTS__TTL", "forever"),
         ],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(stdout.contains("ttl: forever,"), "{stdout}");
     assert!(stdout.contains("max_ttl: forever,"), "{stdout}");
     for shown in [
@@ -189,12 +181,7 @@ fn check_config_shows_streamed_routes_and_refuses_a_bad_stream_value() {
         ("IDEMGATE_ROUTES", routes),
     ];
     let out = idemgate_env(&["check-config"], &env);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     let route = &stdout[stdout.find("[route /v1/completions]").expect(&stdout)..];
     assert!(route.contains("stream: true,"), "{route}");
     assert!(stdout.contains("stream: false,"), "the defaults: {stdout}");
@@ -219,11 +206,7 @@ fn a_container_needs_no_file() {
         &["check-config"],
         &[("IDEMGATE_UPSTREAM", "http://127.0.0.1:9")],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let bad = idemgate_env(
         &["check-config"],
         &[
@@ -396,12 +379,7 @@ fn tls_and_upstream_settings_are_checked_and_keys_never_printed() {
         server.key_path()
     ));
     let out = idemgate(&["check-config", valid.path().to_str().unwrap()]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(
         stdout.contains("refunds") && stdout.contains("http2: true"),
         "{stdout}"
@@ -498,12 +476,7 @@ fn key_and_fingerprint_settings_are_checked_and_the_secret_never_printed() {
         &["check-config", valid.path().to_str().unwrap()],
         &[("IDEMGATE_KEY_SECRET", secret)],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     for shown in [
         "key_secret     = <redacted>",
         "\"/items/*/client_ts\"",
@@ -533,12 +506,7 @@ fn sealing_keys_are_checked_and_shown_by_id_only() {
         &["check-config"],
         &[&base[..], &[("IDEMGATE_SEAL_KEYS", &keys)]].concat(),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(
         stdout.contains("seal           = required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))"),
         "{stdout}"
