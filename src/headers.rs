@@ -33,6 +33,13 @@ pub(crate) fn accepts_trailers(headers: &HeaderMap) -> bool {
         })
 }
 
+/// The media type of a `Content-Type` value (`type/subtype`, its parameters and spaces aside);
+/// `None` when the value is not text.
+pub(crate) fn media_type(content_type: &[u8]) -> Option<&str> {
+    let ct = std::str::from_utf8(content_type).ok()?;
+    Some(ct.split(';').next().unwrap_or("").trim())
+}
+
 /// Remove the hop-by-hop headers and every header that `Connection` names.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them: one pass over the few names present is cheaper than a

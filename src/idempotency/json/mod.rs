@@ -25,13 +25,11 @@ pub(crate) use canonical::{hash_canonical, MAX_IGNORED};
 pub(crate) use parse::{parse, Json};
 pub use pointer::Pointer;
 
+use crate::headers::media_type;
+
 /// Whether a `Content-Type` says JSON: `application/json` or `*/*+json`, parameters aside.
 pub(crate) fn is_json_type(content_type: &[u8]) -> bool {
-    let Ok(ct) = std::str::from_utf8(content_type) else {
-        return false;
-    };
-    let essence = ct.split(';').next().unwrap_or("").trim();
-    let Some((kind, sub)) = essence.split_once('/') else {
+    let Some((kind, sub)) = media_type(content_type).and_then(|t| t.split_once('/')) else {
         return false;
     };
     !kind.is_empty()
