@@ -73,8 +73,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// The same layer over another handle to the store (the binary gives each worker thread
     /// its own Redis connection): routes, waiter bounds, metrics and live streamed answers stay
-    /// shared; the background
-    /// tasks are tracked apart, so each worker can wait for its own.
+    /// shared; the background tasks are tracked apart, so each worker can wait for its own.
     pub fn with_store<T: Store>(&self, store: T) -> IdempotencyLayer<T> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(

@@ -121,9 +121,6 @@ impl Tape {
             st.total += chunk.len() as u64;
             st.held += chunk.len() as u64;
             st.chunks.push_back(chunk);
-            if st.total > self.cap {
-                st.trim();
-            }
         }
         self.grown.notify_waiters();
         loop {
@@ -184,10 +181,8 @@ impl Tape {
             return None;
         }
         let skip = match last_event_id {
-            Some(id) if sse::is_event_stream(&self.head) => {
-                sse::after_event(&st.whole(), id).unwrap_or(0)
-            }
-            _ => 0,
+            Some(_) => sse::resume_at(&self.head, &st.whole(), last_event_id),
+            None => 0,
         };
         let from = st.base;
         st.readers.push(Some(from));

@@ -430,19 +430,22 @@ impl<St: Store> Shared<St> {
         loop {
             match lease.claim().await {
                 Ok(Claim::InFlight) => {
-                    // Made before the try to attach: an answer offered after it wakes the wait.
+                    // A duplicate on a streamed route that waits attaches to a live answer.
                     let policy = &lease.held.policy;
                     let attaches = policy.stream && policy.on_in_flight == OnInFlight::Wait;
+                    // Made before the try to attach: an answer offered after it wakes the wait.
                     let offered = attaches.then(|| self.live.offered(&lease.held.key));
+                    if attaches {
+                        if let Some(attached) = self.attach(route, &lease.held, headers) {
+                            return Err(attached);
+                        }
+                    }
                     let offered = async {
                         match offered {
                             Some(offered) => offered.await,
                             None => std::future::pending().await,
                         }
                     };
-                    if let Some(attached) = self.attach(route, &lease.held, headers) {
-                        return Err(attached);
-                    }
                     if !waiter.look_again(lease, offered).await {
                         return Ok(Ok(Claim::InFlight));
                     }
@@ -529,11 +532,7 @@ impl<St: Store> Shared<St> {
             }
             trace::link(&span, original);
         }
-        let from = match sse::last_event_id(&parts.headers) {
-            Some(id) if sse::is_event_stream(stored) => sse::after_event(&stored.body, id),
-            _ => None,
-        };
-        let from = from.unwrap_or(0);
+        let from = sse::resume_at(stored, &stored.body, sse::last_event_id(&parts.headers));
         self.metrics.replayed_bytes(stored.body.len() - from);
         let lives = replay.expires_in;
         Finished {
@@ -543,10 +542,10 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// A duplicate attached to the answer its key's holder is streaming in this process
-    /// (`stream = true` with `on_in_flight = "wait"`): the head and every byte so far at once,
-    /// then the rest as it comes (an event stream from after its `Last-Event-ID`). `None` when
-    /// no such answer is live here.
+    /// A duplicate attached to the answer its key's holder is streaming in this process (on a
+    /// route with `stream = true` and `on_in_flight = "wait"`): the head and every byte so far
+    /// at once, then the rest as it comes (an event stream from after its `Last-Event-ID`).
+    /// `None` when no such answer is live here.
     fn attach<E>(
         &self,
         route: &RouteState,
@@ -554,9 +553,6 @@ impl<St: Store> Shared<St> {
         headers: &http::HeaderMap,
     ) -> Option<Finished<E>> {
         let policy = &held.policy;
-        if !policy.stream || policy.on_in_flight != OnInFlight::Wait {
-            return None;
-        }
         let permit = route.waiters.clone().try_acquire_owned().ok()?;
         let last_event_id = sse::last_event_id(headers);
         let (tape, reader) =

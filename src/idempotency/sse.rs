@@ -4,6 +4,7 @@
 use http::header::{HeaderMap, HeaderName};
 
 use super::record::StoredResponse;
+use crate::headers::media_type;
 
 /// The header an SSE client sends when it reconnects: the id of the last event it saw.
 pub(super) const LAST_EVENT_ID: HeaderName = HeaderName::from_static("last-event-id");
@@ -17,12 +18,18 @@ pub(super) fn last_event_id(headers: &HeaderMap) -> Option<&[u8]> {
 pub(super) fn is_event_stream(head: &StoredResponse) -> bool {
     head.headers.iter().any(|(n, v)| {
         n == http::header::CONTENT_TYPE
-            && v.to_str().is_ok_and(|ct| {
-                ct.split(';')
-                    .next()
-                    .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream"))
-            })
+            && media_type(v.as_bytes()).is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
     })
+}
+
+/// Where an answer with head `head` and body `body` resumes for a retry carrying
+/// `last_event_id`: after that event when the answer is an event stream that has it, otherwise
+/// at the start.
+pub(super) fn resume_at(head: &StoredResponse, body: &[u8], last_event_id: Option<&[u8]>) -> usize {
+    match last_event_id {
+        Some(id) if is_event_stream(head) => after_event(body, id).unwrap_or(0),
+        _ => 0,
+    }
 }
 
 /// Where the events after the first complete event whose `id` field is `id` begin in `body`;
