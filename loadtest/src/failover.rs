@@ -16,7 +16,7 @@ use testkit::{Failover, RedisCluster, RedisSentinelSet, Replicated, MASTER_NAME}
 use crate::bench::Bench;
 use crate::cluster::{cluster_toml, started, two_gateways};
 use crate::load::{self, Live};
-use crate::metrics::{errors_text, errorstats, failed_commands, get_text, since};
+use crate::metrics::{errors_text, errorstats, executions_per_key, failed_commands, since};
 use crate::procs;
 
 /// What the supervisor did and saw, in time from the load's start.
@@ -217,7 +217,7 @@ async fn under_load(
     let failed = since(&failed_before, failed_commands(&all_nodes).await);
     let run = Run {
         error_windows: error_windows(&errors, &samples, t.kill),
-        upstream: upstream_keys(up.addr).await,
+        upstream: executions_per_key(up.addr).await,
         t,
         report,
         before_kill,
@@ -419,17 +419,4 @@ fn error_windows(
             format!("{k} {} (seen {} to {} s)", errors[k], rel(first), rel(last))
         })
         .collect()
-}
-
-/// The upstream's `GET /__keys`: keys executed, executions, keys executed more than once.
-async fn upstream_keys(addr: SocketAddr) -> (u64, u64, u64) {
-    let text = get_text(addr, "/__keys").await;
-    let v: Vec<u64> = text
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    match v[..] {
-        [k, e, t] => (k, e, t),
-        _ => (0, 0, 0),
-    }
 }

@@ -74,6 +74,20 @@ pub async fn executions(upstream: SocketAddr) -> u64 {
         .unwrap_or(0)
 }
 
+/// The harness upstream's `GET /__keys`: keys executed, executions, keys executed more than
+/// once (all 0 when it does not answer so).
+pub async fn executions_per_key(upstream: SocketAddr) -> (u64, u64, u64) {
+    let text = get_text(upstream, "/__keys").await;
+    let v: Vec<u64> = text
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    match v[..] {
+        [k, e, t] => (k, e, t),
+        _ => (0, 0, 0),
+    }
+}
+
 /// `GET path` from `addr`, the body as text.
 pub async fn get_text(addr: SocketAddr, path: &str) -> String {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();

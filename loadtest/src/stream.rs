@@ -28,7 +28,7 @@ use redis::aio::MultiplexedConnection;
 use crate::bench::{keep_round, medians, Bench, FirstByteRow, PAYMENTS};
 use crate::expiry::flush;
 use crate::load::{self, Keys, Pace, Report};
-use crate::metrics::{executions, get_text, round_trips, scrape};
+use crate::metrics::{executions, executions_per_key, round_trips, scrape};
 use crate::procs::{self, Proc};
 use crate::telemetry::load_average;
 use crate::upstream::sse_events;
@@ -444,19 +444,14 @@ fn slow_claims(admin: SocketAddr) -> [u64; 3] {
     ["0.0008", "0.0016", "0.0032"].map(|le| all.saturating_sub(count(le)))
 }
 
-/// The upstream ran each key it saw once (`/__keys`: keys, executions, keys run twice).
+/// The upstream ran each key it saw once.
 async fn executed_once(b: &mut Bench, upstream: SocketAddr) {
-    let summary = get_text(upstream, "/__keys").await;
-    let n: Vec<u64> = summary
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    match n[..] {
-        [keys, executions, 0] if keys == executions && keys > 0 => b.notes.push(format!(
+    match executions_per_key(upstream).await {
+        (keys, executions, 0) if keys == executions && keys > 0 => b.notes.push(format!(
             "stream: the upstream ran each of {keys} keys once"
         )),
-        _ => b.insane.push(format!(
-            "stream: the upstream's executions per key (keys, executions, keys run twice): {summary}"
+        (keys, executions, twice) => b.insane.push(format!(
+            "stream: the upstream's executions per key: {keys} keys, {executions} executions, {twice} keys run twice"
         )),
     }
 }
