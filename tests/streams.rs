@@ -1,14 +1,17 @@
 //! Streamed answers (`stream = true`) over sockets, on Redis and on the embedded store: the
 //! client reads events as the upstream sends them, a duplicate attaches to the live answer, a
 //! client that hangs up does not stop the recording, an answer past `max_body` is delivered once,
-//! and an SSE retry with `Last-Event-ID` resumes after that event.
+//! an SSE retry with `Last-Event-ID` resumes after that event, and trailers reach every reader.
 
 use crate::common;
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::upstream::sse_event;
-use common::{send, Backend, Seen, TestConfig, TestEnv};
+use common::{send, Backend, CountingUpstream, Seen, TestConfig, TestEnv};
+use http::HeaderMap;
+use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use toml::toml;
 
@@ -258,4 +261,78 @@ async fn a_failed_streamed_answer_is_passed_on_and_releases_the_key() {
         assert_eq!(env.upstream.calls(), 2);
     })
     .await;
+}
+
+/// A keyed POST over HTTP/2 (prior knowledge) that accepts trailers: the answer's head, body
+/// and trailers.
+async fn h2_post(
+    env: &TestEnv,
+    path: &str,
+    key: &str,
+) -> (http::response::Parts, Bytes, Option<HeaderMap>) {
+    let tcp = tokio::net::TcpStream::connect(env.gateway.addr)
+        .await
+        .unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(env.url(path))
+        .header("idempotency-key", key)
+        .header("te", "trailers")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (head, body) = sender.send_request(req).await.unwrap().into_parts();
+    let all = body.collect().await.unwrap();
+    let trailers = all.trailers().cloned();
+    (head, all.to_bytes(), trailers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
+    for backend in [Backend::Redis, Backend::Embedded] {
+        let upstream = CountingUpstream::start().await;
+        let config = config()
+            .set("upstreams.h2.url", upstream.url())
+            .set("upstreams.h2.http2", true)
+            .route(
+                "/h2/events",
+                toml! { stream = true
+                on_in_flight = "wait"
+                upstream = "h2" },
+            );
+        let env = TestEnv::start_with(backend, upstream, config).await;
+        let path = format!("/h2/events{EVENTS}&trailers=true");
+        let (first, attached) = tokio::join!(h2_post(&env, &path, "t-1"), async {
+            env.upstream.wait_for_calls(1).await;
+            h2_post(&env, &path, "t-1").await
+        });
+        let replay = h2_post(&env, &path, "t-1").await;
+        assert!(!first.0.headers.contains_key("idempotent-replayed"));
+        for (who, (head, body, trailers)) in
+            [("first", first), ("attached", attached), ("replay", replay)]
+        {
+            assert_eq!(
+                String::from_utf8_lossy(&body),
+                events(1, 0),
+                "{backend:?} {who}"
+            );
+            let trailers = trailers.unwrap_or_else(|| panic!("{backend:?} {who}: no trailers"));
+            assert_eq!(trailers["x-call"], "1", "{backend:?} {who}");
+            if who != "first" {
+                assert_eq!(
+                    head.headers["idempotent-replayed"], "true",
+                    "{backend:?} {who}"
+                );
+            }
+        }
+        assert_eq!(
+            env.upstream.calls(),
+            1,
+            "{backend:?}: the upstream is called once"
+        );
+    }
 }

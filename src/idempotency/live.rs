@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http_body_util::BodyExt;
+use http::HeaderMap;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::body::{joined, BoxError};
@@ -49,6 +51,8 @@ struct TapeState {
     total: u64,
     // Set once the body has ended: whether it ended whole.
     ended: Option<bool>,
+    // The trailers that came after the body, if any.
+    trailers: Option<HeaderMap>,
     // Each reader's next chunk index; `None` once it is gone.
     readers: Vec<Option<usize>>,
 }
@@ -102,6 +106,7 @@ impl Tape {
                 held: 0,
                 total: 0,
                 ended: None,
+                trailers: None,
                 readers: Vec::new(),
             }),
             grown: Notify::new(),
@@ -140,8 +145,8 @@ impl Tape {
         }
     }
 
-    /// Copy `body` onto the tape until it ends; an error when it fails, or when it stays silent
-    /// for `idle` (the route's `upstream_timeout`).
+    /// Copy `body` onto the tape until it ends, its trailers included; an error when it fails,
+    /// or when it stays silent for `idle` (the route's `upstream_timeout`).
     pub(super) async fn record_from(&self, mut body: Body, idle: Duration) -> Result<(), BoxError> {
         loop {
             let frame = tokio::time::timeout(idle, body.frame())
@@ -150,9 +155,13 @@ impl Tape {
                     format!("no data from the upstream for {idle:?} (upstream_timeout)")
                 })?;
             let Some(frame) = frame else { return Ok(()) };
-            // Trailers are not recorded.
-            if let Ok(data) = frame?.into_data() {
-                self.push(data).await;
+            match frame?.into_data() {
+                Ok(data) => self.push(data).await,
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        self.state().trailers = Some(trailers);
+                    }
+                }
             }
         }
     }
@@ -163,13 +172,13 @@ impl Tape {
         self.grown.notify_waiters();
     }
 
-    /// The whole answer when it fits in `max_body` (it is then replayable).
-    pub(super) fn recorded(&self) -> Option<Bytes> {
+    /// The whole answer and its trailers when it fits in `max_body` (it is then replayable).
+    pub(super) fn recorded(&self) -> Option<(Bytes, Option<HeaderMap>)> {
         let st = self.state();
         if st.total > self.cap {
             return None;
         }
-        Some(st.whole())
+        Some((st.whole(), st.trailers.clone()))
     }
 
     /// A reader from the first byte, or (`last_event_id`) from after the event with that id
@@ -190,6 +199,7 @@ impl Tape {
             tape: self.clone(),
             slot: st.readers.len() - 1,
             skip,
+            trailed: false,
             _permit: None,
         })
     }
@@ -207,13 +217,15 @@ pub(super) struct Reader {
     slot: usize,
     // Bytes still to skip from where it stands (a resumed event stream).
     skip: usize,
+    // Whether it has passed on the trailers.
+    trailed: bool,
     // An attached duplicate holds one of its route's waiter permits until it is done.
     _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Reader {
-    /// The next chunk; `None` at the end of a whole answer.
-    async fn next(&mut self) -> Option<Result<Bytes, BrokenOff>> {
+    /// The next chunk, then the trailers if any; `None` at the end of a whole answer.
+    async fn next(&mut self) -> Option<Result<Frame<Bytes>, BrokenOff>> {
         loop {
             let mut grown = pin!(self.tape.grown.notified());
             grown.as_mut().enable();
@@ -233,10 +245,14 @@ impl Reader {
                     if chunk.is_empty() {
                         continue;
                     }
-                    return Some(Ok(chunk));
+                    return Some(Ok(Frame::data(chunk)));
                 }
                 match st.ended {
-                    Some(true) => return None,
+                    Some(true) => {
+                        let trailers = (!self.trailed).then(|| st.trailers.clone()).flatten();
+                        self.trailed = true;
+                        return trailers.map(|t| Ok(Frame::trailers(t)));
+                    }
                     Some(false) => return Some(Err(BrokenOff)),
                     None => {}
                 }
@@ -252,11 +268,11 @@ impl Reader {
 
     /// The reader as a response body.
     pub(super) fn into_body(self) -> Body {
-        let chunks = futures_util::stream::unfold(self, |mut reader| async move {
-            let chunk = reader.next().await?;
-            Some((chunk, reader))
+        let frames = futures_util::stream::unfold(self, |mut reader| async move {
+            let frame = reader.next().await?;
+            Some((frame, reader))
         });
-        Body::from_stream(chunks)
+        Body::new(StreamBody::new(frames))
     }
 }
 
@@ -388,6 +404,11 @@ mod tests {
         Tape::new(Arc::new(head), fingerprint, None, cap)
     }
 
+    /// A reader's next frame, as data.
+    fn data(frame: Option<Result<Frame<Bytes>, BrokenOff>>) -> Bytes {
+        frame.unwrap().unwrap().into_data().unwrap()
+    }
+
     #[tokio::test]
     async fn a_waiting_duplicate_is_woken_by_a_new_answer_of_its_key_only() {
         let poll = |f: &mut std::pin::Pin<&mut dyn Future<Output = ()>>| {
@@ -428,7 +449,29 @@ mod tests {
         assert_eq!(late.collect().await.unwrap().to_bytes(), &all[..]);
         let rest = resumed.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(rest, "id: 2\ndata: b\n\n");
-        assert_eq!(tape.recorded().unwrap(), &all[..]);
+        assert_eq!(tape.recorded().unwrap(), (Bytes::from_static(all), None));
+    }
+
+    #[tokio::test]
+    async fn trailers_follow_the_body_for_every_reader_and_in_the_record() {
+        let tape = tape(100);
+        let first = tape.first_reader().into_body();
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", http::HeaderValue::from_static("ab12"));
+        let body = crate::idempotency::body::with_trailers(
+            Bytes::from_static(b"id: 1\ndata: a\n\n"),
+            Some(trailers.clone()),
+        );
+        let resumed = tape.reader(Some(b"1")).unwrap().into_body();
+        tape.record_from(body, Duration::from_secs(1))
+            .await
+            .unwrap();
+        let late = tape.reader(None).unwrap().into_body();
+        tape.finish(true);
+        for reader in [first, late, resumed] {
+            assert_eq!(reader.collect().await.unwrap().trailers(), Some(&trailers));
+        }
+        assert_eq!(tape.recorded().unwrap().1, Some(trailers));
     }
 
     #[tokio::test]
@@ -446,10 +489,10 @@ mod tests {
         );
         assert!(tape.recorded().is_none(), "past the cap: not replayable");
         assert!(tape.reader(None).is_none(), "no attaching past the cap");
-        assert_eq!(slow.next().await.unwrap().unwrap(), "abc");
+        assert_eq!(data(slow.next().await), "abc");
         writer.await;
         assert!(tape.state().held <= 4);
-        assert_eq!(slow.next().await.unwrap().unwrap(), "de");
+        assert_eq!(data(slow.next().await), "de");
         drop(slow);
         // Nobody reads: nothing is held, nothing waits.
         tape.push(Bytes::from(vec![0; 64])).await;
@@ -462,7 +505,7 @@ mod tests {
         let mut reader = tape.first_reader();
         tape.push(Bytes::from_static(b"ab")).await;
         tape.finish(false);
-        assert_eq!(reader.next().await.unwrap().unwrap(), "ab");
+        assert_eq!(data(reader.next().await), "ab");
         assert!(reader.next().await.unwrap().is_err());
     }
 }

@@ -101,6 +101,15 @@ impl StoredResponse {
         }
     }
 
+    /// The record of a streamed answer whose head this is, once its body and trailers are in.
+    pub(super) fn completed(&self, (body, trailers): (Bytes, Option<http::HeaderMap>)) -> Self {
+        StoredResponse {
+            body,
+            trailers: trailers.map(in_order).unwrap_or_default(),
+            ..self.clone()
+        }
+    }
+
     /// The trailers, as a map to send after the body (`None`: there are none).
     pub fn trailer_map(&self) -> Option<http::HeaderMap> {
         if self.trailers.is_empty() {

@@ -754,11 +754,8 @@ impl<St: Store> Shared<St> {
             return;
         }
         let state = match tape.recorded() {
-            Some(body) => {
-                let stored = StoredResponse {
-                    body,
-                    ..(*tape.head).clone()
-                };
+            Some(rest) => {
+                let stored = tape.head.completed(rest);
                 if !response::framed(&stored, is_head) {
                     error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
                     tape.finish(false);

@@ -11,6 +11,8 @@ use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use http_body::Frame;
 use tokio::net::TcpListener;
 
 use super::wait_until;
@@ -165,6 +167,7 @@ struct Knobs {
     events: Option<usize>,
     gap_ms: Option<u64>,
     fail_after: Option<usize>,
+    trailers: Option<bool>,
 }
 
 async fn handle(
@@ -203,6 +206,7 @@ async fn handle(
             status,
             (knobs.events.unwrap_or(4), knobs.fail_after),
             Duration::from_millis(knobs.gap_ms.unwrap_or(0)),
+            knobs.trailers.unwrap_or(false),
         ),
         "/big" => {
             let bytes: Vec<u8> = (0..knobs.bytes.unwrap_or(0))
@@ -239,12 +243,14 @@ async fn handle(
 
 /// A server-sent-events answer of `count` events, `gap` apart, each with its `id` and the call's
 /// number: `id: 0\ndata: call 1 event 0\n\n`...; with `fail_after`, the body fails (the
-/// connection is cut) after that many events.
+/// connection is cut) after that many events; with `trailers`, the events are followed by the
+/// trailer `x-call` (which a client hears over HTTP/2).
 fn events(
     call: usize,
     status: StatusCode,
     (count, fail_after): (usize, Option<usize>),
     gap: Duration,
+    trailers: bool,
 ) -> Response {
     let events = futures_util::stream::unfold(0, move |i| async move {
         if i == count {
@@ -256,13 +262,20 @@ fn events(
         if fail_after == Some(i) {
             return Some((Err(std::io::Error::other("cut midway")), count));
         }
-        Some((Ok(Bytes::from(sse_event(call, i))), i + 1))
+        Some((Ok(Frame::data(Bytes::from(sse_event(call, i)))), i + 1))
     });
+    let trailers = trailers.then(|| {
+        let mut map = HeaderMap::new();
+        map.insert("x-call", call.into());
+        Ok(Frame::trailers(map))
+    });
+    let frames = events.chain(futures_util::stream::iter(trailers));
     let headers = [
         ("x-call", call.to_string()),
         ("content-type", "text/event-stream".to_string()),
     ];
-    (status, headers, axum::body::Body::from_stream(events)).into_response()
+    let body = axum::body::Body::new(http_body_util::StreamBody::new(frames));
+    (status, headers, body).into_response()
 }
 
 /// Event `i` of the `/events` answer to call `call`.
