@@ -96,6 +96,23 @@ impl Outcome {
     }
 }
 
+/// Why a keyed call's outcome is unknown, as counted by `idemgate_calls_unsettled_total{reason}`:
+/// the upstream may have done the work, so its key stays claimed until its lease ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Unsettled {
+    /// No answer within the route's `upstream_timeout` (or, streamed, no data for that long).
+    timeout,
+    /// The call or its answer broke after the request may have been sent: the connection
+    /// failed, the body broke off midway, or the answer was no valid response.
+    failed,
+}
+
+impl Unsettled {
+    /// Every reason, in declaration order.
+    pub const ALL: [Unsettled; 2] = [Unsettled::timeout, Unsettled::failed];
+}
+
 /// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
 /// client went away and the server dropped the request), it counts the request in
 /// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
@@ -176,6 +193,12 @@ struct RouteLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct UnsettledLabels {
+    route: String,
+    reason: Unsettled,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -242,6 +265,7 @@ pub struct Metrics {
 struct Inner {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
+    unsettled: Family<UnsettledLabels, Counter>,
     overhead: Histogram,
     upstream: Histogram,
     store_ops: HistogramFamily<OpLabels>,
@@ -427,6 +451,12 @@ impl Metrics {
             "Requests by route and outcome",
             Family::<RequestLabels, Counter>::default(),
         );
+        let unsettled = registered(
+            &mut registry,
+            "idemgate_calls_unsettled",
+            "Keyed upstream calls whose outcome is unknown (by route and reason: timeout, failed): the upstream may have done the work, so the key stays claimed until its lease ends, and a retry after that runs again",
+            Family::<UnsettledLabels, Counter>::default(),
+        );
         let overhead = registered(
             &mut registry,
             "idemgate_overhead_seconds",
@@ -485,6 +515,7 @@ impl Metrics {
                 upstream_connections,
                 registry,
                 requests,
+                unsettled,
                 overhead,
                 upstream,
                 store_ops,
@@ -535,6 +566,14 @@ impl Metrics {
             route: route.to_string(),
         };
         drop(self.inner.store.not_replayable.get_or_create(&labels));
+        for reason in Unsettled::ALL {
+            let route = route.to_string();
+            drop(
+                self.inner
+                    .unsettled
+                    .get_or_create(&UnsettledLabels { route, reason }),
+            );
+        }
         let counter = |outcome| {
             self.inner
                 .requests
@@ -656,6 +695,15 @@ impl Metrics {
             .store
             .not_replayable
             .get_or_create(&RouteLabels { route })
+            .inc();
+    }
+
+    /// Count a keyed call of `route` whose outcome is unknown, by why.
+    pub fn unsettled(&self, route: &str, reason: Unsettled) {
+        let route = route.to_string();
+        self.inner
+            .unsettled
+            .get_or_create(&UnsettledLabels { route, reason })
             .inc();
     }
 

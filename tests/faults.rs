@@ -5,6 +5,7 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
+use common::raw::RawUpstream;
 use common::{
     send, wait_until, Backend, CountingUpstream, GatewayBinary, InProcessGateway, RedisServer,
     Seen, TestConfig, TestEnv,
@@ -812,4 +813,59 @@ async fn a_failed_completion_is_sent_again_until_redis_is_back() {
     )
     .await;
     assert_eq!(upstream.calls(), 1, "the upstream ran once");
+}
+
+/// A call whose outcome the gateway cannot know (the upstream may have done the work) keeps its
+/// key claimed, and is counted by why in `idemgate_calls_unsettled_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_of_unknown_outcome_keep_their_key_and_are_counted_by_reason() {
+    let cases: [(&str, &[u8], bool, u16, &str); 4] = [
+        // Never answers.
+        ("silent", b"", false, 504, "timeout"),
+        // Closes the connection without an answer.
+        ("closed", b"", true, 502, "failed"),
+        (
+            "cut-short",
+            b"HTTP/1.1 201 Created\r\ncontent-length: 10\r\n\r\nabc",
+            true,
+            502,
+            "failed",
+        ),
+        (
+            "not-final",
+            b"HTTP/1.1 600 Beyond\r\ncontent-length: 0\r\n\r\n",
+            false,
+            502,
+            "failed",
+        ),
+    ];
+    for (case, answer, close, status, reason) in cases {
+        let upstream = match close {
+            true => RawUpstream::answering_then_closing(answer).await,
+            false => RawUpstream::answering(answer).await,
+        };
+        let config = TestConfig::new()
+            .upstream(&upstream.url())
+            .set("admin.listen", "127.0.0.1:0")
+            .set("defaults.upstream_timeout", "300ms");
+        let gateway = InProcessGateway::start(&config).await;
+        let post = || {
+            common::client()
+                .post(gateway.url("/v1/p"))
+                .header("idempotency-key", case)
+                .body("x")
+        };
+        let first = send(post()).await;
+        assert_eq!(first.status, status, "{case}: {first:?}");
+        let retry = send(post()).await;
+        assert_eq!(retry.problem_type(), IN_FLIGHT, "{case}: {retry:?}");
+        assert_eq!(upstream.requests().len(), 1, "{case}");
+        for counted in ["timeout", "failed"] {
+            let series = format!(
+                "idemgate_calls_unsettled_total{{route=\"defaults\",reason=\"{counted}\"}}"
+            );
+            let expected = if counted == reason { 1.0 } else { 0.0 };
+            assert_eq!(gateway.metric(&series).await, expected, "{case}: {series}");
+        }
+    }
 }

@@ -24,7 +24,8 @@ fn config() -> TestConfig {
         .route(
             "/live/events",
             toml! { stream = true
-            on_in_flight = "wait" },
+            on_in_flight = "wait"
+            wait_timeout = "2s" },
         )
         .route(
             "/small/events",
@@ -242,6 +243,8 @@ async fn an_answer_that_breaks_off_ends_in_an_error_and_keeps_the_key_claimed() 
         assert_eq!(retry.status, 409, "{retry:?}");
         assert_eq!(retry.problem_type(), "urn:idemgate:problem:in-flight");
         assert_eq!(env.upstream.calls(), 1);
+        let unsettled = r#"idemgate_calls_unsettled_total{route="/live/events",reason="failed"}"#;
+        assert_eq!(env.gateway.metric(unsettled).await, 1.0);
     })
     .await;
 }

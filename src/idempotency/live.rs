@@ -25,6 +25,7 @@ use super::fingerprint::Fingerprint;
 use super::key::ScopedKey;
 use super::record::StoredResponse;
 use super::sse;
+use crate::metrics::Unsettled;
 
 /// The live answer of one claimed key.
 pub(super) struct Tape {
@@ -88,6 +89,39 @@ impl std::fmt::Display for BrokenOff {
 
 impl std::error::Error for BrokenOff {}
 
+/// Why the upstream's body did not reach its end.
+#[derive(Debug)]
+pub(super) enum Cut {
+    /// No data for this long (the route's `upstream_timeout`).
+    Silent(Duration),
+    /// The body failed.
+    Failed(BoxError),
+}
+
+impl Cut {
+    /// How the call is counted in `idemgate_calls_unsettled_total`.
+    pub(super) fn reason(&self) -> Unsettled {
+        match self {
+            Cut::Silent(_) => Unsettled::timeout,
+            Cut::Failed(_) => Unsettled::failed,
+        }
+    }
+}
+
+impl std::fmt::Display for Cut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cut::Silent(idle) => {
+                write!(
+                    f,
+                    "no data from the upstream for {idle:?} (upstream_timeout)"
+                )
+            }
+            Cut::Failed(e) => e.fmt(f),
+        }
+    }
+}
+
 impl Tape {
     pub(super) fn new(
         head: Arc<StoredResponse>,
@@ -147,15 +181,13 @@ impl Tape {
 
     /// Copy `body` onto the tape until it ends, its trailers included; an error when it fails,
     /// or when it stays silent for `idle` (the route's `upstream_timeout`).
-    pub(super) async fn record_from(&self, mut body: Body, idle: Duration) -> Result<(), BoxError> {
+    pub(super) async fn record_from(&self, mut body: Body, idle: Duration) -> Result<(), Cut> {
         loop {
             let frame = tokio::time::timeout(idle, body.frame())
                 .await
-                .map_err(|_| {
-                    format!("no data from the upstream for {idle:?} (upstream_timeout)")
-                })?;
+                .map_err(|_| Cut::Silent(idle))?;
             let Some(frame) = frame else { return Ok(()) };
-            match frame?.into_data() {
+            match frame.map_err(|e| Cut::Failed(e.into()))?.into_data() {
                 Ok(data) => self.push(data).await,
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {

@@ -63,7 +63,7 @@ use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{Outcome, StoreOp, Unanswered};
+use crate::metrics::{Outcome, StoreOp, Unanswered, Unsettled};
 use crate::store::{Claim, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
@@ -649,10 +649,19 @@ impl<St: Store> Shared<St> {
         self.metrics.upstream(took);
         // From here on the lease is no longer renewed.
         let mut tail = None;
+        // A call that ends in failure at its deadline timed out, whoever noticed first.
+        let unsettled = || {
+            let reason = match took >= policy.upstream_timeout {
+                true => Unsettled::timeout,
+                false => Unsettled::failed,
+            };
+            self.metrics.unsettled(&policy.route, reason);
+        };
         let answer = match called {
             Err(()) => {
                 // The inner service may still be executing: keep the claim until its lease ends.
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
+                unsettled();
                 Ok(GatewayError::UpstreamTimeout.respond(format))
             }
             Ok(Called::NotSent(e)) => {
@@ -662,11 +671,16 @@ impl<St: Store> Shared<St> {
             }
             Ok(Called::Failed(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream failed after the request may have been sent; key stays claimed until its lease ends");
+                unsettled();
                 Err(e)
             }
-            Ok(Called::BodyFailed) => Ok(GatewayError::Upstream.respond(format)),
+            Ok(Called::BodyFailed) => {
+                unsettled();
+                Ok(GatewayError::Upstream.respond(format))
+            }
             Ok(Called::NotFinal(status)) => {
                 warn!(route = %policy.route, key = %held.tag(), %status, "inner service answered with no final response; key stays claimed until its lease ends");
+                unsettled();
                 Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).respond(format))
             }
             Ok(Called::Transient(resp)) => {
@@ -683,6 +697,7 @@ impl<St: Store> Shared<St> {
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
+                    unsettled();
                     Ok(GatewayError::Upstream.respond(format))
                 }
             }
@@ -750,6 +765,7 @@ impl<St: Store> Shared<St> {
         };
         if let Err(e) = copied {
             warn!(route = %policy.route, key = %held.tag(), error = %e, "streamed answer broke off midway; key stays claimed until its lease ends");
+            self.metrics.unsettled(&policy.route, e.reason());
             tape.finish(false);
             return;
         }
@@ -758,6 +774,7 @@ impl<St: Store> Shared<St> {
                 let stored = tape.head.completed(rest);
                 if !response::framed(&stored, is_head) {
                     error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
+                    self.metrics.unsettled(&policy.route, Unsettled::failed);
                     tape.finish(false);
                     return;
                 }

@@ -20,6 +20,16 @@ pub struct RawUpstream {
 impl RawUpstream {
     /// Start on a free port, answering `response` to every request.
     pub async fn answering(response: &'static [u8]) -> Self {
+        Self::start(response, false).await
+    }
+
+    /// Start on a free port, answering `response` to the first request of each connection and
+    /// then closing it (with an empty `response`: closing it unanswered).
+    pub async fn answering_then_closing(response: &'static [u8]) -> Self {
+        Self::start(response, true).await
+    }
+
+    async fn start(response: &'static [u8], close: bool) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let requests = Arc::new(Mutex::new(Vec::new()));
@@ -32,7 +42,7 @@ impl RawUpstream {
                     let mut read = BufReader::new(read);
                     while let Some(req) = read_message(&mut read, false).await {
                         seen.lock().unwrap().push(req);
-                        if write.write_all(response).await.is_err() {
+                        if write.write_all(response).await.is_err() || close {
                             return;
                         }
                     }
