@@ -7,6 +7,8 @@ use http::{Method, Request, StatusCode};
 use crate::error::GatewayError;
 
 /// Headers that describe one connection, never forwarded nor stored (RFC 9110 section 7.6.1).
+/// `Trailer` is not one of them: it names a message's trailer fields end to end (section 6.6.2),
+/// and an HTTP/1.1 client that accepts trailers gets those it names.
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -44,10 +46,7 @@ pub(crate) fn media_type(content_type: &[u8]) -> Option<&str> {
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them: one pass over the few names present is cheaper than a
     // hash lookup per hop-by-hop name.
-    if !headers
-        .keys()
-        .any(|n| HOP_BY_HOP.contains(n) || n == header::TRAILER)
-    {
+    if !headers.keys().any(|n| HOP_BY_HOP.contains(n)) {
         return;
     }
     let named: Vec<HeaderName> = headers
@@ -63,8 +62,6 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in &HOP_BY_HOP {
         headers.remove(name);
     }
-    // "trailer" announces trailers of this message's chunked coding; it goes with the framing.
-    headers.remove(header::TRAILER);
 }
 
 /// Make a message's head safe to pass on: with `Transfer-Encoding` the length came from the

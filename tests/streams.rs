@@ -266,29 +266,40 @@ async fn a_failed_streamed_answer_is_passed_on_and_releases_the_key() {
     .await;
 }
 
-/// A keyed POST over HTTP/2 (prior knowledge) that accepts trailers: the answer's head, body
-/// and trailers.
-async fn h2_post(
+/// A keyed POST that accepts trailers (`te: trailers`), over HTTP/2 (prior knowledge) or
+/// HTTP/1.1: the answer's head, body and trailers.
+async fn post_taking_trailers(
     env: &TestEnv,
-    path: &str,
-    key: &str,
+    (path, key): (&str, &str),
+    http2: bool,
 ) -> (http::response::Parts, Bytes, Option<HeaderMap>) {
     let tcp = tokio::net::TcpStream::connect(env.gateway.addr)
         .await
         .unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let req = http::Request::post(env.url(path))
-        .header("idempotency-key", key)
-        .header("te", "trailers")
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let (head, body) = sender.send_request(req).await.unwrap().into_parts();
+    let io = hyper_util::rt::TokioIo::new(tcp);
+    let req = |target: String| {
+        http::Request::post(target)
+            .header("idempotency-key", key)
+            .header("te", "trailers")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let resp = if http2 {
+        let (mut sender, conn) =
+            hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        sender.send_request(req(env.url(path))).await.unwrap()
+    } else {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+        tokio::spawn(conn);
+        let mut req = req(path.to_string());
+        let host = env.gateway.addr.to_string().parse().unwrap();
+        req.headers_mut().insert("host", host);
+        sender.send_request(req).await.unwrap()
+    };
+    let (head, body) = resp.into_parts();
     let all = body.collect().await.unwrap();
     let trailers = all.trailers().cloned();
     (head, all.to_bytes(), trailers)
@@ -309,15 +320,23 @@ async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
             );
         let env = TestEnv::start_with(backend, upstream, config).await;
         let path = format!("/h2/events{EVENTS}&trailers=true");
-        let (first, attached) = tokio::join!(h2_post(&env, &path, "t-1"), async {
-            env.upstream.wait_for_calls(1).await;
-            h2_post(&env, &path, "t-1").await
-        });
-        let replay = h2_post(&env, &path, "t-1").await;
+        // The first call and its attached duplicate over HTTP/2; replays over both versions (an
+        // HTTP/1.1 client gets the trailers the head names, in chunked coding).
+        let (first, attached) =
+            tokio::join!(post_taking_trailers(&env, (&path, "t-1"), true), async {
+                env.upstream.wait_for_calls(1).await;
+                post_taking_trailers(&env, (&path, "t-1"), true).await
+            });
+        let replay = post_taking_trailers(&env, (&path, "t-1"), true).await;
+        let replay_h1 = post_taking_trailers(&env, (&path, "t-1"), false).await;
+        let first_h1 = post_taking_trailers(&env, (&path, "t-2"), false).await;
         assert!(!first.0.headers.contains_key("idempotent-replayed"));
-        for (who, (head, body, trailers)) in
-            [("first", first), ("attached", attached), ("replay", replay)]
-        {
+        for (who, (head, body, trailers)) in [
+            ("first", first),
+            ("attached", attached),
+            ("replay", replay),
+            ("replay over HTTP/1.1", replay_h1),
+        ] {
             assert_eq!(
                 String::from_utf8_lossy(&body),
                 events(1, 0),
@@ -325,6 +344,7 @@ async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
             );
             let trailers = trailers.unwrap_or_else(|| panic!("{backend:?} {who}: no trailers"));
             assert_eq!(trailers["x-call"], "1", "{backend:?} {who}");
+            assert_eq!(head.headers["trailer"], "x-call", "{backend:?} {who}");
             if who != "first" {
                 assert_eq!(
                     head.headers["idempotent-replayed"], "true",
@@ -332,10 +352,13 @@ async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
                 );
             }
         }
+        let (_, body, trailers) = first_h1;
+        assert_eq!(String::from_utf8_lossy(&body), events(2, 0), "{backend:?}");
+        assert_eq!(trailers.expect("trailers over HTTP/1.1")["x-call"], "2");
         assert_eq!(
             env.upstream.calls(),
-            1,
-            "{backend:?}: the upstream is called once"
+            2,
+            "{backend:?}: the upstream is called once per key"
         );
     }
 }

@@ -244,7 +244,7 @@ async fn handle(
 /// A server-sent-events answer of `count` events, `gap` apart, each with its `id` and the call's
 /// number: `id: 0\ndata: call 1 event 0\n\n`...; with `fail_after`, the body fails (the
 /// connection is cut) after that many events; with `trailers`, the events are followed by the
-/// trailer `x-call` (which a client hears over HTTP/2).
+/// trailer `x-call`, which the head announces (`trailer: x-call`).
 fn events(
     call: usize,
     status: StatusCode,
@@ -269,11 +269,13 @@ fn events(
         map.insert("x-call", call.into());
         Ok(Frame::trailers(map))
     });
+    let mut headers = HeaderMap::new();
+    headers.insert("x-call", call.into());
+    headers.insert("content-type", "text/event-stream".parse().unwrap());
+    if trailers.is_some() {
+        headers.insert("trailer", "x-call".parse().unwrap());
+    }
     let frames = events.chain(futures_util::stream::iter(trailers));
-    let headers = [
-        ("x-call", call.to_string()),
-        ("content-type", "text/event-stream".to_string()),
-    ];
     let body = axum::body::Body::new(http_body_util::StreamBody::new(frames));
     (status, headers, body).into_response()
 }
