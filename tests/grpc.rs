@@ -21,8 +21,9 @@ const GRPCIO: &str = "grpcio==1.85.1";
 /// and Collect); a message `status:C` ends the call with status code C instead (trailers-only),
 /// `late:C` the same after its headers (the status in trailers), `sleep:S` sleeps S seconds
 /// first. `*/Collect` (client streaming) joins its messages with commas, `*/Chat`
-/// (bidirectional) answers each message with `pong:MESSAGE` (both counted too); `*/Count` says
-/// how many calls there were.
+/// (bidirectional) answers each message with `pong:MESSAGE`, `*/Ticks` (server streaming) takes
+/// `COUNT:GAP_MS[:CODE]` and answers `call-N:tick-I` COUNT times, GAP_MS apart, then ends with
+/// status CODE if given (all three counted too); `*/Count` says how many calls there were.
 const SERVER: &str = r#"
 import sys, time, threading, grpc
 from concurrent import futures
@@ -52,6 +53,17 @@ def chat(it, ctx):
     counted()
     for m in it:
         yield b"pong:" + m
+def ticks(req, ctx):
+    n = counted()
+    parts = req.decode().split(":")
+    ctx.set_trailing_metadata((("x-trail", "call-%d" % n),))
+    for i in range(int(parts[0])):
+        if i:
+            time.sleep(float(parts[1]) / 1000)
+        yield ("call-%d:tick-%d" % (n, i)).encode()
+    if len(parts) > 2:
+        code = int(parts[2])
+        ctx.abort(next(c for c in grpc.StatusCode if c.value[0] == code), "upstream says " + parts[2])
 def count(req, ctx):
     return str(calls).encode()
 class Handler(grpc.GenericRpcHandler):
@@ -63,6 +75,8 @@ class Handler(grpc.GenericRpcHandler):
             return grpc.stream_unary_rpc_method_handler(collect)
         if method == "Chat":
             return grpc.stream_stream_rpc_method_handler(chat)
+        if method == "Ticks":
+            return grpc.unary_stream_rpc_method_handler(ticks)
         if method == "Count":
             return grpc.unary_unary_rpc_method_handler(count)
         return None
@@ -77,10 +91,11 @@ server.wait_for_termination()
 /// Run a plan of calls: argv is the gateway's address, the server's, and the plan in JSON, a
 /// list of steps run one after the other, each a list of calls run at once on one channel (one
 /// HTTP/2 connection). A call: `path`, `msg` (comma-separated messages for a `stream` call,
-/// or a `pingpong` one, which sends each message only once the answer to the one before came),
-/// `key` (the `idempotency-key` metadata), `at_ms` (a delay before it starts), `direct` (to
-/// the server, not through the gateway). Prints each call's code, details, response and
-/// metadata, as JSON.
+/// or a `pingpong` one, which sends each message only once the answer to the one before came;
+/// a `ticks` call reads a server stream, its messages joined with commas, and says when the first
+/// and the last came), `key` (the `idempotency-key` metadata), `at_ms` (a delay before it
+/// starts), `direct` (to the server, not through the gateway). Prints each call's code, details,
+/// response and metadata, as JSON.
 const CLIENT: &str = r#"
 import sys, json, time, threading, queue, grpc
 gateway, server, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -89,10 +104,26 @@ channels = {False: grpc.insecure_channel(gateway, options=options),
             True: grpc.insecure_channel(server, options=options)}
 def md(m):
     return {k: v if isinstance(v, str) else v.decode() for k, v in (m or ())}
+def ticks(channel, c, meta):
+    started = time.time()
+    rpc = channel.unary_stream(c["path"])(c["msg"].encode(), metadata=meta, timeout=10)
+    got, first = [], None
+    code, details = "OK", ""
+    try:
+        for r in rpc:
+            first = first or time.time() - started
+            got.append(r.decode())
+    except grpc.RpcError as e:
+        code, details = e.code().name, e.details() or ""
+    return {"code": code, "details": details, "body": ",".join(got),
+            "initial": md(rpc.initial_metadata()), "trailing": md(rpc.trailing_metadata()),
+            "first_ms": int((first or 0) * 1000), "total_ms": int((time.time() - started) * 1000)}
 def call(c):
     time.sleep(c.get("at_ms", 0) / 1000)
     channel = channels[c.get("direct", False)]
     meta = [("idempotency-key", c["key"])] if c.get("key") else []
+    if c.get("ticks"):
+        return ticks(channel, c, meta)
     try:
         if c.get("pingpong"):
             answered = queue.Queue()
@@ -168,7 +199,8 @@ impl GrpcServer {
 
 /// The gateway in front of `server` (`http2 = true`): `/test.Svc/*` with the default policy,
 /// `/wait.Svc/*` waiting for an in-flight duplicate, `/required.Svc/*` requiring a key,
-/// `/small.Svc/*` taking messages of 11 bytes at most (`max_body = 16`), `/down.Svc/*` to an
+/// `/small.Svc/*` taking messages of 11 bytes at most (`max_body = 16`), `/stream.Svc/*`
+/// streaming answers (`stream = true`, waiting for an in-flight duplicate), `/down.Svc/*` to an
 /// upstream that is not there.
 async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
     let config = TestConfig::new()
@@ -181,6 +213,11 @@ async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
         .route("/wait.Svc/{m}", toml! { on_in_flight = "wait" })
         .route("/required.Svc/{m}", toml! { require_key = true })
         .route("/small.Svc/{m}", toml! { max_body = 16 })
+        .route(
+            "/stream.Svc/{m}",
+            toml! { stream = true
+            on_in_flight = "wait" },
+        )
         .set(
             "upstreams.down.url",
             format!("http://127.0.0.1:{}", common::free_port()),
@@ -356,6 +393,90 @@ async fn grpc_calls_on_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_calls_on_embedded() {
     grpc_calls(Backend::Embedded).await
+}
+
+/// A keyed server-streaming call (`*/Ticks`, `COUNT:GAP_MS[:CODE]`).
+fn ticks(path: &str, msg: &str, key: &str) -> Value {
+    json!({"path": path, "msg": msg, "key": key, "ticks": true})
+}
+
+/// A server-streaming call on a `stream = true` route: its messages reach the client as they
+/// come, a duplicate attaches to them, and its status decides at its end whether it is
+/// recorded (and replayed with its trailers) or its key released; on another route, it is read
+/// whole first.
+async fn server_streams(backend: Backend) {
+    let python = python().await;
+    let server = GrpcServer::start(&python).await;
+    let env = gateway(backend, &server).await;
+    let live = "/stream.Svc/Ticks";
+    let mut attaching = ticks(live, "4:400", "s1");
+    attaching["at_ms"] = json!(150);
+    let plan = json!([
+        [ticks(live, "4:400", "s1"), attaching],
+        [ticks(live, "4:400", "s1")],
+        [ticks(live, "2:100:14", "s2")],
+        [ticks(live, "2:100:14", "s2")],
+        [ticks(live, "2:100:5", "s3")],
+        [ticks(live, "2:100:5", "s3")],
+        [ticks("/test.Svc/Ticks", "4:400", "s4")],
+        [{"path": "/test.Svc/Count", "msg": "", "direct": true}],
+    ]);
+    let steps = run(&python, &env, &server, plan).await;
+    let one = |i: usize| &steps[i][0];
+    let all = json!("call-1:tick-0,call-1:tick-1,call-1:tick-2,call-1:tick-3");
+    // The first message came long before the last (1.2 s later); the duplicate attached.
+    let (first, attached) = (&steps[0][0], &steps[0][1]);
+    expect(first, "OK", "call-1", all.clone());
+    assert!(first["first_ms"].as_u64().unwrap() < 700, "{first}");
+    assert!(first["total_ms"].as_u64().unwrap() >= 1200, "{first}");
+    expect(attached, "OK", "call-1", all.clone());
+    assert_eq!(
+        attached["initial"]["idempotent-replayed"], "true",
+        "{attached}"
+    );
+    // Recorded with its trailers, and replayed.
+    expect(one(1), "OK", "call-1", all);
+    assert_eq!(one(1)["initial"]["idempotent-replayed"], "true");
+    // UNAVAILABLE at the end: the messages went on, and the key is released.
+    expect(
+        one(2),
+        "UNAVAILABLE",
+        "call-2",
+        json!("call-2:tick-0,call-2:tick-1"),
+    );
+    expect(
+        one(3),
+        "UNAVAILABLE",
+        "call-3",
+        json!("call-3:tick-0,call-3:tick-1"),
+    );
+    // NOT_FOUND at the end: recorded with its messages, and replayed.
+    expect(
+        one(4),
+        "NOT_FOUND",
+        "call-4",
+        json!("call-4:tick-0,call-4:tick-1"),
+    );
+    expect(
+        one(5),
+        "NOT_FOUND",
+        "call-4",
+        json!("call-4:tick-0,call-4:tick-1"),
+    );
+    assert_eq!(one(5)["details"], "upstream says 5");
+    // Elsewhere the messages come when the call has ended.
+    assert!(one(6)["first_ms"].as_u64().unwrap() >= 1200, "{}", one(6));
+    assert_eq!(one(7)["body"], "5", "calls the server saw");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_streams_on_redis() {
+    server_streams(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_streams_on_embedded() {
+    server_streams(Backend::Embedded).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

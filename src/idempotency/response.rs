@@ -45,23 +45,45 @@ pub(super) fn recorded_for(
     grpc: bool,
     policy: &Policy,
 ) -> Option<Ttl> {
-    let control = Control::take(&mut head.headers);
-    let (storable, failure) = if grpc && head.status == StatusCode::OK {
-        let code = grpc::status_of(&head.headers, trailers);
-        let storable = grpc::is_storable(code, policy.cache_server_errors);
-        (storable, grpc::is_failure(code))
-    } else {
-        let storable = is_storable(head.status, policy.cache_server_errors);
-        (storable, head.status.as_u16() >= 400)
-    };
-    if !storable || control.no_store {
-        return None;
+    Terms::take(head).ttl((head.status, &head.headers), trailers, grpc, policy)
+}
+
+/// What a response's head says of its recording: its `Idempotency-Control`, taken out of the
+/// head (never relayed), for [`Terms::ttl`] to decide once the status is known (a gRPC call's,
+/// after its trailers).
+pub(super) struct Terms(Control);
+
+impl Terms {
+    /// The terms of the response whose head is `head`, its `Idempotency-Control` removed.
+    pub(super) fn take(head: &mut response::Parts) -> Self {
+        Terms(Control::take(&mut head.headers))
     }
-    Some(match control.max_age {
-        Some(age) => Ttl::For(age).min(policy.max_ttl),
-        None if failure => policy.failure_ttl,
-        None => policy.ttl,
-    })
+
+    /// [`recorded_for`] on a head taken before: its status and headers, then its trailers.
+    pub(super) fn ttl(
+        &self,
+        (status, headers): (StatusCode, &HeaderMap),
+        trailers: Option<&HeaderMap>,
+        grpc: bool,
+        policy: &Policy,
+    ) -> Option<Ttl> {
+        let (storable, failure) = if grpc && status == StatusCode::OK {
+            let code = grpc::status_of(headers, trailers);
+            let storable = grpc::is_storable(code, policy.cache_server_errors);
+            (storable, grpc::is_failure(code))
+        } else {
+            let storable = is_storable(status, policy.cache_server_errors);
+            (storable, status.as_u16() >= 400)
+        };
+        if !storable || self.0.no_store {
+            return None;
+        }
+        Some(match self.0.max_age {
+            Some(age) => Ttl::For(age).min(policy.max_ttl),
+            None if failure => policy.failure_ttl,
+            None => policy.ttl,
+        })
+    }
 }
 
 /// What an upstream's `Idempotency-Control` asks for one response.
@@ -140,15 +162,15 @@ pub(super) fn replay(
     resp
 }
 
-/// The first answer of a streamed response to be recorded for `ttl`: its head (`body` empty),
-/// and `body` as it comes.
+/// The first answer of a streamed response whose record will live `lives` (`None`: forever, or
+/// not known before its end): its head (`body` empty), and `body` as it comes.
 pub(super) fn first_streamed(
     head: &StoredResponse,
     body: Body,
     policy: &Policy,
-    ttl: Ttl,
+    lives: Option<Duration>,
 ) -> Response<Body> {
-    respond(head, body, None, expiry(policy, ttl.finite()))
+    respond(head, body, None, expiry(policy, lives))
 }
 
 /// A duplicate's answer from the live stream it attached to, marked as a replay; without a

@@ -56,7 +56,7 @@ use super::live::{OnAir, Tape};
 use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
-use super::response::{self, relayed, TRACEPARENT};
+use super::response::{self, relayed, Terms, TRACEPARENT};
 use super::routes::RouteState;
 use super::sse;
 use super::trace;
@@ -261,7 +261,14 @@ enum Called<E> {
     /// key is recorded as not replayable for the duration.
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
-    Streamed(http::response::Parts, Body, Ttl),
+    Streamed(http::response::Parts, Body, StreamTtl),
+}
+
+/// How long a streamed answer is recorded: known from its head, or decided by its trailers (a
+/// gRPC call's status), when its body has ended.
+enum StreamTtl {
+    Known(Ttl),
+    AtEnd(Terms),
 }
 
 /// A streamed answer whose head is answered: its body still to be read onto its tape and
@@ -269,7 +276,7 @@ enum Called<E> {
 struct Tail {
     tape: Arc<Tape>,
     body: Body,
-    ttl: Ttl,
+    ttl: StreamTtl,
     is_head: bool,
     _on_air: OnAir,
 }
@@ -723,17 +730,16 @@ impl<St: Store> Shared<St> {
         held: &Held,
         (head, is_head): (http::response::Parts, bool),
         traceparent: Option<http::HeaderValue>,
-        (body, ttl): (Body, Ttl),
+        (body, ttl): (Body, StreamTtl),
     ) -> (Response<Body>, Tail) {
         let policy = &*held.policy;
         let head = StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
         let head = Arc::new(head);
-        let tape = Tape::new(
-            head.clone(),
-            held.fingerprint,
-            ttl.finite(),
-            policy.max_body,
-        );
+        let lives = match &ttl {
+            StreamTtl::Known(ttl) => ttl.finite(),
+            StreamTtl::AtEnd(_) => None,
+        };
+        let tape = Tape::new(head.clone(), held.fingerprint, lives, policy.max_body);
         let first = tape.first_reader().into_body();
         let tail = Tail {
             _on_air: self.live.open(held.key, &tape),
@@ -742,7 +748,7 @@ impl<St: Store> Shared<St> {
             ttl,
             is_head,
         };
-        (response::first_streamed(&head, first, policy, ttl), tail)
+        (response::first_streamed(&head, first, policy, lives), tail)
     }
 
     /// Read a streamed answer to its end onto its tape, whether or not anyone still reads it,
@@ -769,7 +775,27 @@ impl<St: Store> Shared<St> {
             tape.finish(false);
             return;
         }
-        let state = match tape.recorded() {
+        let recorded = tape.recorded();
+        let ttl = match ttl {
+            StreamTtl::Known(ttl) => Some(ttl),
+            // A gRPC call's status, in its trailers (its head had none); past max_body it is too
+            // large to wait for, and judged by the HTTP rules, as a buffered one is.
+            StreamTtl::AtEnd(terms) => {
+                let head = (tape.head.status, &http::HeaderMap::new());
+                match &recorded {
+                    Some((_, trailers)) => terms.ttl(head, trailers.as_ref(), true, policy),
+                    None => terms.ttl(head, None, false, policy),
+                }
+            }
+        };
+        let Some(ttl) = ttl else {
+            // Its status says "try again" (or no-store): the key is released, as for a
+            // buffered answer.
+            lease.release().await;
+            tape.finish(true);
+            return;
+        };
+        let state = match recorded {
             Some(rest) => {
                 let stored = tape.head.completed(rest);
                 if !response::framed(&stored, is_head) {
@@ -811,9 +837,13 @@ impl<St: Store> Shared<St> {
         if let Some(None) = now {
             return Called::Transient(Response::from_parts(head, body));
         }
-        // On a streamed route the answer goes on as it comes (a gRPC call's, whose status
-        // follows the body, is read whole).
-        if let (true, Some(Some(ttl))) = (policy.stream, now) {
+        // On a streamed route the answer goes on as it comes (a gRPC call's status, which
+        // follows its messages, decides at its end).
+        if policy.stream {
+            let ttl = match now.flatten() {
+                Some(ttl) => StreamTtl::Known(ttl),
+                None => StreamTtl::AtEnd(Terms::take(&mut head)),
+            };
             return Called::Streamed(head, body, ttl);
         }
         match collect_capped(body, policy.max_body).await {
