@@ -638,22 +638,8 @@ impl<St: Store> Shared<St> {
         let traceparent = trace::traceparent_of(&Span::current())
             .or_else(|| parts.headers.get(TRACEPARENT).cloned());
         let is_head = parts.method == Method::HEAD;
-        let mut req = Request::from_parts(parts, Body::from(body));
-        let upstream = debug_span!("upstream", otel.kind = "client", upstream = %policy.upstream);
-        trace::inject(&upstream, req.headers_mut());
-        let started = Instant::now();
-        // The inner service gets the same deadline: when it says "not sent" at that very
-        // moment (it waited for a connection), its answer wins over the timeout.
-        let deadline = started + policy.upstream_timeout;
-        req.extensions_mut().insert(Deadline(deadline));
-        let called = tokio::select! {
-            biased;
-            called = self.call(inner, req, held).instrument(upstream) => Ok(called),
-            () = tokio::time::sleep_until(deadline) => Err(()),
-            never = lease.hold() => match never {},
-        };
-        let took = started.elapsed();
-        self.metrics.upstream(took);
+        let req = Request::from_parts(parts, Body::from(body));
+        let (called, took) = self.call_by_deadline(inner, lease, req).await;
         // From here on the lease is no longer renewed.
         let mut tail = None;
         // A call that ends in failure at its deadline timed out, whoever noticed first.
@@ -665,36 +651,36 @@ impl<St: Store> Shared<St> {
             self.metrics.unsettled(&policy.route, reason);
         };
         let answer = match called {
-            Err(()) => {
+            None => {
                 // The inner service may still be executing: keep the claim until its lease ends.
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
                 unsettled();
                 Ok(GatewayError::UpstreamTimeout.respond(format))
             }
-            Ok(Called::NotSent(e)) => {
+            Some(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
                 lease.release().await;
                 Err(e)
             }
-            Ok(Called::Failed(e)) => {
+            Some(Called::Failed(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream failed after the request may have been sent; key stays claimed until its lease ends");
                 unsettled();
                 Err(e)
             }
-            Ok(Called::BodyFailed) => {
+            Some(Called::BodyFailed) => {
                 unsettled();
                 Ok(GatewayError::Upstream.respond(format))
             }
-            Ok(Called::NotFinal(status)) => {
+            Some(Called::NotFinal(status)) => {
                 warn!(route = %policy.route, key = %held.tag(), %status, "inner service answered with no final response; key stays claimed until its lease ends");
                 unsettled();
                 Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).respond(format))
             }
-            Ok(Called::Transient(resp)) => {
+            Some(Called::Transient(resp)) => {
                 lease.release().await;
                 Ok(resp)
             }
-            Ok(Called::Whole(head, body, ttl)) => {
+            Some(Called::Whole(head, body, ttl)) => {
                 let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
                 if response::framed(&stored, is_head) {
                     lease
@@ -708,11 +694,11 @@ impl<St: Store> Shared<St> {
                     Ok(GatewayError::Upstream.respond(format))
                 }
             }
-            Ok(Called::TooLarge(head, read, rest, ttl)) => {
+            Some(Called::TooLarge(head, read, rest, ttl)) => {
                 lease.complete(&EntryState::NotReplayable, ttl).await;
                 Ok(response::streamed_once(head, read, rest, policy, ttl))
             }
-            Ok(Called::Streamed(head, body, ttl)) => {
+            Some(Called::Streamed(head, body, ttl)) => {
                 let (first, streamed) =
                     self.stream_on(held, (head, is_head), traceparent, (body, ttl));
                 tail = Some(streamed);
@@ -720,6 +706,38 @@ impl<St: Store> Shared<St> {
             }
         };
         (Forwarded { answer, took }, tail)
+    }
+
+    /// Call the inner service with the route's deadline, holding the lease meanwhile: what the
+    /// call came to (`None`: no answer by the deadline), and how long it took.
+    async fn call_by_deadline<S, RB>(
+        &self,
+        inner: S,
+        lease: &Lease<St>,
+        mut req: Request<Body>,
+    ) -> (Option<Called<S::Error>>, Duration)
+    where
+        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        S::Error: StdError + 'static,
+        RB: ByteBody,
+    {
+        let (held, policy) = (&*lease.held, &*lease.held.policy);
+        let upstream = debug_span!("upstream", otel.kind = "client", upstream = %policy.upstream);
+        trace::inject(&upstream, req.headers_mut());
+        let started = Instant::now();
+        // The inner service gets the same deadline: when it says "not sent" at that very
+        // moment (it waited for a connection), its answer wins over the timeout.
+        let deadline = started + policy.upstream_timeout;
+        req.extensions_mut().insert(Deadline(deadline));
+        let called = tokio::select! {
+            biased;
+            called = self.call(inner, req, held).instrument(upstream) => Some(called),
+            () = tokio::time::sleep_until(deadline) => None,
+            never = lease.hold() => match never {},
+        };
+        let took = started.elapsed();
+        self.metrics.upstream(took);
+        (called, took)
     }
 
     /// The first answer of a streamed response whose head is `head` (to a `HEAD` request when
