@@ -50,6 +50,23 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 /// The name of the instrumentation scope spans are exported under.
 const SCOPE: &str = "idemgate";
 
+/// The exporter's HTTP client: over TLS with the config's client configuration for an https://
+/// collector.
+fn http_client(config: &TelemetryConfig) -> Arc<dyn opentelemetry_http::HttpClient> {
+    use opentelemetry_http::hyper::HyperClient;
+    match &config.tls {
+        Some(tls) => {
+            let https = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((**tls).clone())
+                .https_only()
+                .enable_http1()
+                .build();
+            Arc::new(HyperClient::new(https, EXPORT_TIMEOUT, None))
+        }
+        None => Arc::new(HyperClient::with_default_connector(EXPORT_TIMEOUT, None)),
+    }
+}
+
 /// A running exporter: the tracer provider, and the runtime its HTTP client runs on.
 pub struct Telemetry {
     provider: SdkTracerProvider,
@@ -82,12 +99,7 @@ impl Telemetry {
                 .with_http()
                 .with_protocol(Protocol::HttpBinary)
                 .with_endpoint(config.traces_url.to_string())
-                .with_http_client(
-                    opentelemetry_http::hyper::HyperClient::with_default_connector(
-                        EXPORT_TIMEOUT,
-                        None,
-                    ),
-                )
+                .with_shared_http_client(http_client(config))
                 .with_timeout(EXPORT_TIMEOUT)
                 .build()
                 .map_err(|e| format!("cannot build the trace exporter: {e}"))?

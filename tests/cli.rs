@@ -596,4 +596,32 @@ fn check_config_shows_telemetry_off_or_its_collector() {
     );
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("telemetry.sample_ratio"));
+    // Over TLS: the CA file is shown; the headers the environment gives the exporter are not.
+    let ca = common::TestCa::new();
+    let tls = idemgate_env(
+        &["check-config", path],
+        &[
+            (
+                "IDEMGATE_TELEMETRY__OTLP_ENDPOINT",
+                "https://collector:4318",
+            ),
+            ("IDEMGATE_TELEMETRY__CA_FILE", ca.ca()),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=collector-secret"),
+        ],
+    );
+    let shown = succeeded(&tls);
+    assert!(
+        shown.contains(&format!("ca_file: Some(\n        \"{}\"", ca.ca())),
+        "{shown}"
+    );
+    assert!(!shown.contains("collector-secret"), "{shown}");
+    let bad = idemgate_env(
+        &["check-config", path],
+        &[
+            ("IDEMGATE_TELEMETRY__OTLP_ENDPOINT", "http://collector:4318"),
+            ("IDEMGATE_TELEMETRY__CA_FILE", ca.ca()),
+        ],
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("telemetry.ca_file"));
 }

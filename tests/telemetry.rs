@@ -1,6 +1,7 @@
 //! OpenTelemetry traces (`[telemetry]`): the gateway binary exports to an OTLP/HTTP receiver
-//! this test runs, which decodes each export with `opentelemetry-proto`; and a collector that
-//! is down costs dropped (counted) spans, not answers.
+//! this test runs, which decodes each export with `opentelemetry-proto`, over plain HTTP or TLS
+//! (mutual, with a private CA); and a collector that is down or refuses the gateway costs
+//! dropped (counted) spans, not answers.
 
 use crate::common;
 
@@ -17,26 +18,70 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use sha2::{Digest, Sha256};
 
-use common::{client, free_port, send, wait_until, CountingUpstream, GatewayBinary, TestConfig};
+use common::{
+    client, free_port, send, wait_until, CountingUpstream, GatewayBinary, TestCa, TestConfig,
+    Validity,
+};
 
-/// An OTLP/HTTP receiver: every export's raw bytes, kept for the test to decode.
+/// An OTLP/HTTP receiver: every export's raw bytes, kept for the test to decode, and the
+/// `x-api-key` each came with.
 #[derive(Clone, Default)]
 struct Receiver {
     exports: Arc<Mutex<Vec<Bytes>>>,
+    api_keys: Arc<Mutex<Vec<String>>>,
 }
 
 impl Receiver {
     /// Listen on a free loopback port; `POST /v1/traces` answers 200 with an empty
     /// `ExportTraceServiceResponse`.
     async fn start() -> (Self, SocketAddr) {
+        let (receiver, app) = Receiver::app();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (receiver, addr)
+    }
+
+    /// The same over TLS with `tls`.
+    async fn start_tls(tls: Arc<rustls::ServerConfig>) -> (Self, SocketAddr) {
+        let (receiver, app) = Receiver::app();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    let Ok(stream) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(
+                        hyper_util::rt::TokioIo::new(stream),
+                        hyper_util::service::TowerToHyperService::new(app),
+                    )
+                    .await;
+                });
+            }
+        });
+        (receiver, addr)
+    }
+
+    /// A receiver and the app that fills it.
+    fn app() -> (Self, axum::Router) {
         let receiver = Receiver::default();
         let kept = receiver.clone();
         let app = axum::Router::new().route(
             "/v1/traces",
-            post(move |body: Bytes| {
+            post(move |headers: axum::http::HeaderMap, body: Bytes| {
                 let kept = kept.clone();
                 async move {
                     kept.exports.lock().unwrap().push(body);
+                    let api_key = headers.get("x-api-key").map(|v| v.to_str().unwrap());
+                    let api_key = api_key.unwrap_or_default().to_string();
+                    kept.api_keys.lock().unwrap().push(api_key);
                     (
                         [("content-type", "application/x-protobuf")],
                         Vec::<u8>::new(),
@@ -44,10 +89,7 @@ impl Receiver {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        (receiver, addr)
+        (receiver, app)
     }
 
     /// Every span received so far, decoded, with the `service.name` it came under.
@@ -118,6 +160,23 @@ fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (T
         .route("/v1/payments", toml::toml! { require_key = true })
         .env("OTEL_BSP_SCHEDULE_DELAY", "100");
     (config, admin)
+}
+
+/// What the gateway whose admin listener is on `admin` says it dropped.
+async fn dropped(admin: u16) -> f64 {
+    let metrics = client()
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_trace_spans_dropped_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
 }
 
 /// The one span named `name` whose parent is `parent`.
@@ -263,26 +322,66 @@ async fn a_collector_that_is_down_drops_and_counts_spans_and_requests_are_answer
             .body("amount=100");
         assert_eq!(send(pay).await.status, 201);
     }
-    let dropped = async || {
-        let metrics = http
-            .get(format!("http://127.0.0.1:{admin}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("idemgate_trace_spans_dropped_total "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     wait_until(
         Duration::from_secs(15),
         "dropped spans are counted",
-        async || dropped().await >= 20.0,
+        async || dropped(admin).await >= 20.0,
     )
     .await;
     assert_eq!(upstream.calls(), 20);
+}
+
+#[tokio::test]
+async fn an_https_collector_with_a_private_ca_and_mutual_tls_gets_the_spans() {
+    let ca = TestCa::new();
+    let server = ca.server("collector", &["localhost"], Validity::Now);
+    let (receiver, addr) = Receiver::start_tls(ca.server_config(&server, true)).await;
+    let collector = format!("https://localhost:{}", addr.port());
+    let upstream = CountingUpstream::start().await;
+    let pay = |gateway: &GatewayBinary, key: &str| {
+        client()
+            .post(gateway.url("/v1/payments"))
+            .header("idempotency-key", key)
+            .body("amount=100")
+    };
+    // Trusting the collector's CA, and presenting a certificate it trusts: the spans arrive,
+    // with the headers the environment gives.
+    let presented = ca.client("gateway");
+    let (config, _) = traced(&upstream, &collector, 1.0);
+    let config = config
+        .set("telemetry.ca_file", ca.ca())
+        .set("telemetry.client_cert_file", presented.cert())
+        .set("telemetry.client_key_file", presented.key_path())
+        .env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=collector-secret");
+    let gateway = GatewayBinary::start(&config).await;
+    assert_eq!(send(pay(&gateway, "tls-1")).await.status, 201);
+    wait_until(
+        Duration::from_secs(10),
+        "the collector has the request's spans",
+        async || {
+            receiver
+                .spans()
+                .iter()
+                .any(|(_, s)| attribute(s, "outcome").as_deref() == Some("miss"))
+        },
+    )
+    .await;
+    let api_keys = receiver.api_keys.lock().unwrap().clone();
+    assert!(
+        api_keys.iter().all(|k| k == "collector-secret"),
+        "{api_keys:?}"
+    );
+    // Without the client certificate the collector refuses the connection: the spans are
+    // dropped and counted, and the request is answered all the same.
+    let (config, admin) = traced(&upstream, &collector, 1.0);
+    let gateway = GatewayBinary::start(&config.set("telemetry.ca_file", ca.ca())).await;
+    let before = receiver.spans().len();
+    assert_eq!(send(pay(&gateway, "tls-2")).await.status, 201);
+    wait_until(
+        Duration::from_secs(15),
+        "dropped spans are counted",
+        async || dropped(admin).await >= 1.0,
+    )
+    .await;
+    assert_eq!(receiver.spans().len(), before);
 }

@@ -893,7 +893,8 @@ mod tests {
             let c = Config::from_toml(&format!(
                 "upstream = \"http://h:1\"\n[telemetry]\n{endpoint}\n{line}"
             ));
-            assert_eq!(c.unwrap().telemetry, shown, "{line}");
+            let (got, shown) = (c.unwrap().telemetry, &shown);
+            assert_eq!(format!("{got:?}"), format!("{shown:?}"), "{line}");
         }
         assert!(c.telemetry.is_none(), "[telemetry] is off in example.toml");
         let redis = std::fs::read_to_string(format!("{dir}redis.toml")).unwrap();

@@ -1,10 +1,14 @@
 //! The `[telemetry]` table: OpenTelemetry traces exported over OTLP/HTTP (protobuf). Without the
 //! table nothing is exported and no exporter runs.
 
+use std::fmt;
+use std::sync::Arc;
+
 use http::Uri;
 use serde::Deserialize;
 
 use super::checked::{rules, Checked};
+use super::upstream::{client_tls, TlsFiles};
 use super::{invalid, ConfigError};
 
 /// The service name spans are exported under (`service.name`), when not given.
@@ -23,11 +27,14 @@ pub(super) struct RawTelemetry {
     otlp_endpoint: Option<Checked<OtlpEndpoint>>,
     service_name: Option<Checked<ServiceName>>,
     sample_ratio: Option<Checked<Ratio>>,
+    ca_file: Option<String>,
+    client_cert_file: Option<String>,
+    client_key_file: Option<String>,
 }
 
 rules! {
-    /// A collector's OTLP/HTTP URL: `http://`, with a host; its traces path is added unless
-    /// it ends with it already.
+    /// A collector's OTLP/HTTP URL: `http://` or `https://`, with a host; its traces path is
+    /// added unless it ends with it already.
     OtlpEndpoint: String => Uri = |s: String| traces_url(&s);
     /// A name that is not empty.
     ServiceName: String => String = |s: String| match s.trim().is_empty() {
@@ -42,7 +49,7 @@ rules! {
 }
 
 /// `[telemetry]`, validated: traces are exported.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone)]
 pub struct TelemetryConfig {
     /// The URL spans are posted to: the collector's `otlp_endpoint` with `/v1/traces`.
     pub traces_url: Uri,
@@ -51,6 +58,27 @@ pub struct TelemetryConfig {
     /// The share of requests without a sampled `traceparent` whose trace is recorded (a
     /// client's `traceparent` decides for its request). Default [`DEFAULT_SAMPLE_RATIO`].
     pub sample_ratio: f64,
+    /// A PEM file of the CA(s) to trust instead of the system's (https only).
+    pub ca_file: Option<String>,
+    /// The certificate presented for mutual TLS (https only).
+    pub client_cert_file: Option<String>,
+    /// Its key (the path only: the key itself is never printed).
+    pub client_key_file: Option<String>,
+    /// For https: the client configuration built from the fields above.
+    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl fmt::Debug for TelemetryConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TelemetryConfig")
+            .field("traces_url", &format_args!("{}", self.traces_url))
+            .field("service_name", &self.service_name)
+            .field("sample_ratio", &self.sample_ratio)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert_file", &self.client_cert_file)
+            .field("client_key_file", &self.client_key_file)
+            .finish()
+    }
 }
 
 /// Validate `[telemetry]`: present, it needs `otlp_endpoint`.
@@ -62,14 +90,27 @@ pub(super) fn telemetry(raw: Option<RawTelemetry>) -> Result<Option<TelemetryCon
             "is required in [telemetry] (the collector's OTLP/HTTP URL, like \"http://collector:4318\")",
         )
     })?;
+    let traces_url = traces_url.into_inner();
+    let files = TlsFiles {
+        ca_file: raw.ca_file.as_deref(),
+        client_cert_file: raw.client_cert_file.as_deref(),
+        client_key_file: raw.client_key_file.as_deref(),
+    };
+    let https = traces_url.scheme_str() == Some("https");
+    // No ALPN here: the exporter's connector offers HTTP/1.1 itself.
+    let tls = client_tls("telemetry", https, files, &[])?;
     Ok(Some(TelemetryConfig {
-        traces_url: traces_url.into_inner(),
+        traces_url,
         service_name: raw
             .service_name
             .map_or_else(|| DEFAULT_SERVICE_NAME.to_string(), Checked::into_inner),
         sample_ratio: raw
             .sample_ratio
             .map_or(DEFAULT_SAMPLE_RATIO, Checked::into_inner),
+        ca_file: raw.ca_file,
+        client_cert_file: raw.client_cert_file,
+        client_key_file: raw.client_key_file,
+        tls,
     }))
 }
 
@@ -78,8 +119,8 @@ fn traces_url(s: &str) -> Result<Uri, String> {
     let uri: Uri = s
         .parse()
         .map_err(|_| format!("{s:?} is not a URL like \"http://collector:4318\""))?;
-    if uri.scheme_str() != Some("http") {
-        return Err("must be an http:// URL (OTLP over HTTP without TLS: a collector or agent on the local network)".into());
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err("must be an http:// or https:// URL".into());
     }
     if uri.authority().is_none() {
         return Err("must name a host, like \"http://collector:4318\"".into());
@@ -113,7 +154,7 @@ mod tests {
 
     #[test]
     fn off_without_the_table_and_defaults_with_it() {
-        assert_eq!(telemetry("").unwrap(), None);
+        assert!(telemetry("").unwrap().is_none());
         let t = telemetry("[telemetry]\notlp_endpoint = \"http://collector:4318\"")
             .unwrap()
             .unwrap();
@@ -142,8 +183,20 @@ mod tests {
                 "telemetry.otlp_endpoint",
             ),
             (
-                "[telemetry]\notlp_endpoint = \"https://c:4318\"",
+                "[telemetry]\notlp_endpoint = \"ftp://c:4318\"",
                 "telemetry.otlp_endpoint",
+            ),
+            (
+                "[telemetry]\notlp_endpoint = \"http://c:4318\"\nca_file = \"ca.pem\"",
+                "telemetry.ca_file",
+            ),
+            (
+                "[telemetry]\notlp_endpoint = \"https://c:4318\"\nca_file = \"/nonexistent/ca.pem\"",
+                "telemetry.ca_file",
+            ),
+            (
+                "[telemetry]\notlp_endpoint = \"https://c:4318\"\nclient_cert_file = \"c.pem\"",
+                "telemetry.client_key_file",
             ),
             (
                 "[telemetry]\notlp_endpoint = \"c:4318\"",

@@ -121,43 +121,20 @@ fn upstream(
     let url = r.url.ok_or_else(|| invalid(field("url"), "is required"))?;
     let url = parse_url(&url).map_err(|reason| invalid(field("url"), reason))?;
     let https = url.scheme_str() == Some("https");
-    if !https {
-        for (f, set) in [
-            ("ca_file", r.ca_file.is_some()),
-            ("client_cert_file", r.client_cert_file.is_some()),
-            ("client_key_file", r.client_key_file.is_some()),
-            ("server_name", r.server_name.is_some()),
-        ] {
-            if set {
-                return Err(invalid(format!("{at}.{f}"), "needs an https:// url"));
-            }
-        }
+    if !https && r.server_name.is_some() {
+        return Err(invalid(
+            format!("{at}.server_name"),
+            "needs an https:// url",
+        ));
     }
-    let client = match (&r.client_cert_file, &r.client_key_file) {
-        (Some(c), Some(k)) => Some((c.as_str(), k.as_str())),
-        (None, None) => None,
-        (Some(_), None) => {
-            return Err(invalid(
-                format!("{at}.client_key_file"),
-                "is required with client_cert_file",
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(invalid(
-                format!("{at}.client_cert_file"),
-                "is required with client_key_file",
-            ))
-        }
-    };
     let http2 = r.http2.unwrap_or(false);
-    let tls = if https {
-        let alpn: &[&[u8]] = if http2 { &[b"h2"] } else { &[b"http/1.1"] };
-        let config = crate::tls::client_config(r.ca_file.as_deref(), client, alpn)
-            .map_err(|(f, reason)| invalid(format!("{at}.{f}"), reason))?;
-        Some(Arc::new(config))
-    } else {
-        None
+    let alpn: &[&[u8]] = if http2 { &[b"h2"] } else { &[b"http/1.1"] };
+    let files = TlsFiles {
+        ca_file: r.ca_file.as_deref(),
+        client_cert_file: r.client_cert_file.as_deref(),
+        client_key_file: r.client_key_file.as_deref(),
     };
+    let tls = client_tls(at, https, files, alpn)?;
     let connect_timeout = r
         .connect_timeout
         .map_or(DEFAULT_CONNECT_TIMEOUT, Checked::into_inner);
@@ -179,6 +156,61 @@ fn upstream(
             tls,
         },
     ))
+}
+
+/// The TLS files of a client, as written: the CAs it trusts (the system's when `None`), and the
+/// certificate and key it presents.
+pub(super) struct TlsFiles<'a> {
+    pub(super) ca_file: Option<&'a str>,
+    pub(super) client_cert_file: Option<&'a str>,
+    pub(super) client_key_file: Option<&'a str>,
+}
+
+/// The TLS configuration of a client whose URL is `https` (`None` over plain HTTP), from the
+/// `files` of its table `at`, offering `alpn`. The files need an https:// URL, and a client
+/// certificate needs its key (and the other way round); errors name the field.
+pub(super) fn client_tls(
+    at: &str,
+    https: bool,
+    files: TlsFiles<'_>,
+    alpn: &[&[u8]],
+) -> Result<Option<Arc<rustls::ClientConfig>>, ConfigError> {
+    let TlsFiles {
+        ca_file,
+        client_cert_file,
+        client_key_file,
+    } = files;
+    if !https {
+        for (f, set) in [
+            ("ca_file", ca_file.is_some()),
+            ("client_cert_file", client_cert_file.is_some()),
+            ("client_key_file", client_key_file.is_some()),
+        ] {
+            if set {
+                return Err(invalid(format!("{at}.{f}"), "needs an https:// url"));
+            }
+        }
+        return Ok(None);
+    }
+    let client = match (client_cert_file, client_key_file) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(invalid(
+                format!("{at}.client_key_file"),
+                "is required with client_cert_file",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(invalid(
+                format!("{at}.client_cert_file"),
+                "is required with client_key_file",
+            ))
+        }
+    };
+    let config = crate::tls::client_config(ca_file, client, alpn)
+        .map_err(|(f, reason)| invalid(format!("{at}.{f}"), reason))?;
+    Ok(Some(Arc::new(config)))
 }
 
 /// An upstream URL: `http://` or `https://`, with a host, no query string.
