@@ -47,25 +47,7 @@ impl Receiver {
         let (receiver, app) = Receiver::app();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let (acceptor, app) = (acceptor.clone(), app.clone());
-                tokio::spawn(async move {
-                    let Ok(stream) = acceptor.accept(stream).await else {
-                        return;
-                    };
-                    let _ = hyper_util::server::conn::auto::Builder::new(
-                        hyper_util::rt::TokioExecutor::new(),
-                    )
-                    .serve_connection(
-                        hyper_util::rt::TokioIo::new(stream),
-                        hyper_util::service::TowerToHyperService::new(app),
-                    )
-                    .await;
-                });
-            }
-        });
+        common::tls::serve_tls(listener, tls, app);
         (receiver, addr)
     }
 
@@ -164,19 +146,8 @@ fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (T
 
 /// What the gateway whose admin listener is on `admin` says it dropped.
 async fn dropped(admin: u16) -> f64 {
-    let metrics = client()
-        .get(format!("http://127.0.0.1:{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("idemgate_trace_spans_dropped_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0)
+    let series = "idemgate_trace_spans_dropped_total";
+    common::gateway::metric_at(([127, 0, 0, 1], admin).into(), series).await
 }
 
 /// The one span named `name` whose parent is `parent`.

@@ -75,28 +75,12 @@ impl InProcessGateway {
 
     /// What its admin listener's `GET /metrics` says (the config must have `admin.listen`).
     pub async fn metrics(&self) -> String {
-        let admin = self.admin.expect("an admin listener in the config");
-        client()
-            .get(format!("http://{admin}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        scrape(self.admin.expect("an admin listener in the config")).await
     }
 
-    /// The value of one series of `GET /metrics`, named as it is exposed, labels and all:
-    /// `idemgate_client_connections`, `idemgate_records_unreadable_total{reason="tampered"}`.
+    /// The value of one series of its `GET /metrics` (see [`metric_at`]).
     pub async fn metric(&self, series: &str) -> f64 {
-        let metrics = self.metrics().await;
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-            .unwrap_or_else(|| panic!("{series} not in {metrics}"))
-            .trim()
-            .parse()
-            .unwrap()
+        metric_at(self.admin.expect("an admin listener in the config"), series).await
     }
 
     /// Stop accepting and wait for the server task to end.
@@ -116,6 +100,32 @@ impl Drop for InProcessGateway {
             t.abort();
         }
     }
+}
+
+/// What the admin listener at `admin` says at `GET /metrics`.
+pub async fn scrape(admin: SocketAddr) -> String {
+    client()
+        .get(format!("http://{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of one series the admin listener at `admin` exposes, named as it is exposed,
+/// labels and all: `idemgate_client_connections`,
+/// `idemgate_records_unreadable_total{reason="tampered"}`.
+pub async fn metric_at(admin: SocketAddr, series: &str) -> f64 {
+    let metrics = scrape(admin).await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{series} not in {metrics}"))
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 /// The real `idemgate` binary running with a config file; killed on drop. Its log goes where

@@ -1,8 +1,12 @@
 //! TLS for tests: a private CA made with rcgen, the certificates it issues (for a server, for a
 //! client, expired, for another name), written to PEM files a gateway config can name.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+use axum::extract::ConnectInfo;
+use tokio::net::TcpListener;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -159,4 +163,35 @@ impl TestCa {
             .build()
             .unwrap()
     }
+}
+
+/// Serve `app` on `listener` over TLS with `config` (HTTP/2 or HTTP/1.1, as ALPN agrees), each
+/// request carrying its peer's address (`ConnectInfo`). A client whose handshake fails (an
+/// untrusted certificate, a missing client certificate) gets no request through.
+pub fn serve_tls(listener: TcpListener, config: Arc<rustls::ServerConfig>, app: axum::Router) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        while let Ok((stream, peer)) = listener.accept().await {
+            let (acceptor, app) = (acceptor.clone(), app.clone());
+            tokio::spawn(async move {
+                let Ok(stream) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let app = tower::ServiceBuilder::new()
+                    .map_request(move |mut req: http::Request<hyper::body::Incoming>| {
+                        req.extensions_mut().insert(ConnectInfo::<SocketAddr>(peer));
+                        req
+                    })
+                    .service(app);
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(
+                    hyper_util::rt::TokioIo::new(stream),
+                    hyper_util::service::TowerToHyperService::new(app),
+                )
+                .await;
+            });
+        }
+    });
 }

@@ -77,31 +77,7 @@ impl CountingUpstream {
         let app = axum::Router::new()
             .fallback(handle)
             .with_state(state.clone());
-        let acceptor = tokio_rustls::TlsAcceptor::from(config);
-        tokio::spawn(async move {
-            while let Ok((stream, peer)) = listener.accept().await {
-                let (acceptor, app) = (acceptor.clone(), app.clone());
-                tokio::spawn(async move {
-                    let Ok(stream) = acceptor.accept(stream).await else {
-                        return;
-                    };
-                    let app = tower::ServiceBuilder::new()
-                        .map_request(move |mut req: http::Request<hyper::body::Incoming>| {
-                            req.extensions_mut().insert(ConnectInfo(peer));
-                            req
-                        })
-                        .service(app);
-                    let _ = hyper_util::server::conn::auto::Builder::new(
-                        hyper_util::rt::TokioExecutor::new(),
-                    )
-                    .serve_connection(
-                        hyper_util::rt::TokioIo::new(stream),
-                        hyper_util::service::TowerToHyperService::new(app),
-                    )
-                    .await;
-                });
-            }
-        });
+        super::tls::serve_tls(listener, config, app);
         CountingUpstream { addr, state }
     }
 
