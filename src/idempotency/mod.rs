@@ -20,6 +20,7 @@ mod routes;
 mod service;
 mod shared;
 mod sse;
+mod streamed;
 pub(crate) mod trace;
 mod wait;
 

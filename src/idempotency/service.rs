@@ -1,7 +1,8 @@
 //! [`Idempotency`]: the state machine of one request, around any inner service. Read
 //! `Shared::keyed` and `Shared::run_claimed` top to bottom: they are the whole protocol. The
 //! claim's life cycle is in `lease.rs`, what is stored and replayed in `response.rs`, the wait
-//! for an in-flight duplicate in `wait.rs`, streamed answers in `live.rs`.
+//! for an in-flight duplicate in `wait.rs`, streamed answers in `streamed.rs` (their tape in
+//! `live.rs`).
 //!
 //! ```text
 //!  keyed request ─► buffer body (413) ─► fingerprint ─► claim ─┬─ store down ─► on_store_error: 503 | call unprotected
@@ -14,19 +15,20 @@
 //!                                                              └─ claimed ─► run_claimed (spawned: survives client aborts)
 //!  run_claimed: call the inner service while the Lease is held (renewed)
 //!                   ─┬─ error carrying NotSent ─► release, the error
-//!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends
+//!                    ├─ timeout / other error / body failed / no final status (1xx) ─► keep the claim until the lease ends (counted unsettled)
 //!                    ├─ 5xx, 408, 429 (gRPC: its status, grpc.rs) ─► release, pass the response on
 //!                    ├─ body ≤ max_body ─► complete (replayable), respond
 //!                    ├─ body > max_body ─► complete (not replayable), stream once
 //!                    └─ stream = true ─► answer the head now; the task reads the body onto a
-//!                       tape (live.rs) to its end, then completes (not replayable past max_body)
+//!                       tape (live.rs) to its end, then completes (not replayable past max_body;
+//!                       a gRPC call as its status in the trailers says: complete or release)
 //!  complete, release and renew are fenced by the claim's token: a holder whose lease ran out
 //!  changes nothing.
 //! ```
 //!
-//! A gRPC call (`grpc.rs`) runs the same machine when it is unary (a streaming one is passed
-//! on), its answer judged by the status in its trailers, the layer's own answers as gRPC
-//! statuses.
+//! A gRPC call (`grpc.rs`) runs the same machine when it is unary or server-streaming (a
+//! client or bidirectional streaming one is passed on), its answer judged by the status in its
+//! trailers, the layer's own answers as gRPC statuses.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -52,13 +54,13 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::live::{OnAir, Tape};
 use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy, Ttl};
 use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, Terms, TRACEPARENT};
 use super::routes::RouteState;
 use super::sse;
+use super::streamed::{StreamTtl, Tail};
 use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
@@ -262,23 +264,6 @@ enum Called<E> {
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
     Streamed(http::response::Parts, Body, StreamTtl),
-}
-
-/// How long a streamed answer is recorded: known from its head, or decided by its trailers (a
-/// gRPC call's status), when its body has ended.
-enum StreamTtl {
-    Known(Ttl),
-    AtEnd(Terms),
-}
-
-/// A streamed answer whose head is answered: its body still to be read onto its tape and
-/// recorded, while the tape is offered to duplicates.
-struct Tail {
-    tape: Arc<Tape>,
-    body: Body,
-    ttl: StreamTtl,
-    is_head: bool,
-    _on_air: OnAir,
 }
 
 impl<St: Store> Shared<St> {
@@ -738,96 +723,6 @@ impl<St: Store> Shared<St> {
         let took = started.elapsed();
         self.metrics.upstream(took);
         (called, took)
-    }
-
-    /// The first answer of a streamed response whose head is `head` (to a `HEAD` request when
-    /// `is_head`), read from a new tape offered to duplicates, and what is left to record: the
-    /// body onto that tape.
-    fn stream_on(
-        &self,
-        held: &Held,
-        (head, is_head): (http::response::Parts, bool),
-        traceparent: Option<http::HeaderValue>,
-        (body, ttl): (Body, StreamTtl),
-    ) -> (Response<Body>, Tail) {
-        let policy = &*held.policy;
-        let head = StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
-        let head = Arc::new(head);
-        let lives = match &ttl {
-            StreamTtl::Known(ttl) => ttl.finite(),
-            StreamTtl::AtEnd(_) => None,
-        };
-        let tape = Tape::new(head.clone(), held.fingerprint, lives, policy.max_body);
-        let first = tape.first_reader().into_body();
-        let tail = Tail {
-            _on_air: self.live.open(held.key, &tape),
-            tape,
-            body,
-            ttl,
-            is_head,
-        };
-        (response::first_streamed(&head, first, policy, lives), tail)
-    }
-
-    /// Read a streamed answer to its end onto its tape, whether or not anyone still reads it,
-    /// holding the lease; then record it (not replayable past `max_body`) and end the tape.
-    /// An answer that breaks off midway is not recorded: the key stays claimed until its lease
-    /// ends, as for any answer whose body failed.
-    async fn record_stream(&self, lease: &Lease<St>, tail: Tail) {
-        let (held, policy) = (&*lease.held, &*lease.held.policy);
-        let Tail {
-            tape,
-            body,
-            ttl,
-            is_head,
-            ..
-        } = tail;
-        let copied = tokio::select! {
-            biased;
-            copied = tape.record_from(body, policy.upstream_timeout) => copied,
-            never = lease.hold() => match never {},
-        };
-        if let Err(e) = copied {
-            warn!(route = %policy.route, key = %held.tag(), error = %e, "streamed answer broke off midway; key stays claimed until its lease ends");
-            self.metrics.unsettled(&policy.route, e.reason());
-            tape.finish(false);
-            return;
-        }
-        let recorded = tape.recorded();
-        let ttl = match ttl {
-            StreamTtl::Known(ttl) => Some(ttl),
-            // A gRPC call's status, in its trailers (its head had none); past max_body it is too
-            // large to wait for, and judged by the HTTP rules, as a buffered one is.
-            StreamTtl::AtEnd(terms) => {
-                let head = (tape.head.status, &http::HeaderMap::new());
-                match &recorded {
-                    Some((_, trailers)) => terms.ttl(head, trailers.as_ref(), true, policy),
-                    None => terms.ttl(head, None, false, policy),
-                }
-            }
-        };
-        let Some(ttl) = ttl else {
-            // Its status says "try again" (or no-store): the key is released, as for a
-            // buffered answer.
-            lease.release().await;
-            tape.finish(true);
-            return;
-        };
-        let state = match recorded {
-            Some(rest) => {
-                let stored = tape.head.completed(rest);
-                if !response::framed(&stored, is_head) {
-                    error!(route = %policy.route, key = %held.tag(), "streamed answer's length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
-                    self.metrics.unsettled(&policy.route, Unsettled::failed);
-                    tape.finish(false);
-                    return;
-                }
-                EntryState::Completed(Arc::new(stored))
-            }
-            None => EntryState::NotReplayable,
-        };
-        lease.complete(&state, ttl).await;
-        tape.finish(true);
     }
 
     /// Call the inner service and read as much of the response as the decision needs.
