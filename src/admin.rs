@@ -286,6 +286,8 @@ async fn inspect<S: Inspect>(
             // Names only: values such as Set-Cookie are the caller's secrets.
             let names: Vec<&str> = r.headers.iter().map(|(n, _)| n.as_str()).collect();
             fields.insert("header_names".into(), names.into());
+            let trailers: Vec<&str> = r.trailers.iter().map(|(n, _)| n.as_str()).collect();
+            fields.insert("trailer_names".into(), trailers.into());
             fields.insert("body_bytes".into(), r.body.len().into());
             let trace = r.traceparent.as_ref().and_then(|t| t.to_str().ok());
             fields.insert("traceparent".into(), trace.map_or(Value::Null, Value::from));

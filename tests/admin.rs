@@ -228,6 +228,7 @@ async fn inspect_shows_the_record_and_trace(b: Backend) {
     assert_eq!(seen["status"], 201);
     assert_eq!(seen["body_bytes"], first.body.len());
     assert_eq!(seen["traceparent"], TRACE, "stored with the record");
+    assert_eq!(seen["trailer_names"], serde_json::json!([]));
     assert!(seen["expires_in_ms"].as_u64().unwrap() > 86_000_000);
     assert!(seen["written_at"].as_str().unwrap().ends_with('Z'));
     assert!(seen.get("body_base64").is_none(), "no body unless asked");

@@ -15,6 +15,9 @@ use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use toml::toml;
 
+/// The admin API's token, where a test reads a record.
+const ADMIN_TOKEN: &str = "streams-admin-token-0123456789";
+
 /// Events 300 ms apart: an answer that takes 0.9 s to end.
 const EVENTS: &str = "?events=4&gap_ms=300";
 
@@ -310,6 +313,7 @@ async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
     for backend in [Backend::Redis, Backend::Embedded] {
         let upstream = CountingUpstream::start().await;
         let config = config()
+            .set("admin.admin_token", ADMIN_TOKEN)
             .set("upstreams.h2.url", upstream.url())
             .set("upstreams.h2.http2", true)
             .route(
@@ -359,6 +363,23 @@ async fn trailers_reach_the_client_an_attached_duplicate_and_the_replay() {
             env.upstream.calls(),
             2,
             "{backend:?}: the upstream is called once per key"
+        );
+        // The key API names the recorded trailers.
+        let admin = env.gateway.admin.expect("an admin listener");
+        let record: serde_json::Value = env
+            .client
+            .get(format!("http://{admin}/keys/t-1"))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            record["trailer_names"],
+            serde_json::json!(["x-call"]),
+            "{record}"
         );
     }
 }
