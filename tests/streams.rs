@@ -96,24 +96,25 @@ async fn the_first_event_arrives_before_the_answer_ends_and_replays_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_attaches_to_the_live_answer_and_resumes_after_its_last_event_id() {
     each_backend(async |env| {
-        let path = format!("/live/events{EVENTS}");
-        let mut original = env.post_keyed(&path, "a-1").send().await.unwrap();
+        // Events a second apart: what was sent so far must come well before the next one.
+        let path = "/live/events?events=4&gap_ms=1000";
+        let mut original = env.post_keyed(path, "a-1").send().await.unwrap();
         let first = original.chunk().await.unwrap().unwrap();
         assert_eq!(String::from_utf8_lossy(&first), sse_event(1, 0));
 
         let attached_at = Instant::now();
-        let mut attached = env.post_keyed(&path, "a-1").send().await.unwrap();
+        let mut attached = env.post_keyed(path, "a-1").send().await.unwrap();
         assert_eq!(attached.status(), 201);
         assert_eq!(attached.headers()["idempotent-replayed"], "true");
         let so_far = attached.chunk().await.unwrap().unwrap();
         assert!(
-            attached_at.elapsed() < Duration::from_millis(250),
+            attached_at.elapsed() < Duration::from_millis(700),
             "what was sent so far arrives at once: {:?}",
             attached_at.elapsed()
         );
         assert!(so_far.starts_with(sse_event(1, 0).as_bytes()));
         let mut resumed = env
-            .post_keyed(&path, "a-1")
+            .post_keyed(path, "a-1")
             .header("last-event-id", "0")
             .send()
             .await
@@ -144,23 +145,33 @@ async fn a_duplicate_that_arrives_before_the_head_attaches_as_the_head_arrives()
                 (Instant::now(), response)
             })
         };
-        let original = head(env.post_keyed(&path, "h-1"));
-        env.upstream.wait_for_calls(1).await;
-        let duplicate = head(env.post_keyed(&path, "h-1"));
-        let (original_head, original) = original.await.unwrap();
-        let (duplicate_head, duplicate) = duplicate.await.unwrap();
-        assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
-        let late = duplicate_head.saturating_duration_since(original_head);
+        // Three tries, the best counted: a loaded machine may delay one, a duplicate that
+        // waits for its next look at the store is late every time (by 50 ms and more).
+        let mut lates = Vec::new();
+        for call in 1..=3 {
+            let key = format!("h-{call}");
+            let original = head(env.post_keyed(&path, &key));
+            env.upstream.wait_for_calls(call).await;
+            let duplicate = head(env.post_keyed(&path, &key));
+            let (original_head, original) = original.await.unwrap();
+            let (duplicate_head, duplicate) = duplicate.await.unwrap();
+            assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+            lates.push(duplicate_head.saturating_duration_since(original_head));
+            let original = rest(original, Vec::new()).await;
+            let duplicate = rest(duplicate, Vec::new()).await;
+            assert_eq!(String::from_utf8(original).unwrap(), events(call, 0));
+            assert_eq!(String::from_utf8(duplicate).unwrap(), events(call, 0));
+        }
         assert!(
-            late < Duration::from_millis(40),
-            "{:?}: the duplicate's head came {late:?} after the original's",
+            lates.iter().min().unwrap() < &Duration::from_millis(40),
+            "{:?}: the duplicate's head came {lates:?} after the original's",
             env.backend
         );
-        let original = rest(original, Vec::new()).await;
-        let duplicate = rest(duplicate, Vec::new()).await;
-        assert_eq!(String::from_utf8(original).unwrap(), events(1, 0));
-        assert_eq!(String::from_utf8(duplicate).unwrap(), events(1, 0));
-        assert_eq!(env.upstream.calls(), 1, "the upstream is called once");
+        assert_eq!(
+            env.upstream.calls(),
+            3,
+            "the upstream is called once per key"
+        );
     })
     .await;
 }
