@@ -94,8 +94,10 @@
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,
 //!   take back), `idempotency/response.rs` (what is stored and replayed),
-//!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/live.rs` (a
-//!   streamed answer's tape, and duplicates attached to it), `idempotency/sse.rs` (resuming an
+//!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/streamed.rs` (a
+//!   claimed call's streamed answer: its first answer, the recording of the rest),
+//!   `idempotency/live.rs` (a streamed answer's tape, and duplicates attached to it),
+//!   `idempotency/sse.rs` (resuming an
 //!   event stream after `Last-Event-ID`), `idempotency/shared.rs` (what
 //!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
 //!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
