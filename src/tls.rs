@@ -92,6 +92,24 @@ pub(crate) fn client_config(
     Ok(config)
 }
 
+/// Check that `cert_file` (a chain, PEM) and `key_file` (its key) are readable and go together,
+/// for a client that presents them through another TLS stack than this module's (Redis's).
+/// Errors say which file is at fault: `("cert_file" | "key_file", why)`.
+pub(crate) fn check_client_pair(
+    cert_file: &str,
+    key_file: &str,
+) -> Result<(), (&'static str, String)> {
+    let chain = certs(cert_file).map_err(|e| ("cert_file", e))?;
+    let key = key(key_file).map_err(|e| ("key_file", e))?;
+    ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(RootCertStore::empty())
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| ("key_file", pairing(e)))?;
+    Ok(())
+}
+
 /// The configuration of a TLS listener: `cert_file`'s chain with `key_file`'s key, offering
 /// HTTP/2 and HTTP/1.1 by ALPN. Errors say which file is at fault: `("cert_file" | "key_file",
 /// why)`.

@@ -565,6 +565,54 @@ fn sealing_keys_are_checked_and_shown_by_id_only() {
 }
 
 #[test]
+fn store_client_certificates_are_checked_and_shown_by_path() {
+    let ca = common::TestCa::new();
+    let client = ca.client("gateway");
+    let other = ca.client("other");
+    let check = |store: &str| {
+        let file = write(&format!(
+            "upstream = \"http://127.0.0.1:9\"\n[store]\nbackend = \"redis\"\n{store}"
+        ));
+        idemgate_env(&["check-config", file.path().to_str().unwrap()], &[])
+    };
+    let pair = |cert: &str, key: &str| {
+        format!(
+            "url = \"rediss://127.0.0.1:6380\"\ntls_cert_file = {cert:?}\ntls_key_file = {key:?}"
+        )
+    };
+    let shown = succeeded(&check(&pair(client.cert(), client.key_path())));
+    assert!(
+        shown.contains(client.cert()) && shown.contains(client.key_path()),
+        "{shown}"
+    );
+    assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+    for (store, field) in [
+        (
+            format!(
+                "url = \"rediss://127.0.0.1:6380\"\ntls_cert_file = {:?}",
+                client.cert()
+            ),
+            "store.tls_key_file",
+        ),
+        (
+            pair(client.cert(), client.key_path()).replace("rediss://", "redis://"),
+            "store.tls_cert_file",
+        ),
+        (pair(client.cert(), other.key_path()), "store.tls_key_file"),
+        (
+            pair(client.key_path(), client.key_path()),
+            "store.tls_cert_file",
+        ),
+    ] {
+        let out = check(&store);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{store}");
+        assert!(stderr.contains(field), "{store}: {stderr}");
+        assert!(!stderr.contains("PRIVATE KEY"), "{stderr}");
+    }
+}
+
+#[test]
 fn check_config_shows_telemetry_off_or_its_collector() {
     let file = write("upstream = \"http://127.0.0.1:9\"\n");
     let path = file.path().to_str().unwrap();

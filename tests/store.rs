@@ -443,6 +443,67 @@ async fn rediss_with_a_private_ca() {
         .is_err());
 }
 
+/// A Redis that asks for a client certificate (`tls-auth-clients yes`): refused without one,
+/// served with the one its CA issued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_client_certificate() {
+    let ca = common::TestCa::new();
+    let server = ca.server("redis", &["127.0.0.1"], common::Validity::Now);
+    let server = common::TlsRedisServer::start_requiring_clients(
+        server.cert().as_ref(),
+        server.key_path().as_ref(),
+        ca.ca().as_ref(),
+    )
+    .await;
+    let url = format!("rediss://127.0.0.1:{}/0", server.port);
+    let trusting = || {
+        RedisSettings::new(&url)
+            .prefix("mtls:")
+            .timeout(Duration::from_secs(2))
+            .tls_ca(std::fs::read(ca.ca()).unwrap())
+    };
+    assert!(
+        RedisStore::connect(&trusting()).await.is_err(),
+        "no client certificate, no connection"
+    );
+    let client = ca.client("gateway");
+    let cert = std::fs::read(client.cert()).unwrap();
+    let key = std::fs::read(client.key_path()).unwrap();
+    let s = RedisStore::connect(&trusting().tls_client(cert, key))
+        .await
+        .expect("TLS connection with the client certificate");
+    let (k, fp, t) = (ScopedKey([12; 32]), Fingerprint([13; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    assert!(s
+        .complete(&k, &fp, &t, &response("mutual"), TTL.into())
+        .await
+        .unwrap());
+    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    assert_eq!(replayed_body(again).as_deref(), Some(&b"mutual"[..]));
+    // The gateway with the same files named in [store].
+    let upstream = common::CountingUpstream::start().await;
+    let config = common::TestConfig::new()
+        .upstream(&upstream.url())
+        .set("store.backend", "redis")
+        .set("store.url", &*url)
+        .set("store.tls_ca_file", ca.ca())
+        .set("store.tls_cert_file", client.cert())
+        .set("store.tls_key_file", client.key_path());
+    let gateway = common::InProcessGateway::start(&config).await;
+    let post = || {
+        common::client()
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "mtls")
+            .body("x")
+    };
+    assert_eq!(common::send(post()).await.status, 201);
+    assert!(common::send(post()).await.replayed());
+    assert_eq!(upstream.calls(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_acl_user() {
     let server = RedisServer::start().await;

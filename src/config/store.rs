@@ -184,6 +184,8 @@ macro_rules! redis_table {
             local_cache: Option<HumanSize>,
             local_cache_ttl: Option<HumanDuration>,
             tls_ca_file: Option<Checked<ExistingFile>>,
+            tls_cert_file: Option<Checked<ExistingFile>>,
+            tls_key_file: Option<Checked<ExistingFile>>,
             compression: Option<Compression>,
         }
 
@@ -204,12 +206,18 @@ macro_rules! redis_table {
                 if let Some(HumanDuration(d)) = self.local_cache_ttl {
                     settings.local_cache_ttl = d;
                 }
+                let tls = settings.topology.urls().iter().all(|u| u.starts_with("rediss://"));
                 if let Some(path) = self.tls_ca_file {
-                    let urls = settings.topology.urls();
-                    if !urls.iter().all(|u| u.starts_with("rediss://")) {
+                    if !tls {
                         return Err(refused("tls_ca_file", "needs rediss:// URLs"));
                     }
                     settings.tls_ca_file = Some(path.into_inner());
+                }
+                if let Some((cert, key)) = client_pair(self.tls_cert_file, self.tls_key_file)? {
+                    if !tls {
+                        return Err(refused("tls_cert_file", "needs rediss:// URLs"));
+                    }
+                    (settings.tls_cert_file, settings.tls_key_file) = (Some(cert), Some(key));
                 }
                 if let Some(c) = self.compression {
                     settings.compression = c;
@@ -329,6 +337,24 @@ impl Table for PostgresTable {
         }
         Ok(StoreConfig::Postgres(settings))
     }
+}
+
+/// A store client's certificate and key (`tls_cert_file`, `tls_key_file`), for mutual TLS: both
+/// or neither, readable, and going together (checked now, so that `check-config` names the
+/// file at fault).
+fn client_pair(
+    cert: Option<Checked<ExistingFile>>,
+    key: Option<Checked<ExistingFile>>,
+) -> Result<Option<(String, String)>, Refused> {
+    let (cert, key) = match (cert, key) {
+        (None, None) => return Ok(None),
+        (Some(_), None) => return Err(refused("tls_key_file", "is required with tls_cert_file")),
+        (None, Some(_)) => return Err(refused("tls_cert_file", "is required with tls_key_file")),
+        (Some(cert), Some(key)) => (cert.into_inner(), key.into_inner()),
+    };
+    crate::tls::check_client_pair(&cert, &key)
+        .map_err(|(file, why)| refused(&format!("tls_{file}"), why))?;
+    Ok(Some((cert, key)))
 }
 
 /// The nodes of a cluster or the sentinels: at least one.

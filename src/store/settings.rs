@@ -185,12 +185,19 @@ pub struct RedisSettings {
     /// For `rediss://`: a PEM file of the CA(s) to trust instead of the system's, read when the
     /// store opens.
     pub tls_ca_file: Option<String>,
+    /// For `rediss://`: the certificate (chain, PEM) the gateway presents to a Redis that asks
+    /// for one (`tls-auth-clients`), with its key in `tls_key_file`; read when the store opens.
+    pub tls_cert_file: Option<String>,
+    /// Its key (the path only: the key itself is never printed).
+    pub tls_key_file: Option<String>,
     /// How stored bodies are compressed (records are read whatever their encoding).
     pub compression: Compression,
     /// How records are sealed at rest.
     pub seal: Seal,
     // The CA(s) given as PEM in code, or read from `tls_ca_file`.
     pub(crate) ca_pem: Option<Vec<u8>>,
+    // The client certificate and key given as PEM in code, or read from their files.
+    pub(crate) client_pem: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl RedisSettings {
@@ -211,9 +218,12 @@ impl RedisSettings {
             local_cache: cached::DEFAULT_BYTES,
             local_cache_ttl: cached::DEFAULT_MAX_AGE,
             tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             compression: Compression::default(),
             seal: Seal::default(),
             ca_pem: None,
+            client_pem: None,
         }
     }
 
@@ -243,6 +253,13 @@ impl RedisSettings {
         self
     }
 
+    /// For `rediss://`: present this certificate (chain) and key, both PEM, to a Redis that
+    /// asks for one (mutual TLS).
+    pub fn tls_client(mut self, cert_pem: Vec<u8>, key_pem: Vec<u8>) -> Self {
+        self.client_pem = Some((cert_pem, key_pem));
+        self
+    }
+
     /// Write completed bodies with `compression` (records are read whatever their encoding).
     pub fn compression(mut self, compression: Compression) -> Self {
         self.compression = compression;
@@ -255,26 +272,56 @@ impl RedisSettings {
         self
     }
 
-    /// These settings with the PEM of `tls_ca_file` read, when it is given.
-    pub(crate) fn with_ca_read(&self) -> Result<Self, StoreError> {
-        let mut settings = self.clone();
-        if let (None, Some(path)) = (&settings.ca_pem, &settings.tls_ca_file) {
-            let pem = std::fs::read(path).map_err(|e| {
+    /// These settings with the PEM of `tls_ca_file`, `tls_cert_file` and `tls_key_file` read,
+    /// when they are given.
+    pub(crate) fn with_files_read(&self) -> Result<Self, StoreError> {
+        let read = |field: &'static str, path: &str| {
+            std::fs::read(path).map_err(|e| {
                 StoreError::Redis(redis::RedisError::from((
                     redis::ErrorKind::InvalidClientConfig,
-                    "cannot read store.tls_ca_file",
+                    field,
                     format!("{path}: {e}"),
                 )))
-            })?;
-            settings.ca_pem = Some(pem);
+            })
+        };
+        let mut settings = self.clone();
+        if let (None, Some(path)) = (&settings.ca_pem, &settings.tls_ca_file) {
+            settings.ca_pem = Some(read("cannot read store.tls_ca_file", path)?);
+        }
+        if let (None, Some(cert), Some(key)) = (
+            &settings.client_pem,
+            &settings.tls_cert_file,
+            &settings.tls_key_file,
+        ) {
+            let cert = read("cannot read store.tls_cert_file", cert)?;
+            let key = read("cannot read store.tls_key_file", key)?;
+            settings.client_pem = Some((cert, key));
         }
         Ok(settings)
+    }
+
+    /// What `rediss://` connections trust and present, when anything but the system's roots.
+    pub(crate) fn certificates(&self) -> Option<redis::TlsCertificates> {
+        if self.ca_pem.is_none() && self.client_pem.is_none() {
+            return None;
+        }
+        let client_tls = self
+            .client_pem
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            });
+        Some(redis::TlsCertificates {
+            client_tls,
+            root_cert: self.ca_pem.clone(),
+        })
     }
 }
 
 impl fmt::Debug for RedisSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The URL's password is never printed, nor the CA's PEM.
+        // The URL's password is never printed, nor the CA's PEM, nor the client key.
         f.debug_struct("RedisSettings")
             .field("topology", &self.topology)
             .field("wait_replicas", &self.wait_replicas)
@@ -292,6 +339,8 @@ impl fmt::Debug for RedisSettings {
                 &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
             )
             .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("compression", &self.compression)
             .field("seal", &self.seal)
             .finish()

@@ -186,7 +186,7 @@ impl Drop for RedisServer {
 }
 
 /// A redis-server that speaks only TLS on its port, with a fresh self-signed certificate for
-/// 127.0.0.1. Killed on drop.
+/// 127.0.0.1, or certificates it is given (and then asking clients for theirs). Killed on drop.
 pub struct TlsRedisServer {
     child: Mutex<Option<Child>>,
     /// Its TLS port on 127.0.0.1.
@@ -208,18 +208,39 @@ impl TlsRedisServer {
         let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
         std::fs::write(&cert_file, cert.cert.pem()).unwrap();
         std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        Self::spawn(dir, (&cert_file, &key_file), &cert_file, false).await
+    }
+
+    /// Start it presenting `cert_file` and `key_file`, issued by the CA of `ca_file`, and asking
+    /// every client for a certificate that CA issued (`tls-auth-clients yes`).
+    pub async fn start_requiring_clients(
+        cert_file: &Path,
+        key_file: &Path,
+        ca_file: &Path,
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        Self::spawn(dir, (cert_file, key_file), ca_file, true).await
+    }
+
+    async fn spawn(
+        dir: tempfile::TempDir,
+        (cert_file, key_file): (&Path, &Path),
+        ca_file: &Path,
+        auth_clients: bool,
+    ) -> Self {
+        let auth = if auth_clients { "yes" } else { "no" };
         for _ in 0..ATTEMPTS {
             let port = free_port();
             let child = Command::new("redis-server")
                 .args(["--port", "0", "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
-                .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+                .args(["--tls-port", &port.to_string(), "--tls-auth-clients", auth])
                 .arg("--tls-cert-file")
-                .arg(&cert_file)
+                .arg(cert_file)
                 .arg("--tls-key-file")
-                .arg(&key_file)
+                .arg(key_file)
                 .arg("--tls-ca-cert-file")
-                .arg(&cert_file)
+                .arg(ca_file)
                 .arg("--unixsocket")
                 .arg(socket_in(dir.path()))
                 .arg("--dir")
@@ -233,7 +254,7 @@ impl TlsRedisServer {
                 return TlsRedisServer {
                     child,
                     port,
-                    ca_file: cert_file,
+                    ca_file: ca_file.to_path_buf(),
                     _dir: dir,
                 };
             }

@@ -84,7 +84,7 @@ impl Events {
         let conn = Conn::open(&Opening {
             topology: o.topology,
             timeout: o.timeout,
-            ca_pem: o.ca_pem,
+            certs: o.certs.clone(),
             push: Some(push),
         })?;
         if matches!(o.topology, super::Topology::Sentinel { .. }) {

@@ -165,7 +165,7 @@ impl RedisStore {
     /// A handle that connects on first use (and reconnects by itself after), for starting while
     /// Redis is unreachable: until it answers, every operation fails as a store error.
     pub fn lazy(options: &RedisSettings) -> Result<Self, StoreError> {
-        let options = options.with_ca_read()?;
+        let options = options.with_files_read()?;
         let events = Events::open(&Self::opening(&options), &options.prefix)?;
         let wait = match options.wait_replicas {
             0 => None,
@@ -187,7 +187,7 @@ impl RedisStore {
         Opening {
             topology: &options.topology,
             timeout: options.timeout,
-            ca_pem: options.ca_pem.as_deref(),
+            certs: options.certificates(),
             push: None,
         }
     }

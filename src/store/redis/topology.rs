@@ -31,7 +31,9 @@ pub(crate) type PushFn = Arc<dyn Fn(PushInfo) + Send + Sync>;
 pub(crate) struct Opening<'a> {
     pub topology: &'a Topology,
     pub timeout: Duration,
-    pub ca_pem: Option<&'a [u8]>,
+    /// For `rediss://`: the CA(s) to trust and the certificate to present, when not the
+    /// system's roots alone.
+    pub certs: Option<TlsCertificates>,
     /// For a subscriber connection: RESP3, with messages handed to this function.
     pub push: Option<PushFn>,
 }
@@ -53,7 +55,7 @@ impl Conn {
     pub(crate) fn open(o: &Opening<'_>) -> RedisResult<Self> {
         match o.topology {
             Topology::Single { url } => {
-                let client = client(url, o.ca_pem, o.push.is_some())?;
+                let client = client(url, o.certs.clone(), o.push.is_some())?;
                 Ok(Conn::Single(ConnectionManager::new_lazy_with_config(
                     client,
                     manager_config(o),
@@ -66,11 +68,8 @@ impl Conn {
                     .retries(2)
                     .min_retry_wait(50)
                     .max_retry_wait(500);
-                if let Some(pem) = o.ca_pem {
-                    builder = builder.certs(TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem.to_vec()),
-                    });
+                if let Some(certs) = o.certs.clone() {
+                    builder = builder.certs(certs);
                 }
                 let mut config = ClusterConfig::new()
                     .set_connection_timeout(o.timeout)
@@ -172,8 +171,8 @@ fn cluster_primaries(nodes: &str) -> Vec<(String, u16)> {
         .collect()
 }
 
-/// A client for `url`, trusting `ca_pem` for `rediss://`; speaking RESP3 for a subscriber.
-fn client(url: &str, ca_pem: Option<&[u8]>, resp3: bool) -> RedisResult<Client> {
+/// A client for `url`, with `certs` for `rediss://`; speaking RESP3 for a subscriber.
+fn client(url: &str, certs: Option<TlsCertificates>, resp3: bool) -> RedisResult<Client> {
     let mut info = url.into_connection_info()?;
     if resp3 {
         let settings = info
@@ -185,14 +184,8 @@ fn client(url: &str, ca_pem: Option<&[u8]>, resp3: bool) -> RedisResult<Client> 
     if url.starts_with("rediss://") {
         // One process-wide TLS provider; a second install is refused harmlessly.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        if let Some(pem) = ca_pem {
-            return Client::build_with_tls(
-                info,
-                TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.to_vec()),
-                },
-            );
+        if let Some(certs) = certs {
+            return Client::build_with_tls(info, certs);
         }
     }
     Client::open(info)
@@ -313,14 +306,10 @@ impl SentinelConn {
             builder = builder
                 .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
                 .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
-            if let Some(pem) = o.ca_pem {
-                let certs = || TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.to_vec()),
-                };
+            if let Some(certs) = o.certs.clone() {
                 builder = builder
-                    .set_client_to_redis_certificates(certs())
-                    .set_client_to_sentinel_certificates(certs());
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs);
             }
         }
         if o.push.is_some() {
