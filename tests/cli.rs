@@ -571,36 +571,48 @@ fn store_client_certificates_are_checked_and_shown_by_path() {
     let other = ca.client("other");
     let check = |store: &str| {
         let file = write(&format!(
-            "upstream = \"http://127.0.0.1:9\"\n[store]\nbackend = \"redis\"\n{store}"
+            "upstream = \"http://127.0.0.1:9\"\n[store]\n{store}"
         ));
         idemgate_env(&["check-config", file.path().to_str().unwrap()], &[])
     };
-    let pair = |cert: &str, key: &str| {
-        format!(
-            "url = \"rediss://127.0.0.1:6380\"\ntls_cert_file = {cert:?}\ntls_key_file = {key:?}"
-        )
-    };
-    let shown = succeeded(&check(&pair(client.cert(), client.key_path())));
-    assert!(
-        shown.contains(client.cert()) && shown.contains(client.key_path()),
-        "{shown}"
-    );
-    assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+    let redis = "backend = \"redis\"\nurl = \"rediss://127.0.0.1:6380\"";
+    let postgres = "backend = \"postgres\"\nurl = \"postgres://u@db/x?sslmode=verify-full\"";
+    let pair = |cert: &str, key: &str| format!("tls_cert_file = {cert:?}\ntls_key_file = {key:?}");
+    for backend in [redis, postgres] {
+        let shown = succeeded(&check(&format!(
+            "{backend}\n{}",
+            pair(client.cert(), client.key_path())
+        )));
+        assert!(
+            shown.contains(client.cert()) && shown.contains(client.key_path()),
+            "{shown}"
+        );
+        assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+    }
+    let plain_redis = redis.replace("rediss://", "redis://");
+    let plain_postgres = postgres.replace("verify-full", "disable");
     for (store, field) in [
         (
-            format!(
-                "url = \"rediss://127.0.0.1:6380\"\ntls_cert_file = {:?}",
-                client.cert()
-            ),
+            format!("{redis}\ntls_cert_file = {:?}", client.cert()),
             "store.tls_key_file",
         ),
         (
-            pair(client.cert(), client.key_path()).replace("rediss://", "redis://"),
+            format!("{plain_redis}\n{}", pair(client.cert(), client.key_path())),
             "store.tls_cert_file",
         ),
-        (pair(client.cert(), other.key_path()), "store.tls_key_file"),
         (
-            pair(client.key_path(), client.key_path()),
+            format!(
+                "{plain_postgres}\n{}",
+                pair(client.cert(), client.key_path())
+            ),
+            "store.tls_cert_file",
+        ),
+        (
+            format!("{redis}\n{}", pair(client.cert(), other.key_path())),
+            "store.tls_key_file",
+        ),
+        (
+            format!("{postgres}\n{}", pair(client.key_path(), client.key_path())),
             "store.tls_cert_file",
         ),
     ] {

@@ -358,6 +358,59 @@ async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
     assert!(logs.contains("TLS"), "{logs}");
 }
 
+/// A server that asks for a client certificate on top of the password (`clientcert=verify-ca`):
+/// refused without one, served with the one its CA issued, named in the settings or in the
+/// gateway's `[store]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_for_a_server_that_asks_for_one() {
+    let ca = common::TestCa::new();
+    let cert = ca.server("postgres", &["127.0.0.1"], common::Validity::Now);
+    let server = PostgresServer::start_requiring_clients(
+        cert.cert().as_ref(),
+        cert.key_path().as_ref(),
+        ca.ca().as_ref(),
+    )
+    .await;
+    let url = server
+        .url()
+        .replace("sslmode=disable", "sslmode=verify-full");
+    let mut settings = PostgresSettings::new(&url).timeout(Duration::from_secs(2));
+    settings.tls_ca_file = Some(ca.ca().to_string());
+    assert!(
+        PostgresStore::connect(&settings).await.is_err(),
+        "no client certificate, no connection"
+    );
+    let client = ca.client("gateway");
+    settings.tls_cert_file = Some(client.cert().to_string());
+    settings.tls_key_file = Some(client.key_path().to_string());
+    let s = PostgresStore::connect(&settings)
+        .await
+        .expect("TLS with the client certificate");
+    let (k, fp, t) = (ScopedKey([9; 32]), Fingerprint([9; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    let upstream = common::CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .set("store.backend", "postgres")
+        .set("store.url", url.as_str())
+        .set("store.tls_ca_file", ca.ca())
+        .set("store.tls_cert_file", client.cert())
+        .set("store.tls_key_file", client.key_path());
+    let gateway = InProcessGateway::start(&config).await;
+    let post = || {
+        common::client()
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "mtls")
+            .body("x")
+    };
+    assert_eq!(send(post()).await.status, 201);
+    assert!(send(post()).await.replayed());
+    assert_eq!(upstream.calls(), 1);
+}
+
 /// The row `key` holds as PostgreSQL versions it: its `xmin` (the transaction that wrote this
 /// version) and `xmax` (one that deleted, updated or locked it; 0 when none).
 fn row_version(server: &PostgresServer, key: &ScopedKey) -> String {

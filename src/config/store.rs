@@ -304,6 +304,8 @@ struct PostgresTable {
     pool_size: Option<Checked<checked::AtLeastOne>>,
     timeout: Option<Checked<NonZero>>,
     tls_ca_file: Option<Checked<ExistingFile>>,
+    tls_cert_file: Option<Checked<ExistingFile>>,
+    tls_key_file: Option<Checked<ExistingFile>>,
     local_cache: Option<HumanSize>,
     local_cache_ttl: Option<HumanDuration>,
 }
@@ -323,11 +325,18 @@ impl Table for PostgresTable {
         if let Some(timeout) = self.timeout {
             settings.timeout = timeout.into_inner();
         }
+        let tls = !settings.url.contains("sslmode=disable");
         if let Some(path) = self.tls_ca_file {
-            if settings.url.contains("sslmode=disable") {
+            if !tls {
                 return Err(refused("tls_ca_file", "needs TLS (not sslmode=disable)"));
             }
             settings.tls_ca_file = Some(path.into_inner());
+        }
+        if let Some((cert, key)) = client_pair(self.tls_cert_file, self.tls_key_file)? {
+            if !tls {
+                return Err(refused("tls_cert_file", "needs TLS (not sslmode=disable)"));
+            }
+            (settings.tls_cert_file, settings.tls_key_file) = (Some(cert), Some(key));
         }
         if let Some(HumanSize(n)) = self.local_cache {
             settings.local_cache = n;

@@ -32,8 +32,11 @@ pub struct PostgresServer {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Mutex<Option<Child>>,
-    /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1).
+    /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1), or the
+    /// certificate it was given.
     pub ca_file: Option<PathBuf>,
+    // Asking TCP clients for a certificate this CA issued, on top of their password.
+    client_ca: Option<PathBuf>,
     // PostgreSQL's own durability settings rather than the tests' (fsync off).
     durable: bool,
 }
@@ -90,6 +93,44 @@ impl PostgresServer {
         panic!("postgres with TLS did not start on any of {ATTEMPTS} free ports");
     }
 
+    /// Start a server that offers TLS with `cert_file` and `key_file`, issued by the CA of
+    /// `ca_file`, and asks every TCP client for a certificate that CA issued on top of its
+    /// password (`clientcert=verify-ca`).
+    pub async fn start_requiring_clients(
+        cert_file: &Path,
+        key_file: &Path,
+        ca_file: &Path,
+    ) -> Self {
+        for _ in 0..ATTEMPTS {
+            let mut server = Self::new(free_port());
+            let dir = server.dir.path().to_path_buf();
+            std::fs::copy(cert_file, dir.join("server.crt")).unwrap();
+            std::fs::copy(key_file, dir.join("server.key")).unwrap();
+            std::fs::copy(ca_file, dir.join("client-ca.crt")).unwrap();
+            std::fs::set_permissions(
+                dir.join("server.key"),
+                std::os::unix::fs::PermissionsExt::from_mode(0o600),
+            )
+            .unwrap();
+            std::fs::write(
+                dir.join("pg_hba.conf"),
+                "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256 clientcert=verify-ca\n",
+            )
+            .unwrap();
+            if let Some((uid, _)) = server_user() {
+                chown(&dir, uid);
+            }
+            server.ca_file = Some(dir.join("server.crt"));
+            server.client_ca = Some(dir.join("client-ca.crt"));
+            if server.spawn().await {
+                return server;
+            }
+        }
+        panic!(
+            "postgres requiring client certificates did not start on any of {ATTEMPTS} free ports"
+        );
+    }
+
     fn new(port: u16) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
@@ -108,6 +149,7 @@ impl PostgresServer {
             dir,
             child: Mutex::new(None),
             ca_file: None,
+            client_ca: None,
             durable: false,
         }
     }
@@ -155,6 +197,15 @@ impl PostgresServer {
                 .arg(format!(
                     "ssl_key_file={}",
                     self.dir.path().join("server.key").display()
+                ));
+        }
+        if let Some(ca) = &self.client_ca {
+            cmd.arg("-c")
+                .arg(format!("ssl_ca_file={}", ca.display()))
+                .arg("-c")
+                .arg(format!(
+                    "hba_file={}",
+                    self.dir.path().join("pg_hba.conf").display()
                 ));
         }
         as_server_user(&mut cmd);

@@ -68,6 +68,11 @@ pub struct PostgresSettings {
     /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
     /// CA(s) to trust instead of the system's.
     pub tls_ca_file: Option<String>,
+    /// For TLS: the certificate (chain, PEM) the gateway presents to a server that asks for one
+    /// (`clientcert` in `pg_hba.conf`), with its key in `tls_key_file`.
+    pub tls_cert_file: Option<String>,
+    /// Its key (the path only: the key itself is never printed).
+    pub tls_key_file: Option<String>,
     /// Bytes of completed responses each gateway process keeps to replay without a statement
     /// (0 turns the local cache off).
     pub local_cache: u64,
@@ -86,6 +91,8 @@ impl PostgresSettings {
             pool_size: DEFAULT_POOL_SIZE,
             timeout: super::settings::DEFAULT_TIMEOUT,
             tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             local_cache: super::cached::DEFAULT_BYTES,
             local_cache_ttl: super::cached::DEFAULT_MAX_AGE,
             seal: Seal::default(),
@@ -123,6 +130,8 @@ impl fmt::Debug for PostgresSettings {
                 &format_args!("{}", humantime::format_duration(self.timeout)),
             )
             .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field(
                 "local_cache",
                 &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
@@ -287,10 +296,15 @@ impl Connector {
         let tls = match config.get_ssl_mode() {
             tokio_postgres::config::SslMode::Disable => None,
             _ => {
-                let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), None, &[])
-                    .map_err(|(_, why)| {
-                        PostgresError::Config(format!("store.tls_ca_file: {why}"))
-                    })?;
+                let client = settings
+                    .tls_cert_file
+                    .as_deref()
+                    .zip(settings.tls_key_file.as_deref());
+                let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), client, &[])
+                    .map_err(|(file, why)| {
+                    let field = file.trim_start_matches("client_");
+                    PostgresError::Config(format!("store.tls_{field}: {why}"))
+                })?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
             }
         };
