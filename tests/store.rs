@@ -418,6 +418,21 @@ async fn renew_extends_only_own_lease<S: Store>(s: S) {
     ));
 }
 
+/// Claim the key `[n; 32]`, record `body` for it, and see a second claim replay it.
+async fn records_and_replays(s: &RedisStore, n: u8, body: &'static str) {
+    let (k, fp, t) = (ScopedKey([n; 32]), Fingerprint([n; 32]), Token::random());
+    assert!(matches!(
+        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    assert!(s
+        .complete(&k, &fp, &t, &response(body), TTL.into())
+        .await
+        .unwrap());
+    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    assert_eq!(replayed_body(again).as_deref(), Some(body.as_bytes()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_a_private_ca() {
     let server = common::TlsRedisServer::start().await;
@@ -426,17 +441,7 @@ async fn rediss_with_a_private_ca() {
     let s = RedisStore::connect(&RedisSettings::new(&url).prefix("tls:").tls_ca(ca))
         .await
         .expect("TLS connection with the CA");
-    let (k, fp, t) = (ScopedKey([8; 32]), Fingerprint([9; 32]), Token::random());
-    assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
-        Claim::Claimed
-    ));
-    assert!(s
-        .complete(&k, &fp, &t, &response("over tls"), TTL.into())
-        .await
-        .unwrap());
-    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
-    assert_eq!(replayed_body(again).as_deref(), Some(&b"over tls"[..]));
+    records_and_replays(&s, 8, "over tls").await;
     // Without the CA the self-signed certificate is not trusted: no silent downgrade.
     assert!(RedisStore::connect(&RedisSettings::new(&url))
         .await
@@ -472,17 +477,7 @@ async fn rediss_with_a_client_certificate() {
     let s = RedisStore::connect(&trusting().tls_client(cert, key))
         .await
         .expect("TLS connection with the client certificate");
-    let (k, fp, t) = (ScopedKey([12; 32]), Fingerprint([13; 32]), Token::random());
-    assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
-        Claim::Claimed
-    ));
-    assert!(s
-        .complete(&k, &fp, &t, &response("mutual"), TTL.into())
-        .await
-        .unwrap());
-    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
-    assert_eq!(replayed_body(again).as_deref(), Some(&b"mutual"[..]));
+    records_and_replays(&s, 12, "mutual").await;
     // The gateway with the same files named in [store].
     let upstream = common::CountingUpstream::start().await;
     let config = common::TestConfig::new()
