@@ -19,6 +19,7 @@ use common::{
     send, wait_until, CountingUpstream, InProcessGateway, RedisCluster, RedisSentinelSet, Seen,
     TestConfig,
 };
+use idemgate::store::{NodeAuth, RedisSettings, RedisStore, Topology};
 use redis::AsyncCommands;
 use testkit::{Failover, Replicated};
 
@@ -944,6 +945,65 @@ fn check_config(text: &str) -> std::process::Output {
         .unwrap()
 }
 
+/// The data nodes behind the sentinels take their own ACL user and password (`node_username`,
+/// `node_password`), which the sentinels do not have: the gateway logs in to the primary as
+/// that user, and a wrong password is a store that cannot be reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_data_nodes_take_their_own_credentials() {
+    let set = RedisSentinelSet::start().await;
+    let user = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "gateway",
+                "on",
+                ">node-secret",
+                "~*",
+                "&*",
+                "+@all",
+            ][..],
+        )
+        .clone();
+    for port in set.ports() {
+        let _: () = testkit::cluster::query(port, &user).await.unwrap();
+    }
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis_sentinel(&set)
+        .set("store.node_username", "gateway")
+        .set("store.node_password", "node-secret");
+    let gateway = InProcessGateway::start(&config).await;
+    let post = || {
+        common::client()
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "node-auth")
+            .body("x")
+    };
+    assert_eq!(send(post()).await.status, 201);
+    assert!(send(post()).await.replayed());
+    assert_eq!(upstream.calls(), 1);
+    let primary = set.ports()[set.primary().await];
+    let clients: String =
+        testkit::cluster::query(primary, &redis::cmd("CLIENT").arg("LIST").clone())
+            .await
+            .unwrap();
+    assert!(clients.contains("user=gateway"), "{clients}");
+    let wrong = RedisSettings::with_topology(Topology::Sentinel {
+        urls: set.urls(),
+        master_name: common::cluster::MASTER_NAME.into(),
+    })
+    .timeout(Duration::from_secs(2))
+    .node_auth(NodeAuth {
+        username: Some("gateway".into()),
+        password: Some("not-the-secret".into()),
+    });
+    assert!(
+        RedisStore::connect(&wrong).await.is_err(),
+        "a wrong password"
+    );
+}
+
 /// Each missing or misplaced cluster/Sentinel field exits 1 naming it; a valid config is shown
 /// with every URL's password redacted.
 #[test]
@@ -965,6 +1025,14 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
             "store.wait_replicas",
         ),
         ("wait_replicas = 1", "store.wait_replicas"),
+        (
+            "backend = \"redis-cluster\"\nurls = [\"redis://127.0.0.1:7001\"]\nnode_password = \"x\"",
+            "store.node_password",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\nmaster_name = \"m\"\nnode_password = \"\"",
+            "store.node_password",
+        ),
     ];
     for (table, field) in cases {
         let out = check_config(&format!("{base}{table}\n"));
@@ -982,6 +1050,11 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
             "backend = \"redis-sentinel\"\nurls = [\"redis://app:hunter2-secret@127.0.0.1:26379\", \
              \"redis://:other-secret@127.0.0.1:26380\"]\nmaster_name = \"idemgate\"",
             "redis-sentinel redis://app:***@127.0.0.1:26379,redis://:***@127.0.0.1:26380",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\nmaster_name = \"idemgate\"\n\
+             node_username = \"gateway\"\nnode_password = \"hunter2-secret\"",
+            "\"<redacted>\"",
         ),
     ] {
         let out = check_config(&format!("{base}{table}\n"));

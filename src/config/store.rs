@@ -8,8 +8,8 @@ use serde::Deserialize;
 use super::checked::{self, fields_of, rules, Checked, NonZero};
 use super::human::{HumanDuration, HumanSize};
 pub use crate::store::{
-    redact_url, Compression, EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings,
-    SealMode, StoreConfig, Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, PostgresSettings,
+    RedisSettings, SealMode, StoreConfig, Topology,
 };
 
 /// A field refused, named within `[store]`, and why.
@@ -277,6 +277,8 @@ redis_table! {
     SentinelTable {
         urls: Option<Checked<NodeUrls>>,
         master_name: Option<String>,
+        node_username: Option<String>,
+        node_password: Option<String>,
     }
 }
 
@@ -290,8 +292,19 @@ impl Table for SentinelTable {
                 "is required when store.backend = \"redis-sentinel\"",
             ));
         }
-        self.redis(Topology::Sentinel { urls, master_name })
-            .map(StoreConfig::Redis)
+        let node_auth = match (self.node_username.clone(), self.node_password.clone()) {
+            (None, None) => None,
+            (_, Some(p)) if p.is_empty() => {
+                return Err(refused("node_password", "must not be empty"));
+            }
+            (Some(u), _) if u.is_empty() => {
+                return Err(refused("node_username", "must not be empty"));
+            }
+            (username, password) => Some(NodeAuth { username, password }),
+        };
+        let mut settings = self.redis(Topology::Sentinel { urls, master_name })?;
+        settings.node_auth = node_auth;
+        Ok(StoreConfig::Redis(settings))
     }
 }
 

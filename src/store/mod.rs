@@ -34,7 +34,8 @@ pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
 pub use self::settings::{
-    redact_url, Compression, EmbeddedSettings, MemorySettings, RedisSettings, StoreConfig, Topology,
+    redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, RedisSettings,
+    StoreConfig, Topology,
 };
 pub use self::watch::Watch;
 

@@ -92,7 +92,8 @@ pub enum Topology {
         urls: Vec<String>,
     },
     /// `backend = "redis-sentinel"`: the primary that these sentinels name `master_name`. The
-    /// data nodes are reached with the sentinels' user, password and TLS setting.
+    /// data nodes are reached with the sentinels' TLS setting, and their user and password
+    /// unless [`RedisSettings::node_auth`] gives the data nodes' own.
     Sentinel {
         /// The sentinels.
         urls: Vec<String>,
@@ -196,8 +197,31 @@ pub struct RedisSettings {
     pub seal: Seal,
     // The CA(s) given as PEM in code, or read from `tls_ca_file`.
     pub(crate) ca_pem: Option<Vec<u8>>,
+    /// `redis-sentinel` only: the user and password of the data nodes, when they are not the
+    /// sentinels' (`node_username`, `node_password`).
+    pub node_auth: Option<NodeAuth>,
     // The client certificate and key given as PEM in code, or read from their files.
     pub(crate) client_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// How a Sentinel deployment's data nodes are logged in to, apart from the sentinels: an ACL user
+/// (the default user when `None`) and its password. The password is never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NodeAuth {
+    /// The ACL user.
+    pub username: Option<String>,
+    /// Its password.
+    pub password: Option<String>,
+}
+
+impl fmt::Debug for NodeAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let password = self.password.as_ref().map(|_| "<redacted>");
+        f.debug_struct("NodeAuth")
+            .field("username", &self.username)
+            .field("password", &password)
+            .finish()
+    }
 }
 
 impl RedisSettings {
@@ -222,6 +246,7 @@ impl RedisSettings {
             tls_key_file: None,
             compression: Compression::default(),
             seal: Seal::default(),
+            node_auth: None,
             ca_pem: None,
             client_pem: None,
         }
@@ -257,6 +282,12 @@ impl RedisSettings {
     /// asks for one (mutual TLS).
     pub fn tls_client(mut self, cert_pem: Vec<u8>, key_pem: Vec<u8>) -> Self {
         self.client_pem = Some((cert_pem, key_pem));
+        self
+    }
+
+    /// `redis-sentinel`: log in to the data nodes as `auth` says, not as to the sentinels.
+    pub fn node_auth(mut self, auth: NodeAuth) -> Self {
+        self.node_auth = Some(auth);
         self
     }
 
@@ -341,6 +372,7 @@ impl fmt::Debug for RedisSettings {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_cert_file", &self.tls_cert_file)
             .field("tls_key_file", &self.tls_key_file)
+            .field("node_auth", &self.node_auth)
             .field("compression", &self.compression)
             .field("seal", &self.seal)
             .finish()

@@ -85,6 +85,7 @@ impl Events {
             topology: o.topology,
             timeout: o.timeout,
             certs: o.certs.clone(),
+            node_auth: o.node_auth.clone(),
             push: Some(push),
         })?;
         if matches!(o.topology, super::Topology::Sentinel { .. }) {

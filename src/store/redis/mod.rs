@@ -188,6 +188,7 @@ impl RedisStore {
             topology: &options.topology,
             timeout: options.timeout,
             certs: options.certificates(),
+            node_auth: options.node_auth.clone(),
             push: None,
         }
     }

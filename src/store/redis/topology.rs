@@ -22,7 +22,7 @@ use redis::{
     RedisResult, TlsCertificates, Value,
 };
 
-use crate::store::Topology;
+use crate::store::{NodeAuth, Topology};
 
 /// Receives pub/sub messages on a subscriber connection.
 pub(crate) type PushFn = Arc<dyn Fn(PushInfo) + Send + Sync>;
@@ -34,6 +34,8 @@ pub(crate) struct Opening<'a> {
     /// For `rediss://`: the CA(s) to trust and the certificate to present, when not the
     /// system's roots alone.
     pub certs: Option<TlsCertificates>,
+    /// For Sentinel: the data nodes' own user and password, when not the sentinels'.
+    pub node_auth: Option<NodeAuth>,
     /// For a subscriber connection: RESP3, with messages handed to this function.
     pub push: Option<PushFn>,
 }
@@ -290,16 +292,23 @@ impl SentinelConn {
             master_name,
             SentinelServerType::Master,
         )?;
-        // The data nodes are reached as the sentinels are: same user, password and TLS.
+        // The data nodes are reached with the sentinels' TLS setting, and their user and
+        // password unless the settings give the data nodes' own.
+        let (node_user, node_password) = match &o.node_auth {
+            Some(auth) => (auth.username.as_deref(), auth.password.as_deref()),
+            None => (first.username(), first.password()),
+        };
         if let Some(user) = first.username() {
-            builder = builder
-                .set_client_to_sentinel_username(user)
-                .set_client_to_redis_username(user);
+            builder = builder.set_client_to_sentinel_username(user);
         }
         if let Some(password) = first.password() {
-            builder = builder
-                .set_client_to_sentinel_password(password)
-                .set_client_to_redis_password(password);
+            builder = builder.set_client_to_sentinel_password(password);
+        }
+        if let Some(user) = node_user {
+            builder = builder.set_client_to_redis_username(user);
+        }
+        if let Some(password) = node_password {
+            builder = builder.set_client_to_redis_password(password);
         }
         builder = builder.set_client_to_redis_db(first.db());
         if tls {
