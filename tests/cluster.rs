@@ -974,15 +974,7 @@ async fn sentinel_data_nodes_take_their_own_credentials() {
         .set("store.node_username", "gateway")
         .set("store.node_password", "node-secret");
     let gateway = InProcessGateway::start(&config).await;
-    let post = || {
-        common::client()
-            .post(gateway.url("/v1/p"))
-            .header("idempotency-key", "node-auth")
-            .body("x")
-    };
-    assert_eq!(send(post()).await.status, 201);
-    assert!(send(post()).await.replayed());
-    assert_eq!(upstream.calls(), 1);
+    gateway.runs_once_then_replays(&upstream, "node-auth").await;
     let primary = set.ports()[set.primary().await];
     let clients: String =
         testkit::cluster::query(primary, &redis::cmd("CLIENT").arg("LIST").clone())

@@ -400,15 +400,7 @@ async fn a_client_certificate_for_a_server_that_asks_for_one() {
         .set("store.tls_cert_file", client.cert())
         .set("store.tls_key_file", client.key_path());
     let gateway = InProcessGateway::start(&config).await;
-    let post = || {
-        common::client()
-            .post(gateway.url("/v1/p"))
-            .header("idempotency-key", "mtls")
-            .body("x")
-    };
-    assert_eq!(send(post()).await.status, 201);
-    assert!(send(post()).await.replayed());
-    assert_eq!(upstream.calls(), 1);
+    gateway.runs_once_then_replays(&upstream, "mtls").await;
 }
 
 /// The row `key` holds as PostgreSQL versions it: its `xmin` (the transaction that wrote this

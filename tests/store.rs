@@ -488,15 +488,7 @@ async fn rediss_with_a_client_certificate() {
         .set("store.tls_cert_file", client.cert())
         .set("store.tls_key_file", client.key_path());
     let gateway = common::InProcessGateway::start(&config).await;
-    let post = || {
-        common::client()
-            .post(gateway.url("/v1/p"))
-            .header("idempotency-key", "mtls")
-            .body("x")
-    };
-    assert_eq!(common::send(post()).await.status, 201);
-    assert!(common::send(post()).await.replayed());
-    assert_eq!(upstream.calls(), 1);
+    gateway.runs_once_then_replays(&upstream, "mtls").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

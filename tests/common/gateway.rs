@@ -73,6 +73,20 @@ impl InProcessGateway {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// A keyed `POST /v1/p` runs the upstream (201) and its retry is replayed: `upstream` (fresh
+    /// for the test) is called once.
+    pub async fn runs_once_then_replays(&self, upstream: &CountingUpstream, key: &str) {
+        let post = || {
+            client()
+                .post(self.url("/v1/p"))
+                .header("idempotency-key", key)
+                .body("x")
+        };
+        assert_eq!(send(post()).await.status, 201);
+        assert!(send(post()).await.replayed(), "{key}: replayed");
+        assert_eq!(upstream.calls(), 1, "{key}: one call");
+    }
+
     /// What its admin listener's `GET /metrics` says (the config must have `admin.listen`).
     pub async fn metrics(&self) -> String {
         scrape(self.admin.expect("an admin listener in the config")).await
