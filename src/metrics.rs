@@ -266,6 +266,7 @@ struct Inner {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     unsettled: Family<UnsettledLabels, Counter>,
+    grpc_streaming_keyed: Family<RouteLabels, Counter>,
     overhead: Histogram,
     upstream: Histogram,
     store_ops: HistogramFamily<OpLabels>,
@@ -457,6 +458,12 @@ impl Metrics {
             "Keyed upstream calls whose outcome is unknown (by route and reason: timeout, failed): the upstream may have done the work, so the key stays claimed until its lease ends, and a retry after that runs again",
             Family::<UnsettledLabels, Counter>::default(),
         );
+        let grpc_streaming_keyed = registered(
+            &mut registry,
+            "idemgate_grpc_streaming_keyed",
+            "gRPC calls with an idempotency key passed on without idempotency because they stream (client or bidirectional streaming, or held open past a second), by route: the key is not applied, and a retry runs again",
+            Family::<RouteLabels, Counter>::default(),
+        );
         let overhead = registered(
             &mut registry,
             "idemgate_overhead_seconds",
@@ -516,6 +523,7 @@ impl Metrics {
                 registry,
                 requests,
                 unsettled,
+                grpc_streaming_keyed,
                 overhead,
                 upstream,
                 store_ops,
@@ -566,6 +574,7 @@ impl Metrics {
             route: route.to_string(),
         };
         drop(self.inner.store.not_replayable.get_or_create(&labels));
+        drop(self.inner.grpc_streaming_keyed.get_or_create(&labels));
         for reason in Unsettled::ALL {
             let route = route.to_string();
             drop(
@@ -694,6 +703,15 @@ impl Metrics {
         self.inner
             .store
             .not_replayable
+            .get_or_create(&RouteLabels { route })
+            .inc();
+    }
+
+    /// Count a keyed gRPC call of `route` passed on without idempotency because it streams.
+    pub fn grpc_streaming_keyed(&self, route: &str) {
+        let route = route.to_string();
+        self.inner
+            .grpc_streaming_keyed
             .get_or_create(&RouteLabels { route })
             .inc();
     }

@@ -204,6 +204,7 @@ impl GrpcServer {
 /// upstream that is not there.
 async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
     let config = TestConfig::new()
+        .set("admin.listen", "127.0.0.1:0")
         .set(
             "upstreams.grpc.url",
             format!("http://127.0.0.1:{}", server.port),
@@ -368,6 +369,9 @@ async fn grpc_calls(backend: Backend) {
     // A bidirectional call that waits for each answer before its next message: passed on once
     // the stream stays open after its first message, never held for its end.
     expect(one(19), "OK", "", json!("pong:a,pong:b"));
+    // The three keyed streaming calls are counted: their keys were not applied.
+    let series = r#"idemgate_grpc_streaming_keyed_total{route="defaults"}"#;
+    assert_eq!(env.gateway.metric(series).await, 3.0);
     assert_eq!(one(20)["body"], "13", "calls the server saw");
     // The upstream's failure, unkeyed (the listener's answer) or keyed (the engine's).
     refused(one(21), "UNAVAILABLE", "upstream-unavailable");

@@ -344,6 +344,10 @@ impl<St: Store> Shared<St> {
             Ok(body) => body,
             Err(Ok(body)) => {
                 unanswered.decided(Outcome::passthrough);
+                if grpc && key.is_some() {
+                    // Its key cannot be applied: shown, as a retry of it runs again.
+                    self.metrics.grpc_streaming_keyed(&policy.route);
+                }
                 let req = Request::from_parts(parts, body);
                 let passed = self.pass_through(inner, req).await;
                 return passed.ended(Outcome::passthrough);
