@@ -74,19 +74,9 @@ pub(crate) fn client_config(
             }
         }
     }
-    let builder = ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots);
     let mut config = match client {
-        Some((cert_file, key_file)) => {
-            let chain = certs(cert_file).map_err(|e| ("client_cert_file", e))?;
-            let key = key(key_file).map_err(|e| ("client_key_file", e))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| ("client_key_file", pairing(e)))?
-        }
-        None => builder.with_no_client_auth(),
+        Some(client) => presenting(roots, client)?,
+        None => client_builder(roots).with_no_client_auth(),
     };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(config)
@@ -94,20 +84,35 @@ pub(crate) fn client_config(
 
 /// Check that `cert_file` (a chain, PEM) and `key_file` (its key) are readable and go together,
 /// for a client that presents them through another TLS stack than this module's (Redis's).
-/// Errors say which file is at fault: `("cert_file" | "key_file", why)`.
+/// Errors say which file is at fault, as [`client_config`]'s do.
 pub(crate) fn check_client_pair(
     cert_file: &str,
     key_file: &str,
 ) -> Result<(), (&'static str, String)> {
-    let chain = certs(cert_file).map_err(|e| ("cert_file", e))?;
-    let key = key(key_file).map_err(|e| ("key_file", e))?;
+    presenting(RootCertStore::empty(), (cert_file, key_file)).map(drop)
+}
+
+/// A client trusting `roots`, before its client certificate is decided.
+fn client_builder(
+    roots: RootCertStore,
+) -> rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert> {
     ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .expect("ring supports the default protocol versions")
-        .with_root_certificates(RootCertStore::empty())
+        .with_root_certificates(roots)
+}
+
+/// A client trusting `roots` and presenting `(cert_file, key_file)`: `("client_cert_file" |
+/// "client_key_file", why)` when a file cannot be read or the two do not go together.
+fn presenting(
+    roots: RootCertStore,
+    (cert_file, key_file): (&str, &str),
+) -> Result<ClientConfig, (&'static str, String)> {
+    let chain = certs(cert_file).map_err(|e| ("client_cert_file", e))?;
+    let key = key(key_file).map_err(|e| ("client_key_file", e))?;
+    client_builder(roots)
         .with_client_auth_cert(chain, key)
-        .map_err(|e| ("key_file", pairing(e)))?;
-    Ok(())
+        .map_err(|e| ("client_key_file", pairing(e)))
 }
 
 /// The configuration of a TLS listener: `cert_file`'s chain with `key_file`'s key, offering

@@ -48,6 +48,20 @@ pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Co
     ConfigError::invalid(field, reason)
 }
 
+/// Two optional fields that go together (a certificate and its key): both or neither. The error
+/// names the one missing, within its table: `(field, why)`.
+pub(super) fn paired<T>(
+    (a, first): (&'static str, Option<T>),
+    (b, second): (&'static str, Option<T>),
+) -> Result<Option<(T, T)>, (&'static str, String)> {
+    match (first, second) {
+        (Some(x), Some(y)) => Ok(Some((x, y))),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err((b, format!("is required with {a}"))),
+        (None, Some(_)) => Err((a, format!("is required with {b}"))),
+    }
+}
+
 /// The environment variable the key secret comes from (never a file: it is a secret).
 pub const KEY_SECRET_VAR: &str = "IDEMGATE_KEY_SECRET";
 

@@ -368,14 +368,14 @@ fn client_pair(
     cert: Option<Checked<ExistingFile>>,
     key: Option<Checked<ExistingFile>>,
 ) -> Result<Option<(String, String)>, Refused> {
-    let (cert, key) = match (cert, key) {
-        (None, None) => return Ok(None),
-        (Some(_), None) => return Err(refused("tls_key_file", "is required with tls_cert_file")),
-        (None, Some(_)) => return Err(refused("tls_cert_file", "is required with tls_key_file")),
-        (Some(cert), Some(key)) => (cert.into_inner(), key.into_inner()),
+    let pair = super::paired(("tls_cert_file", cert), ("tls_key_file", key))
+        .map_err(|(field, why)| refused(field, why))?;
+    let Some((cert, key)) = pair else {
+        return Ok(None);
     };
+    let (cert, key) = (cert.into_inner(), key.into_inner());
     crate::tls::check_client_pair(&cert, &key)
-        .map_err(|(file, why)| refused(&format!("tls_{file}"), why))?;
+        .map_err(|(file, why)| refused(&crate::store::tls_field(file), why))?;
     Ok(Some((cert, key)))
 }
 

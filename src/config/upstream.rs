@@ -9,7 +9,7 @@ use http::Uri;
 use serde::Deserialize;
 
 use super::checked::{rules, AtLeastOne, Checked, NonZero};
-use super::{invalid, ConfigError};
+use super::{invalid, paired, ConfigError};
 
 pub use crate::idempotency::DEFAULT_UPSTREAM;
 pub use crate::proxy::{UpstreamConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
@@ -192,24 +192,13 @@ pub(super) fn client_tls(
         }
         return Ok(None);
     }
-    let client = match (client_cert_file, client_key_file) {
-        (Some(c), Some(k)) => Some((c, k)),
-        (None, None) => None,
-        (Some(_), None) => {
-            return Err(invalid(
-                format!("{at}.client_key_file"),
-                "is required with client_cert_file",
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(invalid(
-                format!("{at}.client_cert_file"),
-                "is required with client_key_file",
-            ))
-        }
-    };
-    let config = crate::tls::client_config(ca_file, client, alpn)
-        .map_err(|(f, reason)| invalid(format!("{at}.{f}"), reason))?;
+    let at_field = |(f, reason): (&str, String)| invalid(format!("{at}.{f}"), reason);
+    let client = paired(
+        ("client_cert_file", client_cert_file),
+        ("client_key_file", client_key_file),
+    )
+    .map_err(at_field)?;
+    let config = crate::tls::client_config(ca_file, client, alpn).map_err(at_field)?;
     Ok(Some(Arc::new(config)))
 }
 

@@ -33,6 +33,7 @@ pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
+pub(crate) use self::settings::tls_field;
 pub use self::settings::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, RedisSettings,
     StoreConfig, Topology,

@@ -145,6 +145,12 @@ impl fmt::Debug for Topology {
     }
 }
 
+/// The `[store]` field of a file the TLS module names (`ca_file`, `client_cert_file`,
+/// `client_key_file`): `tls_ca_file`, `tls_cert_file`, `tls_key_file`.
+pub(crate) fn tls_field(file: &str) -> String {
+    format!("tls_{}", file.trim_start_matches("client_"))
+}
+
 /// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {

@@ -302,8 +302,10 @@ impl Connector {
                     .zip(settings.tls_key_file.as_deref());
                 let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), client, &[])
                     .map_err(|(file, why)| {
-                    let field = file.trim_start_matches("client_");
-                    PostgresError::Config(format!("store.tls_{field}: {why}"))
+                    PostgresError::Config(format!(
+                        "store.{}: {why}",
+                        super::settings::tls_field(file)
+                    ))
                 })?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
             }
