@@ -414,6 +414,12 @@ impl ClientConnections {
     }
 }
 
+/// Count one event of `route` in `family` (events rare enough to look their series up).
+fn count_for(family: &Family<RouteLabels, Counter>, route: &str) {
+    let route = route.to_string();
+    family.get_or_create(&RouteLabels { route }).inc();
+}
+
 /// `metric`, registered as `name` with `help`.
 fn registered<M: prometheus_client::registry::Metric + Clone>(
     registry: &mut Registry,
@@ -699,21 +705,12 @@ impl Metrics {
 
     /// Count a response of `route` recorded as not replayable (its body passed `max_body`).
     pub fn not_replayable(&self, route: &str) {
-        let route = route.to_string();
-        self.inner
-            .store
-            .not_replayable
-            .get_or_create(&RouteLabels { route })
-            .inc();
+        count_for(&self.inner.store.not_replayable, route);
     }
 
     /// Count a keyed gRPC call of `route` passed on without idempotency because it streams.
     pub fn grpc_streaming_keyed(&self, route: &str) {
-        let route = route.to_string();
-        self.inner
-            .grpc_streaming_keyed
-            .get_or_create(&RouteLabels { route })
-            .inc();
+        count_for(&self.inner.grpc_streaming_keyed, route);
     }
 
     /// Count a keyed call of `route` whose outcome is unknown, by why.

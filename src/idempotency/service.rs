@@ -423,12 +423,12 @@ impl<St: Store> Shared<St> {
         headers: &http::HeaderMap,
     ) -> Result<Result<Claim, StoreError>, Finished<E>> {
         let mut waiter = Waiter::new(route.clone());
+        // A duplicate on a streamed route that waits attaches to a live answer.
+        let policy = &lease.held.policy;
+        let attaches = policy.stream && policy.on_in_flight == OnInFlight::Wait;
         loop {
             match lease.claim().await {
                 Ok(Claim::InFlight) => {
-                    // A duplicate on a streamed route that waits attaches to a live answer.
-                    let policy = &lease.held.policy;
-                    let attaches = policy.stream && policy.on_in_flight == OnInFlight::Wait;
                     // Made before the try to attach: an answer offered after it wakes the wait.
                     let offered = attaches.then(|| self.live.offered(&lease.held.key));
                     if attaches {
