@@ -3,7 +3,6 @@
 
 use crate::common;
 
-use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -16,6 +15,7 @@ use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::{embedded, Claim, EmbeddedSettings, EmbeddedStore, Inspect, Store};
 use idemgate::StoreError;
+use testkit::Tmpfs;
 
 fn key(i: u32) -> ScopedKey {
     let mut k = [0u8; 32];
@@ -170,57 +170,18 @@ async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
     );
 }
 
-/// The command prefix that runs the gateway in a mount namespace of its own with a tmpfs of
-/// `size` on `dir`: the mount goes with the process, whatever becomes of the test. As root,
-/// `unshare -m`; otherwise in a user namespace too (`-r`), where an unprivileged user may mount
-/// a tmpfs.
-fn on_tmpfs(dir: &Path, size: &str) -> Vec<String> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let root = status
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"));
-    let script = format!("mount -t tmpfs -o size={size} tmpfs \"$1\" && shift && exec \"$@\"");
-    let namespaces = if root { "-m" } else { "-rm" };
-    let dir = dir.display().to_string();
-    ["unshare", namespaces, "sh", "-c", &script, "sh", &dir]
-        .map(String::from)
-        .to_vec()
-}
-
-/// Write `path` until the file system is full; how many bytes it took.
-fn fill(path: &Path) -> u64 {
-    use std::io::Write;
-    let mut file = std::fs::File::create(path).unwrap();
-    let mut written = 0;
-    for chunk in [1 << 20, 4096, 512] {
-        let block = vec![0x5a; chunk];
-        while file.write_all(&block).and_then(|()| file.flush()).is_ok() {
-            written += chunk as u64;
-        }
-    }
-    written
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_is_a_store_error_and_the_store_works_again_once_there_is_room() {
-    let mount = tempfile::tempdir().unwrap();
+    let disk = Tmpfs::mount("8m").await;
     let upstream = CountingUpstream::start().await;
-    let config = config(&upstream, &mount.path().join("store"));
-    let mut gateway = GatewayBinary::start_via(&config, &on_tmpfs(mount.path(), "8m")).await;
-    // The tmpfs as the gateway sees it, from outside its mount namespace.
-    let seen = Path::new(&format!("/proc/{}/root", gateway.pid())).join(
-        mount
-            .path()
-            .strip_prefix("/")
-            .expect("an absolute temporary directory"),
-    );
+    let config = config(&upstream, &disk.path().join("store"));
+    let mut gateway = GatewayBinary::start_via(&config, &disk.enter()).await;
     let acknowledged: Vec<String> = (0..10).map(|i| format!("before-{i}")).collect();
     for key in &acknowledged {
         let first = send(keyed(&gateway.url("/v1/pay"), key)).await;
         assert_eq!(first.status, 201, "{first:?}");
     }
-    let filler = seen.join("filler");
-    assert!(fill(&filler) > 0, "nothing written to {}", filler.display());
+    assert!(disk.fill() > 0, "nothing written to the tmpfs");
     // Records of 200 KB need new pages: the first batch that cannot write them fails.
     let big = gateway.url("/big?bytes=200000");
     let mut refused = None;
@@ -249,7 +210,7 @@ async fn a_full_disk_is_a_store_error_and_the_store_works_again_once_there_is_ro
     let unkeyed = send(client().post(gateway.url("/v1/pay"))).await;
     assert_eq!(unkeyed.status, 201, "{unkeyed:?}");
 
-    std::fs::remove_file(&filler).unwrap();
+    disk.free();
     let mut again = 0;
     wait_until(
         Duration::from_secs(10),

@@ -19,27 +19,35 @@
 //!   (a primary, a replica, three sentinels), and [`query`], one command to a node.
 //! - [`failover`]: [`Replicated`] and [`Failover`], a primary killed with SIGKILL and the store's
 //!   recovery driven as a supervisor would, each step timed.
+//! - [`gateway`]: [`GatewayProcess`], the `idemgate` binary as a child process on ports it keeps
+//!   across `kill9()` and `start_again()`, `pause()`d and `resume()`d, its metrics scraped.
 //! - [`postgres`]: [`PostgresServer`], a private PostgreSQL server (`initdb` on a free port) that
-//!   can be `stop()`ped, `kill()`ed, started again and `restart()`ed.
+//!   can be `stop()`ped, `kill()`ed, started again, `restart()`ed and `restart_immediate()`d.
 //! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
 //! - [`python`]: [`PythonEnv`], a Python virtual environment with client SDKs from PyPI.
 //! - [`store`]: [`StoreServer`], the server a behavioural test's backend needs.
+//! - [`tmpfs`]: [`Tmpfs`], a small tmpfs in a mount namespace of its own, to `fill()` and
+//!   `free()`.
 //! - [`wait`]: [`wait_until`], which polls a condition instead of sleeping for a guessed time.
 
 pub mod cluster;
 pub mod failover;
+pub mod gateway;
 pub mod ports;
 pub mod postgres;
 pub mod python;
 pub mod redis;
 pub mod store;
+pub mod tmpfs;
 pub mod wait;
 
 pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
 pub use self::failover::{Failover, Replicated};
+pub use self::gateway::{GatewayProcess, Ports};
 pub use self::ports::{free_addr, free_port, ReservedPort};
 pub use self::postgres::PostgresServer;
 pub use self::python::PythonEnv;
 pub use self::redis::{Backend, RedisServer, TlsRedisServer};
 pub use self::store::StoreServer;
+pub use self::tmpfs::Tmpfs;
 pub use self::wait::wait_until;

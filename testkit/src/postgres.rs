@@ -1,6 +1,6 @@
 //! A private PostgreSQL server, never the one a machine may already run on 5432:
 //! `let pg = PostgresServer::start().await; pg.stop(); pg.start_again().await;`
-//! (also `kill()`, `pause()`, `resume()`, `restart()`).
+//! (also `kill()`, `pause()`, `resume()`, `restart()`, `restart_immediate()`).
 //!
 //! `initdb` runs once per test process into a template directory that each server copies; the
 //! server listens on a free loopback port and on a unix socket in its own directory. Run as root,
@@ -295,6 +295,17 @@ impl PostgresServer {
             "postgres did not come back on port {}",
             self.port
         );
+    }
+
+    /// `pg_ctl restart -m immediate`: SIGQUIT to the postmaster, which ends its backends at once,
+    /// without a checkpoint (the next start recovers from the WAL), then a start on the same port
+    /// and data.
+    pub async fn restart_immediate(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            signal(c.id(), "-QUIT");
+            let _ = c.wait();
+        }
+        self.start_again().await;
     }
 
     /// Stop and start again on the same port and data.

@@ -8,14 +8,16 @@
 //!   process, for what needs a real process: `kill9()`, `sigterm()`, `wait_exit(limit)`.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use testkit::GatewayProcess;
+
 use super::{
-    client, free_port, send, wait_until, Backend, CountingUpstream, PostgresServer, RedisServer,
-    Seen, StoreServer, TestConfig,
+    client, send, wait_until, Backend, CountingUpstream, PostgresServer, RedisServer, Seen,
+    StoreServer, TestConfig,
 };
 
 /// The gateway running in this process on a loopback port it bound itself; stopped on drop.
@@ -118,14 +120,7 @@ impl Drop for InProcessGateway {
 
 /// What the admin listener at `admin` says at `GET /metrics`.
 pub async fn scrape(admin: SocketAddr) -> String {
-    client()
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    testkit::gateway::scrape(admin).await.unwrap()
 }
 
 /// The value of one series the admin listener at `admin` exposes, named as it is exposed,
@@ -142,12 +137,11 @@ pub async fn metric_at(admin: SocketAddr, series: &str) -> f64 {
         .unwrap()
 }
 
-/// The real `idemgate` binary running with a config file; killed on drop. Its log goes where
-/// `TEST_LOG` says (a `RUST_LOG` filter; off by default).
+/// The real `idemgate` binary running with a config file (testkit's [`GatewayProcess`]); killed
+/// on drop. Its log goes where `TEST_LOG` says (a `RUST_LOG` filter; off by default).
 pub struct GatewayBinary {
     pub addr: SocketAddr,
-    child: Option<Child>,
-    _config: tempfile::NamedTempFile,
+    process: GatewayProcess,
 }
 
 impl GatewayBinary {
@@ -157,67 +151,35 @@ impl GatewayBinary {
     }
 
     /// [`start`](Self::start) through the command `prefix` (a program and its arguments), which
-    /// ends by running the binary and its arguments given after it, e.g. `["unshare", "-m",
-    /// "sh", "-c", "... && exec \"$@\"", "sh"]`.
+    /// ends by running the binary and its arguments given after it, e.g. `Tmpfs::enter()`.
     pub async fn start_via(config: &TestConfig, prefix: &[String]) -> Self {
-        // The binary binds the port itself, after `free_port` let go of it: when another process
-        // took it in between, the binary exits, and it is started again on a new port.
-        for _ in 0..3 {
-            let port = free_port();
-            let file = tempfile::NamedTempFile::new().unwrap();
-            let listen = format!("127.0.0.1:{port}");
-            std::fs::write(
-                file.path(),
-                config.clone().set("listen", &*listen).to_toml(),
+        let mut launch = GatewayProcess::binary(env!("CARGO_BIN_EXE_idemgate"))
+            .via(prefix)
+            .env(
+                "RUST_LOG",
+                &std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
             )
-            .unwrap();
-            let binary = env!("CARGO_BIN_EXE_idemgate");
-            let mut command = match prefix.split_first() {
-                Some((program, args)) => {
-                    let mut c = Command::new(program);
-                    c.args(args).arg(binary);
-                    c
-                }
-                None => Command::new(binary),
-            };
-            command
-                .arg("--config")
-                .arg(file.path())
-                .env(
-                    "RUST_LOG",
-                    std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
-                )
-                .env_remove("IDEMGATE_KEY_SECRET")
-                .env_remove("IDEMGATE_SEAL_KEYS")
-                .stdout(Stdio::null());
-            if let Some(secret) = &config.key_secret {
-                command.env("IDEMGATE_KEY_SECRET", secret);
-            }
-            if let Some(keys) = &config.seal_keys {
-                command.env("IDEMGATE_SEAL_KEYS", keys);
-            }
-            command.envs(config.env.iter().map(|(k, v)| (k, v)));
-            let mut child = command.spawn().unwrap();
-            let addr: SocketAddr = listen.parse().unwrap();
-            let mut exited = false;
-            wait_until(
-                Duration::from_secs(10),
-                "the gateway binary accepts connections",
-                async || {
-                    exited = child.try_wait().unwrap().is_some();
-                    exited || tokio::net::TcpStream::connect(addr).await.is_ok()
-                },
-            )
-            .await;
-            if !exited {
-                return GatewayBinary {
-                    addr,
-                    child: Some(child),
-                    _config: file,
-                };
-            }
+            .env_remove("IDEMGATE_KEY_SECRET")
+            .env_remove("IDEMGATE_SEAL_KEYS");
+        if let Some(secret) = &config.key_secret {
+            launch = launch.env("IDEMGATE_KEY_SECRET", secret);
         }
-        panic!("the gateway binary did not start on any of 3 free ports (its stderr says why)");
+        if let Some(keys) = &config.seal_keys {
+            launch = launch.env("IDEMGATE_SEAL_KEYS", keys);
+        }
+        for (name, value) in &config.env {
+            launch = launch.env(name, value);
+        }
+        let process = launch
+            .start(|ports| {
+                let listen = ports.listen.to_string();
+                config.clone().set("listen", &*listen).to_toml()
+            })
+            .await;
+        GatewayBinary {
+            addr: process.addr(),
+            process,
+        }
     }
 
     /// `http://ADDR/path`
@@ -225,54 +187,24 @@ impl GatewayBinary {
         format!("http://{}{}", self.addr, path)
     }
 
-    /// Its process id (that of the prefix's program, which execs the binary).
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().unwrap().is_none())
+        self.process.running()
     }
 
     /// SIGKILL: no chance to clean up, as in a crash.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.process.kill9();
     }
 
     /// Send SIGTERM.
     pub fn sigterm(&self) {
-        let pid = self.child.as_ref().expect("running").id();
-        let ok = Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(ok.success());
+        self.process.sigterm();
     }
 
     /// Wait for the process to exit (up to `limit`), returning its exit status.
     pub async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let mut status = None;
-        wait_until(limit, "the gateway binary exits", async || {
-            status = child.try_wait().unwrap();
-            status.is_some()
-        })
-        .await;
-        self.child = None;
-        status.unwrap()
-    }
-}
-
-impl Drop for GatewayBinary {
-    fn drop(&mut self) {
-        self.kill9();
+        self.process.wait_exit(limit).await
     }
 }
 
