@@ -62,6 +62,8 @@ pub struct Bench {
     pub rows: Vec<Row>,
     pub first_byte: Vec<FirstByteRow>,
     pub notes: Vec<String>,
+    /// The chaos section's table rows.
+    pub chaos: Vec<String>,
     pub insane: Vec<String>,
     pub run_id: u64,
     // Closed-loop rounds per scenario (interleaved); the table shows the median.
@@ -91,6 +93,7 @@ impl Bench {
             rows: Vec::new(),
             first_byte: Vec::new(),
             notes: Vec::new(),
+            chaos: Vec::new(),
             insane: Vec::new(),
             run_id: 0,
             rounds,

@@ -3,13 +3,14 @@
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
 //! `fingerprint`, `expiry`, `seal`, `stream`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`,
-//! `embedded`, `failover`), on `bench` (the measuring they share), `load` (the load generator),
+//! `embedded`, `failover`, `chaos`), on `bench` (the measuring they share), `load` (the load generator),
 //! `procs` (the processes under test; Redis's come from `testkit`), `metrics`, `table` (the
 //! printed results) and `charts` (the same as SVG charts). `upstream`, `app` and `collector`
 //! (the telemetry section's sink) are the subcommands the harness runs as child processes.
 
 mod app;
 mod bench;
+mod chaos;
 mod charts;
 mod cluster;
 mod embedded;
@@ -73,7 +74,8 @@ struct Cli {
     /// on a Redis Cluster against one Redis, and wait_replicas), postgres (the gateway on
     /// PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
-    /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick).
+    /// the memory store), failover (Redis Cluster and Sentinel; cluster only with --quick),
+    /// chaos (every backend under faults, its history checked).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The failover section's runs, as backend:wait_replicas (comma-separated), e.g.
@@ -81,6 +83,18 @@ struct Cli {
     /// redis-sentinel:0, or redis-cluster:1 with --quick.
     #[arg(long, value_delimiter = ',')]
     failover: Vec<String>,
+    /// The chaos section's runs, as backend:regime (comma-separated; backends memory,
+    /// embedded, redis, redis-cluster, postgres; regimes long, an 8 s lease, and short, a 2 s
+    /// one); default every backend in both, or with --quick every backend long and redis and
+    /// postgres short.
+    #[arg(long, value_delimiter = ',')]
+    chaos: Vec<String>,
+    /// Seconds of faults in each chaos run (default 60, or 20 with --quick).
+    #[arg(long)]
+    chaos_secs: Option<f64>,
+    /// The seed of the chaos section's draws: faults, the upstream's misbehaviour, the clients.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -291,6 +305,10 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("failover") {
         failover::run(&mut b, dir.path(), cli.quick, &cli.failover).await;
+    }
+    if run("chaos") {
+        let plan = chaos::Plan::new(cli.quick, &cli.chaos, cli.chaos_secs, cli.seed);
+        chaos::run(&mut b, &plan).await;
     }
     if soak > 0 && run("soak") {
         soak::run(&mut b, dir.path(), &redis_url, soak).await;

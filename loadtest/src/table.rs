@@ -119,6 +119,11 @@ pub fn print(b: &Bench) {
             }
         }
     }
+    if !b.chaos.is_empty() {
+        println!("\nchaos (per backend and lease; duplicates beyond one execution per key):");
+        println!("{}", crate::chaos::TABLE_HEAD);
+        b.chaos.iter().for_each(|row| println!("{row}"));
+    }
     println!("\nnotes:");
     b.notes.iter().for_each(|n| println!("- {n}"));
 }

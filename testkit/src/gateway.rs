@@ -62,8 +62,8 @@ impl Launch {
         self
     }
 
-    /// Append its standard error (the log) to `path`, every start's after the last; without
-    /// it, the log goes to this process's standard error.
+    /// Append its log (standard output and error) to `path`, every start's after the last;
+    /// without it, standard output is discarded and standard error is this process's.
     pub fn log_to(mut self, path: &Path) -> Self {
         self.log = Some(path.to_path_buf());
         self
@@ -226,7 +226,7 @@ impl GatewayProcess {
                 .append(true)
                 .open(log)
                 .unwrap();
-            command.stderr(file);
+            command.stdout(file.try_clone().unwrap()).stderr(file);
         }
         let mut child = command
             .spawn()

@@ -1,0 +1,246 @@
+//! The chaos clients: each sends keyed payments through a gateway picked at random and retries
+//! the same key with the same body on a timeout, a 5xx, a 409 or a broken connection until a
+//! 2xx; some attempts hang up on purpose, mid-body or after sending. Every attempt is recorded
+//! with what it got. After the run, [`settle`] retries every key until it replays.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+use super::check::{Attempt, Outcome, Phase};
+
+/// The path the clients post to (the gateway adds its process's prefix upstream).
+const PATH: &str = "/v1/payments";
+
+/// What the clients share: the gateways, the clock, and what they recorded.
+pub struct Clients {
+    pub start: Instant,
+    /// Each gateway slot's address, and the incarnation running there now.
+    pub addrs: Vec<SocketAddr>,
+    pub incarnations: Arc<[AtomicU32]>,
+    pub stop: AtomicBool,
+    /// The client's own timeout for one attempt.
+    pub timeout: Duration,
+    /// Every key sent, with its body.
+    pub keys: Mutex<Vec<(String, Bytes)>>,
+    pub attempts: Mutex<Vec<Attempt>>,
+}
+
+/// How one attempt is sent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Manner {
+    Whole,
+    /// The head and half the body, then the socket closed.
+    HangUpMidBody,
+    /// The whole request, then the socket closed before (or while) the answer comes.
+    HangUpAfterSending(Duration),
+}
+
+impl Clients {
+    /// Client `i` until [`Clients::stop`]: key after key, each retried until a 2xx.
+    pub async fn run(self: Arc<Self>, i: usize, seed: u64) {
+        let mut rng =
+            fastrand::Rng::with_seed(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut n = 0;
+        while !self.stop.load(Ordering::SeqCst) {
+            let key = format!("c{i}-{n}");
+            n += 1;
+            let body = Bytes::from(format!(
+                "{{\"amount\":{},\"currency\":\"eur\",\"customer\":\"cus_{key}\"}}",
+                rng.u32(100..100_000)
+            ));
+            self.keys.lock().unwrap().push((key.clone(), body.clone()));
+            while !self.stop.load(Ordering::SeqCst) {
+                let manner = match rng.u32(0..100) {
+                    0..3 => Manner::HangUpMidBody,
+                    3..6 => Manner::HangUpAfterSending(Duration::from_millis(rng.u64(0..1500))),
+                    _ => Manner::Whole,
+                };
+                let slot = rng.usize(..self.addrs.len());
+                let outcome = self.attempt(slot, &key, &body, manner, Phase::Run).await;
+                if outcome.succeeded() {
+                    break;
+                }
+                // A 409 says the key is in flight and to come back in a second.
+                let backoff = match outcome {
+                    Outcome::Answered { status: 409, .. } => rng.u64(500..1000),
+                    _ => rng.u64(50..250),
+                };
+                tokio::time::sleep(Duration::from_millis(backoff)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+        }
+    }
+
+    /// Send `key` once to gateway `slot`, record what came of it, and return that.
+    async fn attempt(
+        &self,
+        slot: usize,
+        key: &str,
+        body: &Bytes,
+        manner: Manner,
+        phase: Phase,
+    ) -> Outcome {
+        let process = self.incarnations[slot].load(Ordering::SeqCst);
+        let start = self.start.elapsed();
+        let addr = self.addrs[slot];
+        let outcome = match manner {
+            Manner::Whole => exchange(addr, key, body.clone(), self.timeout).await,
+            Manner::HangUpMidBody => hang_up(addr, key, body, body.len() / 2, Duration::ZERO).await,
+            Manner::HangUpAfterSending(after) => hang_up(addr, key, body, body.len(), after).await,
+        };
+        self.attempts.lock().unwrap().push(Attempt {
+            key: key.to_string(),
+            process,
+            start,
+            end: self.start.elapsed(),
+            phase,
+            outcome: outcome.clone(),
+        });
+        outcome
+    }
+}
+
+/// After the run: every key sent, retried through the gateways in turn until it replays, 16 at
+/// a time, until `deadline`. Keys that never replay are the checker's stuck keys.
+pub async fn settle(clients: Arc<Clients>, deadline: Instant) {
+    let keys = clients.keys.lock().unwrap().clone();
+    let next = Arc::new(Mutex::new(keys.into_iter().enumerate()));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (clients, next) = (clients.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Some((i, (key, body))) = next.lock().unwrap().next() else {
+                    return;
+                };
+                let mut slot = i;
+                while Instant::now() < deadline {
+                    slot = (slot + 1) % clients.addrs.len();
+                    let outcome = clients
+                        .attempt(slot, &key, &body, Manner::Whole, Phase::Settle)
+                        .await;
+                    if outcome.replayed() {
+                        break;
+                    }
+                    if !outcome.succeeded() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+/// A keyed POST of `body` on a connection of its own, read whole within `timeout`.
+async fn exchange(addr: SocketAddr, key: &str, body: Bytes, timeout: Duration) -> Outcome {
+    let exchange = async {
+        let stream = TcpStream::connect(addr).await?;
+        let _ = stream.set_nodelay(true);
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream)).await?;
+        // Dropped with this future: a timeout closes the socket.
+        let conn = AbortOnDrop(tokio::spawn(conn));
+        let req = http::Request::post(PATH)
+            .header("host", "chaos")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .unwrap();
+        let resp = sender.send_request(req).await?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await?.to_bytes();
+        drop(conn);
+        let problem = parts
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
+            .then(|| problem_type(&body));
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Outcome::Answered {
+            status: parts.status.as_u16(),
+            replayed: parts
+                .headers
+                .get("idempotent-replayed")
+                .is_some_and(|v| v == "true"),
+            problem,
+            body,
+        })
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) => Outcome::Broken,
+        Err(_) => Outcome::TimedOut,
+    }
+}
+
+/// Send the head and the first `bytes` of `body`, wait `after`, and close the socket.
+async fn hang_up(
+    addr: SocketAddr,
+    key: &str,
+    body: &Bytes,
+    bytes: usize,
+    after: Duration,
+) -> Outcome {
+    let Ok(mut stream) = TcpStream::connect(addr).await else {
+        return Outcome::Broken;
+    };
+    let head = format!(
+        "POST {PATH} HTTP/1.1\r\nhost: chaos\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let sent = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(&body[..bytes]).await?;
+        stream.flush().await
+    };
+    if sent.await.is_err() {
+        return Outcome::Broken;
+    }
+    tokio::time::sleep(after).await;
+    Outcome::HungUp
+}
+
+/// The `type` of a gateway's problem+json, after `urn:idemgate:problem:` (or whole).
+fn problem_type(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    text.split("\"type\":\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .map(|t| {
+            t.strip_prefix(idemgate::error::PROBLEM_TYPE_BASE)
+                .unwrap_or(t)
+                .to_string()
+        })
+        .unwrap_or_else(|| "unreadable".into())
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<(), hyper::Error>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_type_of_a_problem() {
+        let body = br#"{"type":"urn:idemgate:problem:in-flight","title":"Request in flight","status":409}"#;
+        assert_eq!(problem_type(body), "in-flight");
+        assert_eq!(problem_type(b"{}"), "unreadable");
+    }
+}

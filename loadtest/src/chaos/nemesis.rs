@@ -1,0 +1,380 @@
+//! The system under test (a store and the gateway processes on it) and the nemesis: faults
+//! drawn from the seed one after another, each undone before the next.
+//!
+//! | backend       | gateways | faults |
+//! |---------------|----------|--------|
+//! | memory        | 1        | the gateway paused (SIGSTOP, SIGCONT) |
+//! | embedded      | 1        | `kill -9` of the gateway and a start on the same file; the disk full |
+//! | redis         | 3        | `kill -9` of a gateway; Redis killed and started again on its AOF (`appendfsync always`); Redis paused |
+//! | redis-cluster | 3        | `kill -9` of a gateway; `kill -9` of a primary, its replica promoted (`wait_replicas = 1`) and the node back as a replica |
+//! | postgres      | 3        | `kill -9` of a gateway; PostgreSQL restarted `-m immediate`; PostgreSQL paused (the postmaster and its backends) |
+//!
+//! The memory store is never killed: a killed memory gateway loses its records by design.
+
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use testkit::{GatewayProcess, Ports, PostgresServer, RedisCluster, RedisServer, Tmpfs};
+
+use super::check::{Fault, Process};
+use super::Regime;
+use crate::procs::gateway_bin;
+
+/// The stores a chaos run can be on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Embedded,
+    Redis,
+    Cluster,
+    Postgres,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 5] = [
+        Backend::Memory,
+        Backend::Embedded,
+        Backend::Redis,
+        Backend::Cluster,
+        Backend::Postgres,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Embedded => "embedded",
+            Backend::Redis => "redis",
+            Backend::Cluster => "redis-cluster",
+            Backend::Postgres => "postgres",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Backend> {
+        Backend::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// Gateway processes on one store: one for the stores of one process.
+    pub fn gateways(self) -> usize {
+        match self {
+            Backend::Memory | Backend::Embedded => 1,
+            Backend::Redis | Backend::Cluster | Backend::Postgres => 3,
+        }
+    }
+
+    /// The faults the nemesis draws from.
+    fn faults(self) -> &'static [Kind] {
+        match self {
+            Backend::Memory => &[Kind::PauseGateway],
+            Backend::Embedded => &[Kind::KillGateway, Kind::DiskFull],
+            Backend::Redis | Backend::Postgres => {
+                &[Kind::KillGateway, Kind::RestartStore, Kind::PauseStore]
+            }
+            Backend::Cluster => &[Kind::KillGateway, Kind::FailOver],
+        }
+    }
+}
+
+/// A fault the nemesis injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    KillGateway,
+    PauseGateway,
+    RestartStore,
+    PauseStore,
+    FailOver,
+    DiskFull,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::KillGateway => "kill -9 gateway",
+            Kind::PauseGateway => "pause gateway",
+            Kind::RestartStore => "restart store",
+            Kind::PauseStore => "pause store",
+            Kind::FailOver => "fail over primary",
+            Kind::DiskFull => "disk full",
+        }
+    }
+}
+
+/// The server behind the gateways.
+enum Store {
+    Memory,
+    Embedded(Tmpfs),
+    Redis(RedisServer),
+    Cluster(RedisCluster),
+    Postgres(PostgresServer),
+}
+
+impl Store {
+    async fn start(backend: Backend) -> Store {
+        match backend {
+            Backend::Memory => Store::Memory,
+            // Room for every record of a long run, and little enough to fill in a moment.
+            Backend::Embedded => Store::Embedded(Tmpfs::mount("256m").await),
+            Backend::Redis => Store::Redis(RedisServer::start_durable().await),
+            Backend::Cluster => Store::Cluster(RedisCluster::start().await),
+            Backend::Postgres => Store::Postgres(PostgresServer::start().await),
+        }
+    }
+
+    /// The `[store]` table's body.
+    fn toml(&self) -> String {
+        match self {
+            Store::Memory => "backend = \"memory\"".into(),
+            Store::Embedded(disk) => format!(
+                "backend = \"embedded\"\npath = \"{}\"\nfsync = true",
+                disk.path().join("store").display()
+            ),
+            Store::Redis(redis) => format!(
+                "backend = \"redis\"\nurl = \"{}\"\nprefix = \"chaos:\"",
+                redis.url()
+            ),
+            Store::Cluster(cluster) => {
+                let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+                format!(
+                    "backend = \"redis-cluster\"\nurls = [{}]\nprefix = \"chaos:\"\nwait_replicas = 1",
+                    urls.join(", ")
+                )
+            }
+            Store::Postgres(pg) => format!("backend = \"postgres\"\nurl = \"{}\"", pg.url()),
+        }
+    }
+}
+
+/// A store and its gateway processes, with what became of each process.
+pub struct System {
+    pub backend: Backend,
+    regime: Regime,
+    store: Store,
+    store_toml: String,
+    upstream: std::net::SocketAddr,
+    gateways: Vec<GatewayProcess>,
+    /// The incarnation each slot runs now (shared with the clients).
+    pub incarnations: Arc<[AtomicU32]>,
+    /// Every process started, by incarnation number.
+    processes: Vec<Process>,
+    start: Instant,
+    /// Harness failures (a fixture that did not come back, a scrape that failed).
+    pub errors: Vec<String>,
+    /// What the stores did that is worth telling (a failover seen late).
+    pub notes: Vec<String>,
+}
+
+impl System {
+    /// The store and its gateways, each logging to `dir`.
+    pub async fn start(
+        backend: Backend,
+        regime: Regime,
+        upstream: std::net::SocketAddr,
+        dir: &Path,
+        start: Instant,
+    ) -> System {
+        let store = Store::start(backend).await;
+        let store_toml = store.toml();
+        let mut system = System {
+            backend,
+            regime,
+            store,
+            store_toml,
+            upstream,
+            gateways: Vec::new(),
+            incarnations: (0..backend.gateways()).map(|_| AtomicU32::new(0)).collect(),
+            processes: Vec::new(),
+            start,
+            errors: Vec::new(),
+            notes: Vec::new(),
+        };
+        for slot in 0..backend.gateways() {
+            let id = system.new_process(slot);
+            let mut launch = GatewayProcess::binary(gateway_bin())
+                .env("RUST_LOG", "info")
+                .env("NO_COLOR", "1")
+                .log_to(&log_file(dir, slot));
+            if let Store::Embedded(disk) = &system.store {
+                launch = launch.via(&disk.enter());
+            }
+            let config = system.config(id);
+            system.gateways.push(launch.start(config).await);
+        }
+        system
+    }
+
+    /// The config of incarnation `id`: its upstream path names it.
+    fn config(&self, id: u32) -> impl Fn(Ports) -> String {
+        let (upstream, store, r) = (self.upstream, self.store_toml.clone(), self.regime);
+        move |ports: Ports| {
+            format!(
+                "listen = \"{}\"\nupstream = \"http://{upstream}/p{id}\"\nshutdown_grace = \"2s\"\n\n[store]\n{store}\n\n[defaults]\nmethods = [\"POST\"]\nlock_ttl = \"{}ms\"\nupstream_timeout = \"{}ms\"\n\n[admin]\nlisten = \"{}\"\n",
+                ports.listen,
+                r.lease.as_millis(),
+                r.upstream_timeout.as_millis(),
+                ports.admin
+            )
+        }
+    }
+
+    /// A new incarnation for `slot`; its number.
+    fn new_process(&mut self, slot: usize) -> u32 {
+        let id = self.processes.len() as u32;
+        self.processes.push(Process {
+            id,
+            killed: None,
+            unsettled: 0,
+        });
+        self.incarnations[slot].store(id, Ordering::SeqCst);
+        id
+    }
+
+    pub fn addrs(&self) -> Vec<std::net::SocketAddr> {
+        self.gateways.iter().map(GatewayProcess::addr).collect()
+    }
+
+    /// Faults drawn from `rng`, one after another with a pause between, until `until`; each
+    /// undone before the next. Returns when the last is over.
+    pub async fn nemesis(&mut self, until: Instant, rng: &mut fastrand::Rng) -> Vec<Fault> {
+        let mut faults = Vec::new();
+        let kinds = self.backend.faults();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        while Instant::now() < until && self.errors.is_empty() {
+            let kind = kinds[rng.usize(..kinds.len())];
+            let start = self.start.elapsed();
+            let injected = AssertUnwindSafe(self.inject(kind, rng))
+                .catch_unwind()
+                .await;
+            if let Err(e) = injected {
+                self.errors
+                    .push(format!("{}: {}", kind.name(), panic_text(&*e)));
+            }
+            faults.push(Fault {
+                kind: kind.name(),
+                start,
+                end: self.start.elapsed(),
+            });
+            let gap = Duration::from_millis(rng.u64(500..2500));
+            tokio::time::sleep(gap.min(until.saturating_duration_since(Instant::now()))).await;
+        }
+        faults
+    }
+
+    /// Inject one fault of `kind`, and undo it.
+    async fn inject(&mut self, kind: Kind, rng: &mut fastrand::Rng) {
+        let r = self.regime;
+        let stall = r.stall.0 + (r.stall.1 - r.stall.0).mul_f64(rng.f64());
+        match (kind, &self.store) {
+            (Kind::KillGateway, _) => {
+                let slot = rng.usize(..self.gateways.len());
+                let down = r.down.0 + (r.down.1 - r.down.0).mul_f64(rng.f64());
+                self.kill9(slot).await;
+                tokio::time::sleep(down).await;
+                let id = self.new_process(slot);
+                let config = self.config(id);
+                self.gateways[slot].start_again(config).await;
+            }
+            (Kind::PauseGateway, _) => {
+                let slot = rng.usize(..self.gateways.len());
+                self.gateways[slot].pause();
+                tokio::time::sleep(stall).await;
+                self.gateways[slot].resume();
+            }
+            (Kind::RestartStore, Store::Redis(redis)) => redis.restart().await,
+            (Kind::RestartStore, Store::Postgres(pg)) => pg.restart_immediate().await,
+            (Kind::PauseStore, Store::Redis(redis)) => {
+                redis.pause();
+                tokio::time::sleep(stall).await;
+                redis.resume();
+            }
+            (Kind::PauseStore, Store::Postgres(pg)) => {
+                pg.pause();
+                tokio::time::sleep(stall).await;
+                pg.resume();
+            }
+            (Kind::FailOver, Store::Cluster(cluster)) => {
+                let primaries = cluster.primaries().await;
+                let node = primaries[rng.usize(..primaries.len())];
+                cluster.kill9(node);
+                // Brought back in any case: a failover not seen in time is the cluster's
+                // business (noted), a cluster that does not heal is the run's end.
+                let seen = AssertUnwindSafe(cluster.wait_for_failover(node))
+                    .catch_unwind()
+                    .await;
+                cluster.restart(node).await;
+                if let Err(e) = seen {
+                    self.notes.push(format!(
+                        "at {:.1} s: {}; the node was started again and the cluster healed",
+                        self.start.elapsed().as_secs_f64(),
+                        panic_text(&*e).lines().next().unwrap_or_default()
+                    ));
+                }
+            }
+            (Kind::DiskFull, Store::Embedded(disk)) => {
+                disk.fill();
+                tokio::time::sleep(stall).await;
+                disk.free();
+            }
+            (kind, _) => panic!("{} is not a fault of {}", kind.name(), self.backend.name()),
+        }
+    }
+
+    /// `kill -9` the gateway in `slot`, its unsettled calls read just before.
+    async fn kill9(&mut self, slot: usize) {
+        let id = self.incarnations[slot].load(Ordering::SeqCst) as usize;
+        let unsettled = self.unsettled(slot).await;
+        self.gateways[slot].kill9();
+        let p = &mut self.processes[id];
+        p.killed = Some(self.start.elapsed());
+        p.unsettled = unsettled;
+    }
+
+    /// The unsettled calls the gateway in `slot` counted (every reason).
+    async fn unsettled(&mut self, slot: usize) -> u64 {
+        let id = self.incarnations[slot].load(Ordering::SeqCst);
+        match self.gateways[slot]
+            .metric_sum("idemgate_calls_unsettled_total")
+            .await
+        {
+            Ok(n) => n as u64,
+            Err(e) => {
+                self.errors
+                    .push(format!("p{id}: idemgate_calls_unsettled_total unread: {e}"));
+                0
+            }
+        }
+    }
+
+    /// At the end: every running process's unsettled calls, and the processes that ended by
+    /// themselves (a crash the nemesis did not cause).
+    pub async fn finish(&mut self) -> (Vec<Process>, Vec<String>) {
+        let mut crashed = Vec::new();
+        for slot in 0..self.gateways.len() {
+            let id = self.incarnations[slot].load(Ordering::SeqCst) as usize;
+            if !self.gateways[slot].running() {
+                crashed.push(format!(
+                    "p{id} ({} gateway {slot}) exited by itself",
+                    self.backend.name()
+                ));
+                continue;
+            }
+            self.processes[id].unsettled = self.unsettled(slot).await;
+        }
+        (self.processes.clone(), crashed)
+    }
+}
+
+/// Where gateway `slot` logs (every incarnation's after the last).
+pub fn log_file(dir: &Path, slot: usize) -> PathBuf {
+    dir.join(format!("gateway-{slot}.log"))
+}
+
+/// A panic's message.
+pub fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
+    e.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panicked".into())
+}
