@@ -5,9 +5,11 @@
 //!   503, which did nothing and which the gateway releases) are at most one: the one whose answer
 //!   the key replays. Each other one is a duplicate, and needs a reason the gateway gave: it was
 //!   in flight on a process killed with `kill -9` (the crash window: it started before the kill,
-//!   and its answer came less than a lease before it), or its process counted a call as
+//!   and the kill came before the process was done with it), or its process counted a call as
 //!   unsettled (`idemgate_calls_unsettled_total`; each count explains one duplicate of that
-//!   process). Otherwise it is unexplained.
+//!   process). Otherwise it is unexplained. A process is done with a call when it has counted
+//!   it (a timeout, a broken answer), or a lease after the answer came (the longest its
+//!   recording is tried).
 //! - **Answers.** Every answer that is not one of the gateway's own refusals (problem+json) is
 //!   byte for byte the status and body of one of the key's executions, and every replay is the
 //!   first replay, the key's one record. A refusal is one of those a fault explains (in flight,
@@ -129,6 +131,21 @@ pub struct History {
     /// The gateways' lease (`lock_ttl`): how long after its answer a killed process's call
     /// could still have been recorded.
     pub lease: Duration,
+    /// The gateways' `upstream_timeout`: when a slow call was counted unsettled.
+    pub upstream_timeout: Duration,
+}
+
+/// How much later than the upstream saw it a process may count a call it gave up on (the
+/// request's way there, a scheduler's delay).
+const SLACK: Duration = Duration::from_millis(250);
+
+/// Until when `e`'s process was working on it: the crash window of a kill ends there.
+fn done_with(e: &Execution, h: &History) -> Duration {
+    match e.act {
+        Act::Slow => e.start + h.upstream_timeout + SLACK,
+        Act::Reset => e.end + SLACK,
+        Act::Answer | Act::Unavailable => e.end + h.lease,
+    }
 }
 
 /// The gateway's own refusals that a fault explains.
@@ -296,7 +313,7 @@ fn attribute(h: &History, mut orphans: Vec<(&Execution, Vec<&Execution>)>, v: &m
     orphans.sort_by_key(|(e, _)| (e.act == Act::Answer, e.start, e.process));
     for (e, all) in orphans {
         let killed = processes.get(&e.process).and_then(|p| p.killed);
-        let in_crash = killed.is_some_and(|k| e.start <= k && k <= e.end + h.lease);
+        let in_crash = killed.is_some_and(|k| e.start <= k && k <= done_with(e, h));
         let left = budget.entry(e.process).or_default();
         if in_crash {
             v.dup_crash += 1;
@@ -467,6 +484,7 @@ mod tests {
             processes,
             faults: Vec::new(),
             lease: s(2.0),
+            upstream_timeout: s(1.0),
         }
     }
 
@@ -524,6 +542,20 @@ mod tests {
         let before = vec![process(1, Some(0.5), 0)];
         let v = check(&history(&[key], execs(), attempts(), before));
         assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        // A slow call the process had given up on (and counted) before the kill: the kill
+        // explains nothing; killed before it gave up, it does.
+        let slow = || {
+            vec![
+                exec(key, 1, 1.0, Act::Slow, "first"),
+                exec(key, 2, 9.0, Act::Answer, "second"),
+            ]
+        };
+        let after_timeout = vec![process(1, Some(2.5), 0)];
+        let v = check(&history(&[key], slow(), attempts(), after_timeout));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        let during = vec![process(1, Some(1.5), 0)];
+        let v = check(&history(&[key], slow(), attempts(), during));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (1, 0));
     }
 
     #[test]

@@ -234,6 +234,7 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
         processes,
         faults,
         lease: regime.lease,
+        upstream_timeout: regime.upstream_timeout,
     };
     let verdict = check(&history);
     write_history(dir, &history, &verdict);
