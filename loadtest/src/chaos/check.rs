@@ -13,7 +13,7 @@
 //! - **Answers.** Every answer that is not one of the gateway's own refusals (problem+json) is
 //!   byte for byte the status and body of one of the key's executions, and every replay is the
 //!   first replay, the key's one record. A refusal is one of those a fault explains (in flight,
-//!   store unavailable, upstream timeout or failure); any other is a wrong answer too.
+//!   store unavailable, upstream timeout or failure); any other counts as a wrong body too.
 //! - **Stuck keys.** Once the faults stopped and the leases ran out, every key replays.
 
 use std::collections::HashMap;
@@ -40,9 +40,12 @@ pub struct Execution {
     pub key: String,
     /// The gateway process that sent it (its incarnation number).
     pub process: u32,
-    /// When it arrived, and when its answer was given (or broken off), from the run's start.
+    /// When it arrived, and when its answer was given (or broken off, or the gateway hung up
+    /// before it), from the run's start.
     pub start: Duration,
     pub end: Duration,
+    /// The gateway hung up before the answer was due (it was killed, or gave up on the call).
+    pub cut_short: bool,
     pub act: Act,
     /// The status and the exact bytes it answered (all of them, even when it broke off).
     pub status: u16,
@@ -142,6 +145,8 @@ const SLACK: Duration = Duration::from_millis(250);
 /// Until when `e`'s process was working on it: the crash window of a kill ends there.
 fn done_with(e: &Execution, h: &History) -> Duration {
     match e.act {
+        // Hung up on before its answer: the process gave up then, or died then.
+        _ if e.cut_short => e.end + SLACK,
         Act::Slow => e.start + h.upstream_timeout + SLACK,
         Act::Reset => e.end + SLACK,
         Act::Answer | Act::Unavailable => e.end + h.lease,
@@ -181,7 +186,7 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    /// No unexplained duplicate, wrong answer or stuck key.
+    /// No unexplained duplicate, wrong body or stuck key.
     pub fn sound(&self) -> bool {
         self.dup_unexplained == 0 && self.wrong == 0 && self.stuck == 0
     }
@@ -294,7 +299,7 @@ fn answers<'a>(
         if let Some(what) = wrong {
             v.wrong += 1;
             v.anomalies.push(format!(
-                "wrong answer: {key} at {:.3} s from process {}: {what}",
+                "wrong body: {key} at {:.3} s from process {}: {what}",
                 a.end.as_secs_f64(),
                 a.process
             ));
@@ -418,6 +423,7 @@ mod tests {
             process,
             start: s(start),
             end: s(start + 0.1),
+            cut_short: false,
             act,
             status: if act == Act::Unavailable { 503 } else { 201 },
             body: Bytes::from(body.to_string()),
@@ -556,6 +562,17 @@ mod tests {
         let during = vec![process(1, Some(1.5), 0)];
         let v = check(&history(&[key], slow(), attempts(), during));
         assert_eq!((v.dup_crash, v.dup_unexplained), (1, 0));
+        // Hung up on by its process before the answer was due: the kill then explains it.
+        let mut cut = slow();
+        cut[0].act = Act::Reset;
+        cut[0].cut_short = true;
+        cut[0].end = s(1.05);
+        let at_the_hang_up = vec![process(1, Some(1.05), 0)];
+        let v = check(&history(&[key], cut.clone(), attempts(), at_the_hang_up));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (1, 0));
+        let long_after = vec![process(1, Some(3.0), 0)];
+        let v = check(&history(&[key], cut, attempts(), long_after));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
     }
 
     #[test]
@@ -647,7 +664,7 @@ mod tests {
         ));
         assert_eq!(v.wrong, 1, "{:?}", v.anomalies);
         assert!(v.anomalies[0].contains("first replay"), "{:?}", v.anomalies);
-        // The gateway's refusals a fault explains are no wrong answers; another one is.
+        // The gateway's refusals a fault explains are no wrong bodies; another one is.
         let (execs, mut attempts) = clean(key);
         attempts.push(refused(key, 2.0, 409, "in-flight"));
         attempts.push(refused(key, 2.5, 503, "store-unavailable"));

@@ -123,7 +123,7 @@ struct Report {
     label: String,
     verdict: Verdict,
     faults: BTreeMap<&'static str, usize>,
-    /// How long the faults went on, and the settling after them.
+    /// How long the clients ran with the nemesis, and the settling after.
     run: Duration,
     settle: Duration,
     crashed: Vec<String>,
@@ -195,6 +195,7 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
         keys: Mutex::new(Vec::new()),
         attempts: Mutex::new(Vec::new()),
     });
+    let load = start.elapsed();
     let tasks: Vec<_> = (0..CLIENTS)
         .map(|i| tokio::spawn(clients.clone().run(i, seed)))
         .collect();
@@ -205,9 +206,9 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
     for t in tasks {
         let _ = t.await;
     }
-    let run = start.elapsed();
+    let run = start.elapsed() - load;
     eprintln!(
-        "  chaos {label}: faults over at {:.1} s; settling",
+        "  chaos {label}: faults over after {:.1} s; settling",
         run.as_secs_f64()
     );
     // Faults stop, leases run out (a call's, then its lease after a timeout), then every key is
@@ -219,7 +220,7 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
         Instant::now() + 2 * regime.lease + Duration::from_secs(20),
     )
     .await;
-    let settle = start.elapsed() - run;
+    let settle = start.elapsed() - load - run;
     let (processes, crashed) = system.finish().await;
     let history = History {
         keys: clients
@@ -303,7 +304,7 @@ fn judge(b: &mut Bench, r: Report, seed: u64) {
     }
     if !v.sound() {
         b.insane.push(format!(
-            "{what}: {} unexplained duplicates, {} wrong answers, {} stuck keys; {}",
+            "{what}: {} unexplained duplicates, {} wrong bodies, {} stuck keys; {}",
             v.dup_unexplained,
             v.wrong,
             v.stuck,
@@ -322,7 +323,7 @@ fn judge(b: &mut Bench, r: Report, seed: u64) {
 }
 
 /// The header of the table [`judge`]'s lines make.
-pub const TABLE_HEAD: &str = "| run | faults + settling | operations (keys) | attempts | faults | executions | duplicates: unexplained / unsettled / crash window | unsettled counted | wrong answers | stuck keys | 2xx of attempts during faults | outside faults |\n|---|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|";
+pub const TABLE_HEAD: &str = "| run | faults + settling | operations (keys) | attempts | faults by kind | executions | duplicates: unexplained / unsettled / crash window | unsettled counted | wrong bodies | stuck keys | 2xx of attempts during faults | outside faults |\n|---|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|";
 
 /// The history and the verdict as text in `dir`, for reading an anomaly by hand.
 fn write_history(dir: &Path, h: &History, v: &Verdict) {
@@ -345,19 +346,20 @@ fn write_history(dir: &Path, h: &History, v: &Verdict) {
     }
     let _ = writeln!(
         text,
-        "\n# executions (start-end s, key, process, act, status, bytes)"
+        "\n# executions (start-end s, key, process, act, status, bytes; cut-short: the gateway hung up before the answer was due)"
     );
     for e in &h.executions {
         let _ = writeln!(
             text,
-            "{:.3}-{:.3} {} p{} {:?} {} {}",
+            "{:.3}-{:.3} {} p{} {:?} {} {}{}",
             e.start.as_secs_f64(),
             e.end.as_secs_f64(),
             e.key,
             e.process,
             e.act,
             e.status,
-            e.body.len()
+            e.body.len(),
+            if e.cut_short { " cut-short" } else { "" }
         );
     }
     let _ = writeln!(

@@ -123,8 +123,14 @@ async fn execute(req: Request<Incoming>, log: Arc<Log>) -> Result<Response<Answe
         body,
         max_age,
     } = log.begin(&key, process);
+    // Ends the execution when its answer is due, or when the gateway hangs up first (hyper
+    // drops this future then): killed, or given up on the call.
+    let _end = End {
+        log: &log,
+        index,
+        due: delay,
+    };
     tokio::time::sleep(delay).await;
-    log.executions.lock().unwrap()[index].end = log.start.elapsed();
     let cut = (act == Act::Reset).then_some(body.len() / 2);
     let mut resp = Response::new(Answer {
         body: Some(body.clone()),
@@ -144,6 +150,23 @@ async fn execute(req: Request<Incoming>, log: Arc<Log>) -> Result<Response<Answe
         );
     }
     Ok(resp)
+}
+
+/// Sets an execution's end when dropped: its answer given (the delay past), or its gateway gone
+/// before that (`cut_short`).
+struct End<'a> {
+    log: &'a Log,
+    index: usize,
+    due: Duration,
+}
+
+impl Drop for End<'_> {
+    fn drop(&mut self) {
+        let now = self.log.start.elapsed();
+        let e = &mut self.log.executions.lock().unwrap()[self.index];
+        e.end = now;
+        e.cut_short = now < e.start + self.due;
+    }
 }
 
 /// What one execution does, as drawn.
@@ -198,6 +221,7 @@ impl Log {
             process,
             start,
             end: start,
+            cut_short: false,
             act,
             status,
             body: body.clone(),
