@@ -122,8 +122,8 @@
 //! - `lib.rs`: this page.
 //!
 //! Beside `src/`: `tests/` (integration tests over real sockets, real `redis-server`s and
-//! upstreams; fixtures in `tests/common/`), `testkit/` (the Redis, PostgreSQL and Python SDK
-//! fixtures `tests/` and the benchmark share), `examples/axum_payments.rs` (the layer in an axum app), `loadtest/` (the
+//! upstreams; fixtures in `tests/common/`), `testkit/` (the Redis, PostgreSQL, gateway process,
+//! tmpfs and Python SDK fixtures `tests/` and the benchmark share), `examples/axum_payments.rs` (the layer in an axum app), `loadtest/` (the
 //! benchmark; every measured figure is in its README), `docs/` (the reference, one page per
 //! topic), `config/` (example configurations), `scripts/test` (the test command) and
 //! `.ci/run` (CI, which calls it).
