@@ -253,6 +253,29 @@ impl GatewayProcess {
         scrape(self.ports.admin).await
     }
 
+    /// Wait until its admin listener answers `/metrics` (it binds once the store is open).
+    pub async fn wait_for_admin(&self, limit: Duration) {
+        wait_until(limit, "the gateway's admin listener answers", async || {
+            self.scrape().await.is_ok()
+        })
+        .await;
+    }
+
+    /// Read the sum of `family` from its `/metrics` and `kill -9` it at once, in one blocking
+    /// call with nothing scheduled in between: the last count it made before a crash. Not
+    /// killed when the read fails. Blocks the thread (run it in `block_in_place`).
+    pub fn kill9_counting(&mut self, family: &str) -> std::io::Result<f64> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&self.ports.admin, SCRAPE)?;
+        s.set_read_timeout(Some(SCRAPE))?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let body = metrics_body(&text)?;
+        self.kill9();
+        Ok(sum_of(&body, family))
+    }
+
     /// The sum of every series of `family` (`idemgate_calls_unsettled_total`, whatever its
     /// labels) in its `/metrics`.
     pub async fn metric_sum(&self, family: &str) -> std::io::Result<f64> {
@@ -266,6 +289,9 @@ impl Drop for GatewayProcess {
     }
 }
 
+/// How long a scrape may take.
+const SCRAPE: Duration = Duration::from_secs(10);
+
 /// `GET /metrics` from the admin listener at `admin`, as text (the head cut off).
 pub async fn scrape(admin: SocketAddr) -> std::io::Result<String> {
     let exchange = async {
@@ -275,16 +301,21 @@ pub async fn scrape(admin: SocketAddr) -> std::io::Result<String> {
         s.read_to_string(&mut text).await?;
         Ok::<_, std::io::Error>(text)
     };
-    let text = tokio::time::timeout(Duration::from_secs(5), exchange)
+    let text = tokio::time::timeout(SCRAPE, exchange)
         .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no /metrics in 5 s"))??;
-    match text.split_once("\r\n\r\n") {
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no /metrics in 10 s"))??;
+    metrics_body(&text)
+}
+
+/// The body of a whole `/metrics` answer, if it is a 200.
+fn metrics_body(answer: &str) -> std::io::Result<String> {
+    match answer.split_once("\r\n\r\n") {
         Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200 ") => {
             Ok(body.to_string())
         }
         _ => Err(std::io::Error::other(format!(
             "/metrics answered {:.80}",
-            text
+            answer
         ))),
     }
 }

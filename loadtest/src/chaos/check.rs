@@ -142,6 +142,10 @@ pub struct History {
 /// request's way there, a scheduler's delay).
 const SLACK: Duration = Duration::from_millis(250);
 
+/// How much later than its process sent it the upstream may log an execution (its body read,
+/// a loaded machine's scheduling): one from a process killed that long before was sent before.
+const LOGGED_LATE: Duration = Duration::from_secs(1);
+
 /// Until when `e`'s process was working on it: the crash window of a kill ends there.
 fn done_with(e: &Execution, h: &History) -> Duration {
     match e.act {
@@ -318,7 +322,7 @@ fn attribute(h: &History, mut orphans: Vec<(&Execution, Vec<&Execution>)>, v: &m
     orphans.sort_by_key(|(e, _)| (e.act == Act::Answer, e.start, e.process));
     for (e, all) in orphans {
         let killed = processes.get(&e.process).and_then(|p| p.killed);
-        let in_crash = killed.is_some_and(|k| e.start <= k && k <= done_with(e, h));
+        let in_crash = killed.is_some_and(|k| e.start <= k + LOGGED_LATE && k <= done_with(e, h));
         let left = budget.entry(e.process).or_default();
         if in_crash {
             v.dup_crash += 1;
@@ -545,9 +549,16 @@ mod tests {
         let later = vec![process(1, Some(5.0), 0)];
         let v = check(&history(&[key], execs(), attempts(), later));
         assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
-        let before = vec![process(1, Some(0.5), 0)];
-        let v = check(&history(&[key], execs(), attempts(), before));
+        let mut late = execs();
+        late[0].start = s(3.0);
+        late[0].end = s(3.1);
+        let before = vec![process(1, Some(1.5), 0)];
+        let v = check(&history(&[key], late, attempts(), before));
         assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        // Logged just after its process died: sent before, in flight at the kill.
+        let logged_late = vec![process(1, Some(0.9), 0)];
+        let v = check(&history(&[key], execs(), attempts(), logged_late));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (1, 0));
         // A slow call the process had given up on (and counted) before the kill: the kill
         // explains nothing; killed before it gave up, it does.
         let slow = || {

@@ -109,8 +109,9 @@ impl Clients {
 }
 
 /// After the run: every key sent, retried through the gateways in turn until it replays, 16 at
-/// a time, until `deadline`. Keys that never replay are the checker's stuck keys.
-pub async fn settle(clients: Arc<Clients>, deadline: Instant) {
+/// a time, each for at most `patience` from its first try. Keys that never replay are the
+/// checker's stuck keys.
+pub async fn settle(clients: Arc<Clients>, patience: Duration) {
     let keys = clients.keys.lock().unwrap().clone();
     let next = Arc::new(Mutex::new(keys.into_iter().enumerate()));
     let mut tasks = Vec::new();
@@ -122,6 +123,7 @@ pub async fn settle(clients: Arc<Clients>, deadline: Instant) {
                     return;
                 };
                 let mut slot = i;
+                let deadline = Instant::now() + patience;
                 while Instant::now() < deadline {
                     slot = (slot + 1) % clients.addrs.len();
                     let outcome = clients

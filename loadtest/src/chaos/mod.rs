@@ -153,24 +153,38 @@ pub async fn run(b: &mut Bench, plan: &Plan) {
         plan.secs,
         plan.seed
     );
-    let reports = futures_util::future::join_all(runs.into_iter().map(|(backend, regime)| {
-        let label = format!("{}, {} lease", backend.name(), regime.name);
-        let dir = out.join(format!(
-            "{}-{}-seed{}",
-            backend.name(),
-            regime.name,
-            plan.seed
-        ));
-        async move {
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            let outcome = AssertUnwindSafe(one_run(backend, regime, plan, &dir))
-                .catch_unwind()
-                .await;
-            outcome.map_err(|e| format!("{label}: {}", panic_text(&*e)))
-        }
-    }))
-    .await;
+    // Each run on a runtime of its own, on threads of its own: a fault's blocking step (a disk
+    // filled, a server waited for) stalls no other run's clients.
+    let (secs, seed) = (plan.secs, plan.seed);
+    let threads: Vec<_> = runs
+        .into_iter()
+        .map(|(backend, regime)| {
+            let label = format!("{}, {} lease", backend.name(), regime.name);
+            let dir = out.join(format!("{}-{}-seed{seed}", backend.name(), regime.name));
+            std::thread::spawn(move || {
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).unwrap();
+                let runtime = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let outcome = runtime.block_on(
+                    AssertUnwindSafe(one_run(backend, regime, (secs, seed), &dir)).catch_unwind(),
+                );
+                outcome.map_err(|e| format!("{label}: {}", panic_text(&*e)))
+            })
+        })
+        .collect();
+    let reports: Vec<_> = tokio::task::block_in_place(|| {
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("the run's thread panicked".into()))
+            })
+            .collect()
+    });
     for report in reports {
         match report {
             Ok(r) => judge(b, r, plan.seed),
@@ -180,10 +194,10 @@ pub async fn run(b: &mut Bench, plan: &Plan) {
 }
 
 /// One backend in one regime: start, load and faults, settle, check.
-async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> Report {
+async fn one_run(backend: Backend, regime: Regime, (secs, seed): (f64, u64), dir: &Path) -> Report {
     let label = format!("{}, {} lease", backend.name(), regime.name);
     let start = Instant::now();
-    let seed = plan.seed ^ ((backend as u64 + 1) << 32) ^ regime.lease.as_secs();
+    let seed = seed ^ ((backend as u64 + 1) << 32) ^ regime.lease.as_secs();
     let upstream = Upstream::start(start, seed, regime).await;
     let mut system = System::start(backend, regime, upstream.addr, dir, start).await;
     let clients = Arc::new(Clients {
@@ -200,7 +214,7 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
         .map(|i| tokio::spawn(clients.clone().run(i, seed)))
         .collect();
     let mut rng = fastrand::Rng::with_seed(seed);
-    let until = Instant::now() + Duration::from_secs_f64(plan.secs);
+    let until = Instant::now() + Duration::from_secs_f64(secs);
     let faults = system.nemesis(until, &mut rng).await;
     clients.stop.store(true, Ordering::SeqCst);
     for t in tasks {
@@ -215,11 +229,7 @@ async fn one_run(backend: Backend, regime: Regime, plan: &Plan, dir: &Path) -> R
     // retried until it replays.
     upstream.calm();
     tokio::time::sleep(regime.upstream_timeout + regime.lease + Duration::from_secs(1)).await;
-    client::settle(
-        clients.clone(),
-        Instant::now() + 2 * regime.lease + Duration::from_secs(20),
-    )
-    .await;
+    client::settle(clients.clone(), 2 * regime.lease + Duration::from_secs(20)).await;
     let settle = start.elapsed() - load - run;
     let (processes, crashed) = system.finish().await;
     let history = History {

@@ -200,7 +200,9 @@ impl System {
                 launch = launch.via(&disk.enter());
             }
             let config = system.config(id);
-            system.gateways.push(launch.start(config).await);
+            let gateway = launch.start(config).await;
+            gateway.wait_for_admin(ADMIN).await;
+            system.gateways.push(gateway);
         }
         system
     }
@@ -270,11 +272,13 @@ impl System {
             (Kind::KillGateway, _) => {
                 let slot = rng.usize(..self.gateways.len());
                 let down = r.down.0 + (r.down.1 - r.down.0).mul_f64(rng.f64());
-                self.kill9(slot).await;
+                self.kill9(slot);
                 tokio::time::sleep(down).await;
                 let id = self.new_process(slot);
                 let config = self.config(id);
                 self.gateways[slot].start_again(config).await;
+                // Its count can be read before it is killed again.
+                self.gateways[slot].wait_for_admin(ADMIN).await;
             }
             (Kind::PauseGateway, _) => {
                 let slot = rng.usize(..self.gateways.len());
@@ -283,7 +287,10 @@ impl System {
                 self.gateways[slot].resume();
             }
             (Kind::RestartStore, Store::Redis(redis)) => redis.restart().await,
-            (Kind::RestartStore, Store::Postgres(pg)) => pg.restart_immediate().await,
+            // The server is waited for with psql, which blocks: this thread only.
+            (Kind::RestartStore, Store::Postgres(pg)) => tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(pg.restart_immediate())
+            }),
             (Kind::PauseStore, Store::Redis(redis)) => {
                 redis.pause();
                 tokio::time::sleep(stall).await;
@@ -303,7 +310,19 @@ impl System {
                 let seen = AssertUnwindSafe(cluster.wait_for_failover(node))
                     .catch_unwind()
                     .await;
-                cluster.restart(node).await;
+                // A loaded machine can take longer than the fixture's 15 s to heal: 60 s in all.
+                let mut healed = AssertUnwindSafe(cluster.restart(node)).catch_unwind().await;
+                for _ in 0..3 {
+                    if healed.is_ok() {
+                        break;
+                    }
+                    healed = AssertUnwindSafe(cluster.wait_until_healthy())
+                        .catch_unwind()
+                        .await;
+                }
+                if let Err(e) = healed {
+                    std::panic::resume_unwind(e);
+                }
                 if let Err(e) = seen {
                     self.notes.push(format!(
                         "at {:.1} s: {}; the node was started again and the cluster healed",
@@ -313,7 +332,7 @@ impl System {
                 }
             }
             (Kind::DiskFull, Store::Embedded(disk)) => {
-                disk.fill();
+                tokio::task::block_in_place(|| disk.fill());
                 tokio::time::sleep(stall).await;
                 disk.free();
             }
@@ -321,27 +340,29 @@ impl System {
         }
     }
 
-    /// `kill -9` the gateway in `slot`, its unsettled calls read just before.
-    async fn kill9(&mut self, slot: usize) {
+    /// `kill -9` the gateway in `slot`, its unsettled calls read at once before, nothing
+    /// scheduled in between (a count made after the read would be lost with the process).
+    fn kill9(&mut self, slot: usize) {
         let id = self.incarnations[slot].load(Ordering::SeqCst) as usize;
-        let unsettled = self.unsettled(slot).await;
-        self.gateways[slot].kill9();
+        let gateway = &mut self.gateways[slot];
+        let counted = tokio::task::block_in_place(|| gateway.kill9_counting(UNSETTLED));
+        if let Err(e) = &counted {
+            self.errors
+                .push(format!("p{id}: {UNSETTLED} unread before its kill: {e}"));
+            gateway.kill9();
+        }
         let p = &mut self.processes[id];
         p.killed = Some(self.start.elapsed());
-        p.unsettled = unsettled;
+        p.unsettled = counted.unwrap_or(0.0) as u64;
     }
 
     /// The unsettled calls the gateway in `slot` counted (every reason).
     async fn unsettled(&mut self, slot: usize) -> u64 {
         let id = self.incarnations[slot].load(Ordering::SeqCst);
-        match self.gateways[slot]
-            .metric_sum("idemgate_calls_unsettled_total")
-            .await
-        {
+        match self.gateways[slot].metric_sum(UNSETTLED).await {
             Ok(n) => n as u64,
             Err(e) => {
-                self.errors
-                    .push(format!("p{id}: idemgate_calls_unsettled_total unread: {e}"));
+                self.errors.push(format!("p{id}: {UNSETTLED} unread: {e}"));
                 0
             }
         }
@@ -365,6 +386,12 @@ impl System {
         (self.processes.clone(), crashed)
     }
 }
+
+/// The gateway's count of calls whose outcome it does not know, every `reason` summed.
+const UNSETTLED: &str = "idemgate_calls_unsettled_total";
+
+/// How long a gateway's admin listener may take to answer after a start (its store opened).
+const ADMIN: Duration = Duration::from_secs(30);
 
 /// Where gateway `slot` logs (every incarnation's after the last).
 pub fn log_file(dir: &Path, slot: usize) -> PathBuf {
