@@ -14,7 +14,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -262,9 +262,10 @@ impl GatewayProcess {
     }
 
     /// Read the sum of `family` from its `/metrics` and `kill -9` it at once, in one blocking
-    /// call with nothing scheduled in between: the last count it made before a crash. Not
-    /// killed when the read fails. Blocks the thread (run it in `block_in_place`).
-    pub fn kill9_counting(&mut self, family: &str) -> std::io::Result<f64> {
+    /// call with nothing scheduled in between: the last count it made before a crash, and when
+    /// the signal was sent. Not killed when the read fails. Blocks the thread (run it in
+    /// `block_in_place`).
+    pub fn kill9_counting(&mut self, family: &str) -> std::io::Result<(f64, Instant)> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect_timeout(&self.ports.admin, SCRAPE)?;
         s.set_read_timeout(Some(SCRAPE))?;
@@ -272,8 +273,9 @@ impl GatewayProcess {
         let mut text = String::new();
         s.read_to_string(&mut text)?;
         let body = metrics_body(&text)?;
+        let killed = Instant::now();
         self.kill9();
-        Ok(sum_of(&body, family))
+        Ok((sum_of(&body, family), killed))
     }
 
     /// The sum of every series of `family` (`idemgate_calls_unsettled_total`, whatever its

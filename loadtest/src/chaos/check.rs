@@ -8,8 +8,9 @@
 //!   and the kill came before the process was done with it), or its process counted a call as
 //!   unsettled (`idemgate_calls_unsettled_total`; each count explains one duplicate of that
 //!   process). Otherwise it is unexplained. A process is done with a call when it has counted
-//!   it (a timeout, a broken answer), or a lease after the answer came (the longest its
-//!   recording is tried).
+//!   it (a timeout, a broken answer), or a lease after the answer came; a completion the store
+//!   did not take is sent again until it does, so the store faults that went on from the answer
+//!   extend that to a lease after the last of them.
 //! - **Answers.** Every answer that is not one of the gateway's own refusals (problem+json) is
 //!   byte for byte the status and body of one of the key's executions, and every replay is the
 //!   first replay, the key's one record. A refusal is one of those a fault explains (in flight,
@@ -118,6 +119,8 @@ pub struct Process {
 #[derive(Debug, Clone)]
 pub struct Fault {
     pub kind: &'static str,
+    /// It took the store away (rather than a gateway process).
+    pub store: bool,
     pub start: Duration,
     pub end: Duration,
 }
@@ -153,9 +156,21 @@ fn done_with(e: &Execution, h: &History) -> Duration {
         _ if e.cut_short => e.end + SLACK,
         Act::Slow => e.start + h.upstream_timeout + SLACK,
         Act::Reset => e.end + SLACK,
-        Act::Answer | Act::Unavailable => e.end + h.lease,
+        Act::Answer | Act::Unavailable => {
+            let mut until = e.end + h.lease;
+            for f in h.faults.iter().filter(|f| f.store) {
+                if f.start <= until && f.end > e.end {
+                    until = until.max(f.end + h.lease.max(RESENT_WITHIN));
+                }
+            }
+            until
+        }
     }
 }
+
+/// How soon after a store comes back a pending completion reaches it: the gateway's longest
+/// pause between two sends (1 s), and a store operation's timeout (2 s).
+const RESENT_WITHIN: Duration = Duration::from_secs(3);
 
 /// The gateway's own refusals that a fault explains.
 const EXPLAINED_REFUSALS: [&str; 5] = [
@@ -584,6 +599,23 @@ mod tests {
         let long_after = vec![process(1, Some(3.0), 0)];
         let v = check(&history(&[key], cut, attempts(), long_after));
         assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        // Answered during a store fault: its completion is sent again until the store is back,
+        // so a kill up to a lease (at least 3 s) after the fault's end explains it.
+        let killed_late = || vec![process(1, Some(5.5), 0)];
+        let mut h = history(&[key], execs(), attempts(), killed_late());
+        let v = check(&h);
+        assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        for store in [false, true] {
+            h.faults = vec![Fault {
+                kind: "pause store",
+                store,
+                start: s(0.5),
+                end: s(3.0),
+            }];
+            let v = check(&h);
+            let crash = usize::from(store);
+            assert_eq!((v.dup_crash, v.dup_unexplained), (crash, 1 - crash));
+        }
     }
 
     #[test]
@@ -717,6 +749,7 @@ mod tests {
         let mut h = history(&["k"], execs, attempts, vec![]);
         h.faults.push(Fault {
             kind: "pause-store",
+            store: true,
             start: s(4.0),
             end: s(6.0),
         });

@@ -90,6 +90,11 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Whether the store is what the fault takes away (not a gateway process).
+    fn hits_store(self) -> bool {
+        !matches!(self, Kind::KillGateway | Kind::PauseGateway)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Kind::KillGateway => "kill -9 gateway",
@@ -255,6 +260,7 @@ impl System {
             }
             faults.push(Fault {
                 kind: kind.name(),
+                store: kind.hits_store(),
                 start,
                 end: self.start.elapsed(),
             });
@@ -346,14 +352,16 @@ impl System {
         let id = self.incarnations[slot].load(Ordering::SeqCst) as usize;
         let gateway = &mut self.gateways[slot];
         let counted = tokio::task::block_in_place(|| gateway.kill9_counting(UNSETTLED));
-        if let Err(e) = &counted {
+        let (unsettled, killed) = counted.unwrap_or_else(|e| {
             self.errors
                 .push(format!("p{id}: {UNSETTLED} unread before its kill: {e}"));
+            let killed = Instant::now();
             gateway.kill9();
-        }
+            (0.0, killed)
+        });
         let p = &mut self.processes[id];
-        p.killed = Some(self.start.elapsed());
-        p.unsettled = counted.unwrap_or(0.0) as u64;
+        p.killed = Some(killed.saturating_duration_since(self.start));
+        p.unsettled = unsettled as u64;
     }
 
     /// The unsettled calls the gateway in `slot` counted (every reason).
