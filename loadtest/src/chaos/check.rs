@@ -10,7 +10,8 @@
 //!   process). Otherwise it is unexplained. A process is done with a call when it has counted
 //!   it (a timeout, a broken answer), or a lease after the answer came; a completion the store
 //!   did not take is sent again until it does, so the store faults that went on from the answer
-//!   extend that to a lease after the last of them.
+//!   extend that to a lease after the last of them. And a process whose client was still
+//!   waiting for it on that key when it died (stalled past its own timeouts) was still at it.
 //! - **Answers.** Every answer that is not one of the gateway's own refusals (problem+json) is
 //!   byte for byte the status and body of one of the key's executions, and every replay is the
 //!   first replay, the key's one record. A refusal is one of those a fault explains (in flight,
@@ -233,7 +234,7 @@ pub fn check(h: &History) -> Verdict {
     for a in &h.attempts {
         attempts.entry(&a.key).or_default().push(a);
     }
-    let mut orphans = Vec::new();
+    let mut orphans: Vec<Orphan<'_>> = Vec::new();
     for key in &h.keys {
         let mut execs = executions.remove(key.as_str()).unwrap_or_default();
         execs.sort_by_key(|e| e.start);
@@ -253,7 +254,11 @@ pub fn check(h: &History) -> Verdict {
                 .iter()
                 .enumerate()
                 .filter(|&(i, _)| Some(i) != kept)
-                .map(|(_, e)| (*e, worked.clone())),
+                .map(|(_, e)| Orphan {
+                    e,
+                    all: worked.clone(),
+                    attempts: atts.clone(),
+                }),
         );
         let settled = atts
             .iter()
@@ -327,17 +332,44 @@ fn answers<'a>(
     record
 }
 
+/// An execution that did work and is not its key's record, with its key's executions and
+/// attempts.
+struct Orphan<'a> {
+    e: &'a Execution,
+    all: Vec<&'a Execution>,
+    attempts: Vec<&'a Attempt>,
+}
+
+impl Orphan<'_> {
+    /// Whether its process was still working on it when killed at `k`: by the times the
+    /// upstream saw, or because a client's request to that process for the key, sent before
+    /// the execution, was still unanswered when the process died (a process stalled past its
+    /// own timeouts).
+    fn in_flight_at(&self, k: Duration, h: &History) -> bool {
+        let e = self.e;
+        let waited = self.attempts.iter().any(|a| {
+            a.process == e.process
+                && a.start <= e.start + LOGGED_LATE
+                && a.start <= k
+                && a.end + SLACK >= k
+                && matches!(a.outcome, Outcome::Broken | Outcome::TimedOut)
+        });
+        e.start <= k + LOGGED_LATE && (k <= done_with(e, h) || waited)
+    }
+}
+
 /// Give each orphan execution (did work, not the record) its reason: the crash window of its
 /// process, else one of its process's unsettled calls, else none. Only the counts matter; so
 /// that the lines name the executions nothing explains, the calls the upstream itself made
 /// slow or broke take a process's unsettled count first, then the others as they started.
-fn attribute(h: &History, mut orphans: Vec<(&Execution, Vec<&Execution>)>, v: &mut Verdict) {
+fn attribute(h: &History, mut orphans: Vec<Orphan<'_>>, v: &mut Verdict) {
     let processes: HashMap<u32, &Process> = h.processes.iter().map(|p| (p.id, p)).collect();
     let mut budget: HashMap<u32, u64> = h.processes.iter().map(|p| (p.id, p.unsettled)).collect();
-    orphans.sort_by_key(|(e, _)| (e.act == Act::Answer, e.start, e.process));
-    for (e, all) in orphans {
+    orphans.sort_by_key(|o| (o.e.act == Act::Answer, o.e.start, o.e.process));
+    for orphan in orphans {
+        let (e, all) = (orphan.e, &orphan.all);
         let killed = processes.get(&e.process).and_then(|p| p.killed);
-        let in_crash = killed.is_some_and(|k| e.start <= k + LOGGED_LATE && k <= done_with(e, h));
+        let in_crash = killed.is_some_and(|k| orphan.in_flight_at(k, h));
         let left = budget.entry(e.process).or_default();
         if in_crash {
             v.dup_crash += 1;
@@ -582,8 +614,23 @@ mod tests {
                 exec(key, 2, 9.0, Act::Answer, "second"),
             ]
         };
-        let after_timeout = vec![process(1, Some(2.5), 0)];
-        let v = check(&history(&[key], slow(), attempts(), after_timeout));
+        let after_timeout = || vec![process(1, Some(2.5), 0)];
+        let v = check(&history(&[key], slow(), attempts(), after_timeout()));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
+        // ...unless its client was still waiting for that process when it died: stalled.
+        let mut waiting = attempts();
+        waiting.push(Attempt {
+            key: key.into(),
+            process: 1,
+            start: s(0.9),
+            end: s(2.5),
+            phase: Phase::Run,
+            outcome: Outcome::Broken,
+        });
+        let v = check(&history(&[key], slow(), waiting.clone(), after_timeout()));
+        assert_eq!((v.dup_crash, v.dup_unexplained), (1, 0));
+        waiting.last_mut().unwrap().process = 2;
+        let v = check(&history(&[key], slow(), waiting, after_timeout()));
         assert_eq!((v.dup_crash, v.dup_unexplained), (0, 1));
         let during = vec![process(1, Some(1.5), 0)];
         let v = check(&history(&[key], slow(), attempts(), during));

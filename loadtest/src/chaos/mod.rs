@@ -128,7 +128,6 @@ struct Report {
     settle: Duration,
     crashed: Vec<String>,
     errors: Vec<String>,
-    notes: Vec<String>,
     dir: PathBuf,
 }
 
@@ -261,7 +260,6 @@ async fn one_run(backend: Backend, regime: Regime, (secs, seed): (f64, u64), dir
         settle,
         crashed,
         errors: system.errors.clone(),
-        notes: system.notes.clone(),
         dir: dir.to_path_buf(),
     }
 }
@@ -305,9 +303,6 @@ fn judge(b: &mut Bench, r: Report, seed: u64) {
     );
     for e in &r.errors {
         b.insane.push(format!("{what}: harness: {e}"));
-    }
-    for n in &r.notes {
-        b.notes.push(format!("{what}: {n}"));
     }
     for c in &r.crashed {
         b.insane.push(format!("{what}: {c}"));

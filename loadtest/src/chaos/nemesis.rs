@@ -167,8 +167,6 @@ pub struct System {
     start: Instant,
     /// Harness failures (a fixture that did not come back, a scrape that failed).
     pub errors: Vec<String>,
-    /// What the stores did that is worth telling (a failover seen late).
-    pub notes: Vec<String>,
 }
 
 impl System {
@@ -193,7 +191,6 @@ impl System {
             processes: Vec::new(),
             start,
             errors: Vec::new(),
-            notes: Vec::new(),
         };
         for slot in 0..backend.gateways() {
             let id = system.new_process(slot);
@@ -311,11 +308,21 @@ impl System {
                 let primaries = cluster.primaries().await;
                 let node = primaries[rng.usize(..primaries.len())];
                 cluster.kill9(node);
-                // Brought back in any case: a failover not seen in time is the cluster's
-                // business (noted), a cluster that does not heal is the run's end.
-                let seen = AssertUnwindSafe(cluster.wait_for_failover(node))
+                // The node comes back empty (the cluster's nodes keep nothing on disk): started
+                // again before its replica took over, it would own its slots with none of their
+                // records. A loaded machine gets 60 s for the failover; past that the node is
+                // started all the same and the run's verdict is void.
+                let mut seen = AssertUnwindSafe(cluster.wait_for_failover(node))
                     .catch_unwind()
                     .await;
+                for _ in 0..3 {
+                    if seen.is_ok() {
+                        break;
+                    }
+                    seen = AssertUnwindSafe(cluster.wait_for_failover(node))
+                        .catch_unwind()
+                        .await;
+                }
                 // A loaded machine can take longer than the fixture's 15 s to heal: 60 s in all.
                 let mut healed = AssertUnwindSafe(cluster.restart(node)).catch_unwind().await;
                 for _ in 0..3 {
@@ -330,8 +337,8 @@ impl System {
                     std::panic::resume_unwind(e);
                 }
                 if let Err(e) = seen {
-                    self.notes.push(format!(
-                        "at {:.1} s: {}; the node was started again and the cluster healed",
+                    self.errors.push(format!(
+                        "at {:.1} s: {}, in 60 s; the node was started again without its replica taking over, empty: the records of its slots are lost by design and this run judges nothing",
                         self.start.elapsed().as_secs_f64(),
                         panic_text(&*e).lines().next().unwrap_or_default()
                     ));
