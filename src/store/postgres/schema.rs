@@ -191,7 +191,8 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
     if exists {
         let found = check_version(table, comment.as_deref())?;
         if found < VERSION {
-            for step in &MIGRATIONS[(found - 1) as usize..] {
+            // Versions run from 1: the steps from the one found on.
+            for step in MIGRATIONS.iter().skip((found as usize).saturating_sub(1)) {
                 tx.batch_execute(&step.replace("{t}", table)).await?;
             }
             tx.batch_execute(&format!(
