@@ -4,7 +4,9 @@
 //!
 //! - `watch.rs`: the watchdog of one connection (`client_header_timeout`,
 //!   `client_idle_timeout`) and the socket and body wrappers that report to it.
+//! - `rate.rs`: `client_min_body_rate`, the request body that arrives too slowly cut.
 
+mod rate;
 mod watch;
 
 use std::convert::Infallible;
@@ -23,6 +25,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 use tracing::{debug, warn};
@@ -32,6 +35,8 @@ use crate::headers::admit;
 use crate::idempotency::{grpc, Routes};
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
+pub(crate) use rate::MinBodyRate;
+use rate::Paced;
 pub(crate) use watch::Timeouts;
 use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
 
@@ -130,6 +135,8 @@ where
                     .expect("an IP is a header value"),
                 proto: proto.clone(),
                 conn: ConnState::new(),
+                body_rate: self.timeouts.body_rate,
+                metrics: self.metrics.clone(),
             };
             let connection = Connection {
                 http: http.clone(),
@@ -290,6 +297,9 @@ struct Gateway<S> {
     proto: HeaderValue,
     // What the connection's watchdog reads.
     conn: Arc<ConnState>,
+    // `client_min_body_rate`, which request bodies are held to.
+    body_rate: Option<MinBodyRate>,
+    metrics: Metrics,
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -339,19 +349,54 @@ where
                 resp.map(|b| in_progress.response_body(b))
             )));
         }
-        let mut req = req.map(|body| Body::new(self.conn.request_body(body)));
+        // A gRPC call may stream its messages as slowly as it likes (the idle timeout still
+        // holds it); an empty body has no rate.
+        let paced = (self.body_rate)
+            .filter(|_| !call && !http_body::Body::is_end_stream(req.body()))
+            .map(|rate| (rate, CancellationToken::new()));
+        let mut req = req.map(|body| {
+            let body = self.conn.request_body(body);
+            match &paced {
+                Some((rate, cut)) => Body::new(Paced::new(body, *rate, cut.clone())),
+                None => Body::new(body),
+            }
+        });
         self.forwarding_headers(req.headers_mut());
         let stack = self.stack.clone();
-        let (routes, uri) = (self.routes.clone(), req.uri().clone());
+        let (routes, uri, version) = (self.routes.clone(), req.uri().clone(), req.version());
+        let metrics = self.metrics.clone();
         Box::pin(async move {
-            let resp = match stack.oneshot(req).await {
-                Ok(resp) => resp.map(Body::new),
-                Err(e) => {
-                    let format = routes.policy_for(uri.path()).error_format;
-                    GatewayError::from(&e).respond(grpc::error_format(call, format))
+            let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
+            let answer = stack.oneshot(req);
+            let resp = match paced {
+                None => Some(answer.await),
+                Some((_, ref cut)) => tokio::select! {
+                    biased;
+                    () = cut.cancelled() => None,
+                    // A body cut while the stack turned its failure into an answer: the cut.
+                    resp = answer => Some(resp).filter(|_| !cut.is_cancelled()),
+                },
+            };
+            let resp = match (resp, paced) {
+                (Some(Ok(resp)), _) => resp.map(Body::new),
+                (Some(Err(e)), _) => GatewayError::from(&e).respond(format()),
+                (None, rate) => {
+                    metrics.client_body_too_slow();
+                    let rate = rate.map_or(0, |(r, _)| r.bytes_per_second.get());
+                    too_slow(GatewayError::BodyTooSlow(rate).respond(format()), version)
                 }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))
         })
     }
+}
+
+/// The answer to a request whose body was cut for its rate: over HTTP/1.1 the connection closes
+/// after it (the rest of the body will not be read); over HTTP/2 only the stream ends.
+fn too_slow(mut resp: Response<Body>, version: http::Version) -> Response<Body> {
+    if version < http::Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
