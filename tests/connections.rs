@@ -174,14 +174,12 @@ async fn a_trickled_http2_header_block_gets_the_header_timeout() {
     };
     for answered_before in [false, true] {
         let mut stream = TcpStream::connect(gateway.addr).await.unwrap();
-        let mut started = Instant::now();
         stream.write_all(&frames::hello()).await.unwrap();
         let mut id = 1;
         if answered_before {
             stream.write_all(&headers(id)).await.unwrap();
             frames::read_an_answer(&mut stream).await;
             id += 2;
-            started = Instant::now();
         }
         let (read, mut write) = stream.into_split();
         let frame = headers(id);

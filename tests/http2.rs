@@ -212,6 +212,7 @@ async fn a_stream_whose_body_trickles_below_the_min_rate_gets_408_and_the_connec
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
+        std::future::pending::<()>().await;
     });
     let resp = resp.await.unwrap();
     let took = started.elapsed();
@@ -231,7 +232,11 @@ async fn a_stream_whose_body_trickles_below_the_min_rate_gets_408_and_the_connec
         problem.contains("urn:idemgate:problem:body-too-slow"),
         "{problem}"
     );
-    trickle.abort();
+    // The stream was reset: the client's next DATA frame is refused.
+    tokio::time::timeout(Duration::from_secs(2), trickle)
+        .await
+        .expect("the stream was reset")
+        .unwrap();
     // The connection goes on.
     let mut sender = h2.ready().await.unwrap();
     let (resp, _) = sender.send_request(post("after"), true).unwrap();

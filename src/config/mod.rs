@@ -979,6 +979,14 @@ mod tests {
         assert_eq!(*c.defaults, Policy::default(), "[defaults] of example.toml");
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+        assert_eq!(c.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
+        assert_eq!(c.client_idle_timeout, DEFAULT_CLIENT_IDLE_TIMEOUT);
+        assert_eq!(c.client_min_body_rate, Some(DEFAULT_CLIENT_MIN_BODY_RATE));
+        assert_eq!(
+            c.client_min_body_rate_grace,
+            DEFAULT_CLIENT_MIN_BODY_RATE_GRACE
+        );
+        assert_eq!(c.max_client_connections, DEFAULT_MAX_CLIENT_CONNECTIONS);
         // The memory store's fields are shown commented out (so that the same file can switch
         // to Redis from the environment); each such line parses to the default.
         let memory = MemorySettings::default();
