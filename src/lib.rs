@@ -146,6 +146,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod store;
 pub mod telemetry;
+pub mod time;
 mod tls;
 
 pub use app::{run, App, AppError};

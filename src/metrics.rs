@@ -106,11 +106,34 @@ pub enum Unsettled {
     /// The call or its answer broke after the request may have been sent: the connection
     /// failed, the body broke off midway, or the answer was no valid response.
     failed,
+    /// The call ended and its answer was delivered, but it was not recorded: a newer claim
+    /// took the key first (the store was unreachable past the lease), or the store did not
+    /// answer for as long as the record would have lived.
+    unrecorded,
 }
 
 impl Unsettled {
     /// Every reason, in declaration order.
-    pub const ALL: [Unsettled; 2] = [Unsettled::timeout, Unsettled::failed];
+    pub const ALL: [Unsettled; 3] = [Unsettled::timeout, Unsettled::failed, Unsettled::unrecorded];
+}
+
+/// A claimed call counted in `idemgate_in_flight` for as long as it lives: the gauge goes down
+/// however the call's task ends (a panic, a shutdown that drops it).
+pub struct InFlight(Gauge);
+
+impl InFlight {
+    /// Count one more claimed call in flight, until the guard is dropped.
+    pub fn count(metrics: &Metrics) -> Self {
+        let gauge = metrics.in_flight().clone();
+        gauge.inc();
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
@@ -469,7 +492,7 @@ impl Metrics {
         let unsettled = registered(
             &mut registry,
             "idemgate_calls_unsettled",
-            "Keyed upstream calls whose outcome is unknown (by route and reason: timeout, failed): the upstream may have done the work, so the key stays claimed until its lease ends, and a retry after that runs again",
+            "Keyed upstream calls a retry may run again (by route and reason): timeout and failed, whose outcome is unknown, so the key stays claimed until its lease ends; unrecorded, whose answer was delivered but not recorded",
             Family::<UnsettledLabels, Counter>::default(),
         );
         let grpc_streaming_keyed = registered(

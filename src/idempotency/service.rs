@@ -40,6 +40,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use axum::body::Body;
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::header;
 use http::request::Parts;
 use http::{Method, Request, Response};
@@ -54,7 +55,7 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy, Ttl};
+use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy};
 use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, Terms, TRACEPARENT};
@@ -65,8 +66,8 @@ use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{Outcome, StoreOp, Unanswered, Unsettled};
-use crate::store::{Claim, Replay, Store, StoreError};
+use crate::metrics::{InFlight, Outcome, StoreOp, Unanswered, Unsettled};
+use crate::store::{Claim, Claimant, Keep, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
 const IN_FLIGHT: GatewayError = GatewayError::InFlight {
@@ -155,7 +156,9 @@ where
         };
         if repeatable {
             let now = std::time::SystemTime::now();
-            if let Err(e) = repeatability::check_first_sent(req.headers(), policy.ttl, now) {
+            if let Err(e) =
+                repeatability::check_first_sent(req.headers(), policy.shortest_life(), now)
+            {
                 return shared.refuse_now(&route, started, e, format, true);
             }
         }
@@ -175,11 +178,13 @@ where
         );
         Box::pin(async move {
             let unanswered = Unanswered::new(&shared.metrics);
-            let finished = shared
+            // Boxed: the keyed path's state machine is deep, and a caller's own future (an axum
+            // app's over a Redis store) would otherwise overflow the compiler's layout depth.
+            let keyed = shared
                 .clone()
                 .keyed(route.clone(), inner, (key, grpc), req, &unanswered)
-                .instrument(span.clone())
-                .await;
+                .instrument(span.clone());
+            let finished = Box::pin(keyed).await;
             unanswered.answered();
             span.record("outcome", finished.outcome.as_str());
             match &finished.answer {
@@ -195,7 +200,9 @@ where
                 .overhead(started.elapsed().saturating_sub(finished.inner_time));
             let mut answer = finished.answer;
             if let (true, Ok(resp)) = (repeatable, &mut answer) {
-                let accepted = matches!(finished.outcome, Outcome::miss | Outcome::replayed);
+                // Accepted whenever the request may have been processed: forwarded (a miss, or
+                // without idempotency when the store was down), or answered by a replay.
+                let accepted = finished.forwarded || finished.outcome == Outcome::replayed;
                 repeatability::mark(resp.headers_mut(), accepted);
             }
             answer
@@ -219,6 +226,7 @@ impl<E> Forwarded<E> {
             outcome,
             answer: self.answer,
             inner_time: self.took,
+            forwarded: true,
         }
     }
 }
@@ -229,6 +237,8 @@ struct Finished<E> {
     outcome: Outcome,
     answer: Answer<E>,
     inner_time: Duration,
+    // Whether the request was handed to the inner service (it may have been processed).
+    forwarded: bool,
 }
 
 impl<E> Finished<E> {
@@ -239,6 +249,7 @@ impl<E> Finished<E> {
             outcome,
             answer: Ok(e.respond(format)),
             inner_time: Duration::ZERO,
+            forwarded: false,
         }
     }
 }
@@ -258,10 +269,14 @@ enum Called<E> {
     Transient(Response<Body>),
     /// A storable response whose whole body (and trailers) fit in `max_body`, to keep for the
     /// duration.
-    Whole(http::response::Parts, (Bytes, Option<http::HeaderMap>), Ttl),
+    Whole(
+        http::response::Parts,
+        (Bytes, Option<http::HeaderMap>),
+        Keep,
+    ),
     /// A storable response larger than `max_body`: the chunks read so far and the rest; the
     /// key is recorded as not replayable for the duration.
-    TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
+    TooLarge(http::response::Parts, Vec<Bytes>, Body, Keep),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
     Streamed(http::response::Parts, Body, StreamTtl),
 }
@@ -368,9 +383,11 @@ impl<St: Store> Shared<St> {
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
         let held = Held {
-            key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
-            token: Token::random(),
-            fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+            who: Claimant {
+                key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
+                fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+                token: Token::random(),
+            },
             policy: policy.clone(),
             client_key: key,
             source,
@@ -430,9 +447,9 @@ impl<St: Store> Shared<St> {
             match lease.claim().await {
                 Ok(Claim::InFlight) => {
                     // Made before the try to attach: an answer offered after it wakes the wait.
-                    let offered = attaches.then(|| self.live.offered(&lease.held.key));
+                    let offered = attaches.then(|| self.live.offered(&lease.held.who.key));
                     if attaches {
-                        if let Some(attached) = self.attach(route, &lease.held, headers) {
+                        if let Some(attached) = self.attach(&mut waiter, &lease.held, headers) {
                             return Err(attached);
                         }
                     }
@@ -535,6 +552,7 @@ impl<St: Store> Shared<St> {
             outcome: Outcome::replayed,
             answer: Ok(response::replay(stored, &held.policy, lives, from)),
             inner_time: Duration::ZERO,
+            forwarded: false,
         }
     }
 
@@ -544,16 +562,15 @@ impl<St: Store> Shared<St> {
     /// `None` when no such answer is live here.
     fn attach<E>(
         &self,
-        route: &RouteState,
+        waiter: &mut Waiter,
         held: &Held,
         headers: &http::HeaderMap,
     ) -> Option<Finished<E>> {
         let policy = &held.policy;
-        let permit = route.waiters.clone().try_acquire_owned().ok()?;
         let last_event_id = sse::last_event_id(headers);
-        let (tape, reader) =
-            self.live
-                .attach(&held.key, &held.fingerprint, last_event_id, permit)?;
+        let (key, fingerprint) = (&held.who.key, &held.who.fingerprint);
+        let permit = || waiter.permit();
+        let (tape, reader) = self.live.attach(key, fingerprint, last_event_id, permit)?;
         debug!("attached to the live answer");
         let resumes = reader.resumes();
         let body = reader.into_body();
@@ -562,6 +579,7 @@ impl<St: Store> Shared<St> {
             outcome: Outcome::replayed,
             answer: Ok(answer),
             inner_time: Duration::ZERO,
+            forwarded: false,
         })
     }
 
@@ -584,23 +602,31 @@ impl<St: Store> Shared<St> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let format = lease.held.format;
         let this = self.clone();
-        this.metrics.in_flight().inc();
         let work = async move {
-            let (forwarded, tail) = this.run_claimed(inner, &lease, parts, body).await;
-            if tx.send(forwarded).is_err() {
-                debug!("client went away; the response is recorded for its retry");
+            let _in_flight = InFlight::count(&this.metrics);
+            let run = async {
+                let (forwarded, tail) = this.run_claimed(inner, &lease, parts, body).await;
+                if tx.send(forwarded).is_err() {
+                    debug!("client went away; the response is recorded for its retry");
+                }
+                if let Some(tail) = tail {
+                    this.record_stream(&lease, tail).await;
+                }
+            };
+            // A defect must not take the key with it: the call's outcome is unknown, so the
+            // key is left to its lease (counted as unsettled) and the client gets a 500.
+            if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
+                let route = &lease.held.policy.route;
+                error!(%route, key = %lease.held.tag(), panic = crate::error::panic_message(&*panic), "the claimed call's task failed; the key stays claimed until its lease ends");
+                this.metrics.unsettled(route, Unsettled::failed);
             }
-            if let Some(tail) = tail {
-                this.record_stream(&lease, tail).await;
-            }
-            this.metrics.in_flight().dec();
         };
         // No span of its own at info level (its cost shows on the miss path); its warnings
         // name the route and key themselves.
         self.tasks.spawn(work.in_current_span());
         let forwarded = rx.await.unwrap_or_else(|_| Forwarded {
-            // The task ended without an answer: it panicked, or the runtime is going away.
-            answer: Ok(GatewayError::Upstream.respond(format)),
+            // The task ended without an answer: it failed, or the runtime is going away.
+            answer: Ok(GatewayError::Internal.respond(format)),
             took: Duration::ZERO,
         });
         forwarded.ended(Outcome::miss)
@@ -632,8 +658,9 @@ impl<St: Store> Shared<St> {
         // From here on the lease is no longer renewed.
         let mut tail = None;
         // A call that ends in failure at its deadline timed out, whoever noticed first.
+        let timed_out = took >= policy.upstream_timeout;
         let unsettled = || {
-            let reason = match took >= policy.upstream_timeout {
+            let reason = match timed_out {
                 true => Unsettled::timeout,
                 false => Unsettled::failed,
             };
@@ -649,6 +676,12 @@ impl<St: Store> Shared<St> {
             Some(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
                 lease.release().await;
+                Err(e)
+            }
+            Some(Called::Failed(e)) if timed_out => {
+                // The inner service gave up at the same deadline (the proxy's own timeout).
+                warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, error = %e, "upstream timed out; key stays claimed until its lease ends");
+                unsettled();
                 Err(e)
             }
             Some(Called::Failed(e)) => {
@@ -669,13 +702,13 @@ impl<St: Store> Shared<St> {
                 lease.release().await;
                 Ok(resp)
             }
-            Some(Called::Whole(head, body, ttl)) => {
+            Some(Called::Whole(head, body, keep)) => {
                 let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
                 if response::framed(&stored, is_head) {
                     lease
-                        .complete(&EntryState::Completed(stored.clone()), ttl)
+                        .complete(&EntryState::Completed(stored.clone()), keep)
                         .await;
-                    Ok(response::first(&stored, policy, ttl))
+                    Ok(response::first(&stored, policy, keep.ttl))
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
@@ -683,9 +716,9 @@ impl<St: Store> Shared<St> {
                     Ok(GatewayError::Upstream.respond(format))
                 }
             }
-            Some(Called::TooLarge(head, read, rest, ttl)) => {
-                lease.complete(&EntryState::NotReplayable, ttl).await;
-                Ok(response::streamed_once(head, read, rest, policy, ttl))
+            Some(Called::TooLarge(head, read, rest, keep)) => {
+                lease.complete(&EntryState::NotReplayable, keep).await;
+                Ok(response::streamed_once(head, read, rest, policy, keep.ttl))
             }
             Some(Called::Streamed(head, body, ttl)) => {
                 let (first, streamed) =

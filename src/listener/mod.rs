@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
+use futures_util::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -28,7 +29,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::error::GatewayError;
 use crate::headers::admit;
@@ -366,20 +367,27 @@ where
         let (routes, uri, version) = (self.routes.clone(), req.uri().clone(), req.version());
         let metrics = self.metrics.clone();
         Box::pin(async move {
+            // A defect answers this request with a 500 in the route's format (which tower-http's
+            // CatchPanic cannot choose) rather than closing the connection with no answer.
+            let called = std::panic::AssertUnwindSafe(stack.oneshot(req)).catch_unwind();
             let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
-            let answer = stack.oneshot(req);
             let resp = match paced {
-                None => Some(answer.await),
+                None => Some(called.await),
                 Some((_, ref cut)) => tokio::select! {
                     biased;
                     () = cut.cancelled() => None,
                     // A body cut while the stack turned its failure into an answer: the cut.
-                    resp = answer => Some(resp).filter(|_| !cut.is_cancelled()),
+                    resp = called => Some(resp).filter(|_| !cut.is_cancelled()),
                 },
             };
             let resp = match (resp, paced) {
-                (Some(Ok(resp)), _) => resp.map(Body::new),
-                (Some(Err(e)), _) => GatewayError::from(&e).respond(format()),
+                (Some(Ok(Ok(resp))), _) => resp.map(Body::new),
+                (Some(Ok(Err(e))), _) => GatewayError::from(&e).respond(format()),
+                (Some(Err(panic)), _) => {
+                    let panic = crate::error::panic_message(&*panic);
+                    error!(%panic, path = uri.path(), "the gateway failed while handling a request; answered 500");
+                    GatewayError::Internal.respond(format())
+                }
                 (None, rate) => {
                     metrics.client_body_too_slow();
                     let rate = rate.map_or(0, |(r, _)| r.bytes_per_second.get());
