@@ -360,6 +360,7 @@ async fn a_client_that_stops_reading_is_closed_within_the_idle_timeout(b: Backen
     // after the answer's first byte): the worst moment for a watchdog that would look only
     // once every idle timeout, which would close it nearly two idle timeouts later.
     stream.peek(&mut [0u8; 1]).await.unwrap();
+    let first_byte = Instant::now();
     let mut stop = connected + IDLE_TIMEOUT + Duration::from_secs(1);
     while stop < Instant::now() + Duration::from_millis(500) {
         stop += IDLE_TIMEOUT;
@@ -369,19 +370,22 @@ async fn a_client_that_stops_reading_is_closed_within_the_idle_timeout(b: Backen
         assert!(stream.read(&mut buf).await.unwrap() > 0, "the answer ended");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Closed within the idle timeout of the gateway's last write (before the stop, by the
-    // time its socket buffer takes to drain by half) and its slack: one second, and half as
-    // much again for a loaded machine.
-    let took = wait_until(
+    let stopped = Instant::now();
+    // The gateway's last write came between the answer's first byte and the stop (how long
+    // before it, the time its socket buffer takes to drain by half says): closed no sooner
+    // than the idle timeout after the first, and within it and its slack (one second, and half
+    // as much again for a loaded machine) after the second.
+    wait_until(
         IDLE_TIMEOUT * 3,
         "the gateway closes a connection whose client stopped reading",
         async || closed(&env.gateway, "stalled").await == 1,
     )
     .await;
+    let (since_first, since_stop) = (first_byte.elapsed(), stopped.elapsed());
     assert!(
-        took >= IDLE_TIMEOUT - Duration::from_secs(1)
-            && took < IDLE_TIMEOUT + Duration::from_millis(1500),
-        "HTTP/1.1: closed {took:?} after the client stopped reading"
+        since_first >= IDLE_TIMEOUT - Duration::from_millis(100)
+            && since_stop < IDLE_TIMEOUT + Duration::from_millis(1500),
+        "HTTP/1.1: closed {since_stop:?} after the client stopped reading"
     );
     drop(stream);
     // Over HTTP/2, a client whose stream window stays 0: the answer's head comes, no DATA can.
@@ -422,6 +426,37 @@ async fn a_client_that_stops_reading_is_closed_within_the_idle_timeout(b: Backen
         assert_eq!(again.body.len(), len);
     }
     assert_eq!(env.upstream.calls(), 2);
+}
+
+/// A client that stops sending the body it announced, a second after a whole number of idle
+/// timeouts since it connected: closed one idle timeout after its last byte, not at the next of
+/// looks an idle timeout apart (which would be nearly two idle timeouts later).
+#[tokio::test]
+async fn a_client_that_stops_sending_its_body_is_closed_within_the_idle_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let config = timeouts()
+        .upstream(&upstream.url())
+        .set("client_min_body_rate", "off");
+    let gateway = InProcessGateway::start(&config).await;
+    let stream = TcpStream::connect(gateway.addr).await.unwrap();
+    let connected = Instant::now();
+    let (read, mut write) = stream.into_split();
+    let head = "POST /v1/p HTTP/1.1\r\nhost: gw\r\nidempotency-key: half-sent\r\ncontent-length: 100\r\n\r\n";
+    write.write_all(head.as_bytes()).await.unwrap();
+    let stop = connected + IDLE_TIMEOUT + Duration::from_secs(1);
+    while Instant::now() < stop {
+        write.write_all(b"x").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = time_until_closed(read, IDLE_TIMEOUT * 3).await;
+    assert!(
+        took >= IDLE_TIMEOUT - Duration::from_millis(200)
+            && took < IDLE_TIMEOUT + Duration::from_millis(1500),
+        "closed {took:?} after the last byte of the body"
+    );
+    assert_eq!(closed(&gateway, "stalled").await, 1);
+    assert_eq!(upstream.calls(), 0);
+    drop(write);
 }
 
 async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {

@@ -496,25 +496,30 @@ impl<T: AsyncRead + Unpin> AsyncRead for WatchedIo<T> {
 }
 
 impl<T: AsyncWrite + Unpin> WatchedIo<T> {
-    fn wrote<R>(&self, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        match &polled {
-            Poll::Pending => {
-                if !self.conn.write_blocked.swap(true, SeqCst) {
-                    self.conn.began_waiting();
-                }
-            }
-            Poll::Ready(_) => {
-                if self.conn.write_blocked.load(Relaxed) {
-                    self.conn.write_blocked.store(false, Relaxed);
-                }
-                // HTTP/1.1 writes only answers; HTTP/2 also writes control frames (a PING's
-                // answer), which say nothing of whether the client takes its answers.
-                if !matches!(self.stream, Stream::Http2 { .. }) {
-                    self.conn.moved();
-                }
+    /// A write: bytes the socket took are progress (over HTTP/1.1, whose writes are answers;
+    /// HTTP/2 also writes control frames, a PING's answer, which say nothing of whether the
+    /// client takes its answers).
+    fn wrote(&self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        self.blocked(polled.is_pending());
+        if let Poll::Ready(Ok(1..)) = polled {
+            if !matches!(self.stream, Stream::Http2 { .. }) {
+                self.conn.moved();
             }
         }
         polled
+    }
+
+    /// Whether the socket could not take what was written or flushed. A flush that finds
+    /// nothing to send is no progress: the connection flushes whenever it is polled, the
+    /// watchdog's own wake-up included.
+    fn blocked(&self, pending: bool) {
+        if pending {
+            if !self.conn.write_blocked.swap(true, SeqCst) {
+                self.conn.began_waiting();
+            }
+        } else if self.conn.write_blocked.load(Relaxed) {
+            self.conn.write_blocked.store(false, Relaxed);
+        }
     }
 }
 
@@ -543,7 +548,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WatchedIo<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let polled = Pin::new(&mut self.io).poll_flush(cx);
-        self.wrote(polled)
+        self.blocked(polled.is_pending());
+        polled
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -706,6 +712,21 @@ mod tests {
         assert_ne!(conn.head_since.load(Relaxed), UNSET);
         stream.feed(&continuation[continuation.len() - 1..], &conn);
         assert_eq!(conn.head_since.load(Relaxed), UNSET);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_written_are_progress_a_flush_alone_is_not() {
+        use tokio::io::AsyncWriteExt;
+        let conn = ConnState::new();
+        let (socket, _client) = tokio::io::duplex(64);
+        let mut io = WatchedIo::new(socket, conn.clone());
+        io.stream = Stream::Http1;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = conn.progress.load(Relaxed);
+        io.flush().await.unwrap();
+        assert_eq!(conn.progress.load(Relaxed), before);
+        io.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+        assert!(conn.progress.load(Relaxed) > before);
     }
 
     #[test]
