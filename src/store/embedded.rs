@@ -595,8 +595,12 @@ impl<'txn> Tables<'txn> {
                 Done::Yes(ours)
             }
             Write::Evict(key) => {
-                let record = self.remove(key)?;
-                Done::Yes(self.remove(&key.tombstone())? || record)
+                // A lapsed entry not purged yet goes too, but was as good as absent.
+                let record = self.live(key, now)?.is_some();
+                let tombstone = self.live(&key.tombstone(), now)?.is_some();
+                self.remove(key)?;
+                self.remove(&key.tombstone())?;
+                Done::Yes(record || tombstone)
             }
             Write::EvictAll => Done::Count(self.remove_all()?),
             Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
