@@ -219,6 +219,12 @@ impl Table {
     }
 }
 
+/// When an entry written at `now` for `d` ends: `d` in whole milliseconds, at least one, as
+/// every other store reckons it (so a zero lease or ttl lives a millisecond here too).
+fn until(now: Instant, d: Duration) -> Instant {
+    time::after(now, Duration::from_millis(time::millis(d)))
+}
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::with_limits(DEFAULT_MAX_ENTRIES, DEFAULT_MAX_BYTES)
@@ -383,7 +389,7 @@ impl Store for MemoryStore {
                     expires_in: None,
                     written_ms: now_ms(),
                 },
-                expires_at: Some(time::after(now, terms.lease)),
+                expires_at: Some(until(now, terms.lease)),
             },
         );
         Ok(Claim::Claimed)
@@ -425,12 +431,12 @@ impl Store for MemoryStore {
                 expires_in: None,
                 written_ms: now_ms(),
             },
-            expires_at: keep.ttl.finite().map(|ttl| time::after(now, ttl)),
+            expires_at: keep.ttl.finite().map(|ttl| until(now, ttl)),
         };
         t.insert(who.key, slot);
         if let Some((entry, lives)) = tombstone {
             let token = Token([0; 16]);
-            let expires_at = Some(time::after(now, lives));
+            let expires_at = Some(until(now, lives));
             t.insert(
                 who.key.tombstone(),
                 Slot {
@@ -458,7 +464,7 @@ impl Store for MemoryStore {
         let mut t = self.lock();
         let ours = t.claimed_by(&who.key, &who.token, now);
         if ours {
-            t.extend(&who.key, time::after(now, lease));
+            t.extend(&who.key, until(now, lease));
         }
         Ok(ours)
     }

@@ -7,7 +7,8 @@
 //! everywhere else:
 //! - a remaining time (`expires_in`) is checked to lie between what it was at the latest and at
 //!   the earliest moment the two calls could have run, within [`SLACK`] for the stores'
-//!   millisecond rounding;
+//!   millisecond rounding; behind a local cache, which reckons a record's expiry from when it
+//!   asked the store for it, it may also be short by as much as the longest call took;
 //! - an entry written for a brief span (0 to 5 ms) is never looked at while it might still live:
 //!   the harness first waits until it has surely ended ([`Model::brief_until`]);
 //! - when a bounded store must evict for room and two candidates could be the closest to expiry
@@ -43,6 +44,8 @@ pub(super) struct Profile {
     pub(super) bounds: Option<Bounds>,
     /// How it keeps a record asked to be kept forever.
     pub(super) forever: Forever,
+    /// Whether a local cache answers replays.
+    pub(super) cached: bool,
 }
 
 /// A bounded store's limits, in the model's terms.
@@ -146,6 +149,8 @@ struct Slot {
 pub(super) struct Model {
     slots: Vec<Slot>,
     profile: Profile,
+    // The longest any call of the case took so far.
+    longest_call: Duration,
 }
 
 /// How much longer an entry should say it lives.
@@ -219,6 +224,7 @@ impl Model {
         Model {
             slots: vec![Slot::default(); KEYS as usize],
             profile,
+            longest_call: Duration::ZERO,
         }
     }
 
@@ -419,8 +425,12 @@ impl Model {
         };
         let most = now.start.saturating_duration_since(since.end);
         let least = now.end.saturating_duration_since(since.start);
+        let short = match self.profile.cached {
+            true => SLACK + self.longest_call,
+            false => SLACK,
+        };
         Left::Between(
-            d.saturating_sub(least).saturating_sub(SLACK),
+            d.saturating_sub(least).saturating_sub(short),
             d.saturating_sub(most) + SLACK,
         )
     }
@@ -543,6 +553,10 @@ impl Possible {
     pub(super) fn observe(&mut self, op: &Op, now: Window, answer: &Answer) -> Result<(), String> {
         let mut next: Vec<Model> = Vec::new();
         let mut expected: Vec<String> = Vec::new();
+        for state in &mut self.states {
+            let took = now.end.saturating_duration_since(now.start);
+            state.longest_call = state.longest_call.max(took);
+        }
         for state in &self.states {
             for (expect, m) in state.step(op, now) {
                 match expect.check(answer) {

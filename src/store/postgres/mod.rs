@@ -638,7 +638,8 @@ impl Store for PostgresStore {
             // A record kept forever leaves no tombstone, but a live one keeps it out.
             None => {
                 let sql = &self.shared.sql.complete_unless_expired;
-                s.query(sql, &[k, t, &&record[..], &ttl, &&at.0[..]]).await?
+                s.query(sql, &[k, t, &&record[..], &ttl, &&at.0[..]])
+                    .await?
             }
             Some((tombstone, lives)) => {
                 let (at, lives) = (&&at.0[..], millis(lives));
