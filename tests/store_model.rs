@@ -368,40 +368,24 @@ async fn call<S: store::Inspect>(store: &S, op: &Op) -> Answer {
     }
 }
 
+/// A regression case: its name, and its sequence.
+type Regression = (&'static str, fn() -> Vec<Op>);
+
+/// The named functions below, as regression cases.
+macro_rules! regressions {
+    ($($name:ident),* $(,)?) => { &[$((stringify!($name), $name)),*] };
+}
+
 /// Sequences a run found, shrunk, each named for what it showed; every backend runs them first.
-const REGRESSIONS: &[(&str, fn() -> Vec<Op>)] = &[
-    (
-        "a_record_kept_forever_has_no_expiry",
-        a_record_kept_forever_has_no_expiry,
-    ),
-    (
-        "evicting_a_lapsed_claim_finds_nothing",
-        evicting_a_lapsed_claim_finds_nothing,
-    ),
-    (
-        "a_live_tombstone_keeps_out_a_late_record_kept_forever",
-        a_live_tombstone_keeps_out_a_late_record_kept_forever,
-    ),
-    (
-        "an_own_claim_retried_on_a_refusing_route_is_still_claimed",
-        an_own_claim_retried_on_a_refusing_route_is_still_claimed,
-    ),
-    (
-        "a_record_written_for_a_moment_is_the_first_evicted",
-        a_record_written_for_a_moment_is_the_first_evicted,
-    ),
-    (
-        "a_zero_ttl_lives_a_millisecond_everywhere",
-        a_zero_ttl_lives_a_millisecond_everywhere,
-    ),
-    (
-        "a_tombstone_says_its_record_lived_its_ttl_exactly",
-        a_tombstone_says_its_record_lived_its_ttl_exactly,
-    ),
-    (
-        "a_cached_replay_never_outlives_its_record",
-        a_cached_replay_never_outlives_its_record,
-    ),
+const REGRESSIONS: &[Regression] = regressions![
+    a_record_kept_forever_has_no_expiry,
+    evicting_a_lapsed_claim_finds_nothing,
+    a_live_tombstone_keeps_out_a_late_record_kept_forever,
+    an_own_claim_retried_on_a_refusing_route_is_still_claimed,
+    a_record_written_for_a_moment_is_the_first_evicted,
+    a_zero_ttl_lives_a_millisecond_everywhere,
+    a_tombstone_says_its_record_lived_its_ttl_exactly,
+    a_cached_replay_never_outlives_its_record,
 ];
 
 fn who(key: u8, fp: u8, token: u8) -> Who {
