@@ -37,7 +37,7 @@ use self::model::{Answer, Bounds, Forever, Possible, Profile, Window};
 use self::ops::*;
 
 /// Cases per backend when `STORE_MODEL_CASES` is not set.
-const DEFAULT_CASES: u32 = 40;
+const DEFAULT_CASES: u32 = 300;
 
 /// The seed when `STORE_MODEL_SEED` is not set.
 const DEFAULT_SEED: u64 = 20_240_917;
