@@ -176,7 +176,8 @@ impl Drop for Unanswered<'_> {
         let at = self.decided.load(std::sync::atomic::Ordering::Relaxed) as usize;
         let outcome = at
             .checked_sub(1)
-            .map_or("undecided", |at| Outcome::ALL[at].as_str());
+            .and_then(|at| Outcome::ALL.get(at))
+            .map_or("undecided", |o| o.as_str());
         self.metrics
             .inner
             .disconnects
@@ -407,6 +408,7 @@ struct ClientConnections {
     open: Gauge,
     closed: Family<ClosedLabels, Counter>,
     at_cap: Counter<f64, std::sync::atomic::AtomicU64>,
+    too_slow: Counter,
 }
 
 impl ClientConnections {
@@ -429,10 +431,17 @@ impl ClientConnections {
             "Time spent with max_client_connections open, new connections waiting in the kernel's backlog",
             at_cap.clone(),
         );
+        let too_slow = Counter::default();
+        registry.register(
+            "idemgate_client_bodies_too_slow",
+            "Request bodies cut for arriving slower than client_min_body_rate, answered 408",
+            too_slow.clone(),
+        );
         ClientConnections {
             open,
             closed,
             at_cap,
+            too_slow,
         }
     }
 }
@@ -790,6 +799,11 @@ impl Metrics {
             .inc();
     }
 
+    /// Count a request body cut for arriving slower than `client_min_body_rate`.
+    pub fn client_body_too_slow(&self) {
+        self.inner.clients.too_slow.inc();
+    }
+
     /// Add time spent at `max_client_connections`.
     pub fn at_connection_cap(&self, d: Duration) {
         self.inner.clients.at_cap.inc_by(d.as_secs_f64());
@@ -798,8 +812,9 @@ impl Metrics {
     /// The OpenMetrics text exposition of every family.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.inner.registry)
-            .expect("writing to a String");
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.inner.registry) {
+            tracing::error!(error = %e, "the metrics could not be encoded whole");
+        }
         out
     }
 }

@@ -4,14 +4,16 @@
 //!
 //! - `watch.rs`: the watchdog of one connection (`client_header_timeout`,
 //!   `client_idle_timeout`) and the socket and body wrappers that report to it.
+//! - `rate.rs`: `client_min_body_rate`, the request body that arrives too slowly cut.
 
+mod rate;
 mod watch;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -24,6 +26,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 use tracing::{debug, error, warn};
@@ -33,6 +36,8 @@ use crate::headers::admit;
 use crate::idempotency::{grpc, Routes};
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
+pub(crate) use rate::MinBodyRate;
+use rate::Paced;
 pub(crate) use watch::Timeouts;
 use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
 
@@ -53,13 +58,18 @@ pub(crate) struct ConnectionCap {
 impl ConnectionCap {
     pub(crate) fn new(max: usize, metrics: Metrics) -> Arc<Self> {
         Arc::new(ConnectionCap {
-            permits: Arc::new(Semaphore::new(max)),
+            // Past tokio's bound, as good as no bound.
+            permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
             waiting: Mutex::new((0, None)),
             metrics,
         })
     }
 
     /// A permit for one more connection, once the open ones are below the cap.
+    #[expect(
+        clippy::expect_used,
+        reason = "the cap's semaphore is never closed: acquiring fails only on a closed one"
+    )]
     async fn permit(&self) -> OwnedSemaphorePermit {
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
             return permit;
@@ -73,7 +83,7 @@ impl ConnectionCap {
     /// One more (`1`) or one fewer (`-1`) worker waiting at the cap: time is counted from the
     /// first one waiting to the last one done.
     fn at_cap(&self, change: isize) {
-        let mut waiting = self.waiting.lock().expect("never poisoned");
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         waiting.0 = waiting.0.saturating_add_signed(change);
         match (waiting.0, waiting.1) {
             (0, Some(since)) => {
@@ -84,6 +94,15 @@ impl ConnectionCap {
             _ => {}
         }
     }
+}
+
+/// A client's IP address as a header value (`X-Forwarded-For`).
+#[expect(
+    clippy::expect_used,
+    reason = "an IP address is written with digits, hex letters, dots and colons"
+)]
+fn ip_value(peer: SocketAddr) -> HeaderValue {
+    HeaderValue::from_str(&peer.ip().to_string()).expect("an IP is a header value")
 }
 
 /// What every connection of one worker is served with.
@@ -127,10 +146,11 @@ where
             let gateway = Gateway {
                 stack: self.stack.clone(),
                 routes: self.routes.clone(),
-                peer: HeaderValue::from_str(&peer.ip().to_string())
-                    .expect("an IP is a header value"),
+                peer: ip_value(peer),
                 proto: proto.clone(),
                 conn: ConnState::new(),
+                body_rate: self.timeouts.body_rate,
+                metrics: self.metrics.clone(),
             };
             let connection = Connection {
                 http: http.clone(),
@@ -291,6 +311,9 @@ struct Gateway<S> {
     proto: HeaderValue,
     // What the connection's watchdog reads.
     conn: Arc<ConnState>,
+    // `client_min_body_rate`, which request bodies are held to.
+    body_rate: Option<MinBodyRate>,
+    metrics: Metrics,
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -340,25 +363,61 @@ where
                 resp.map(|b| in_progress.response_body(b))
             )));
         }
-        let mut req = req.map(|body| Body::new(self.conn.request_body(body)));
+        // A gRPC call may stream its messages as slowly as it likes (the idle timeout still
+        // holds it); an empty body has no rate.
+        let paced = (self.body_rate)
+            .filter(|_| !call && !http_body::Body::is_end_stream(req.body()))
+            .map(|rate| (rate, CancellationToken::new()));
+        let mut req = req.map(|body| {
+            let body = self.conn.request_body(body);
+            match &paced {
+                Some((rate, cut)) => Body::new(Paced::new(body, *rate, cut.clone())),
+                None => Body::new(body),
+            }
+        });
         self.forwarding_headers(req.headers_mut());
         let stack = self.stack.clone();
-        let (routes, uri) = (self.routes.clone(), req.uri().clone());
+        let (routes, uri, version) = (self.routes.clone(), req.uri().clone(), req.version());
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             // A defect answers this request with a 500 in the route's format (which tower-http's
             // CatchPanic cannot choose) rather than closing the connection with no answer.
             let called = std::panic::AssertUnwindSafe(stack.oneshot(req)).catch_unwind();
             let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
-            let resp = match called.await {
-                Ok(Ok(resp)) => resp.map(Body::new),
-                Ok(Err(e)) => GatewayError::from(&e).respond(format()),
-                Err(panic) => {
+            let resp = match paced {
+                None => Some(called.await),
+                Some((_, ref cut)) => tokio::select! {
+                    biased;
+                    () = cut.cancelled() => None,
+                    // A body cut while the stack turned its failure into an answer: the cut.
+                    resp = called => Some(resp).filter(|_| !cut.is_cancelled()),
+                },
+            };
+            let resp = match (resp, paced) {
+                (Some(Ok(Ok(resp))), _) => resp.map(Body::new),
+                (Some(Ok(Err(e))), _) => GatewayError::from(&e).respond(format()),
+                (Some(Err(panic)), _) => {
                     let panic = crate::error::panic_message(&*panic);
                     error!(%panic, path = uri.path(), "the gateway failed while handling a request; answered 500");
                     GatewayError::Internal.respond(format())
+                }
+                (None, rate) => {
+                    metrics.client_body_too_slow();
+                    let rate = rate.map_or(0, |(r, _)| r.bytes_per_second.get());
+                    too_slow(GatewayError::BodyTooSlow(rate).respond(format()), version)
                 }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))
         })
     }
+}
+
+/// The answer to a request whose body was cut for its rate: over HTTP/1.1 the connection closes
+/// after it (the rest of the body will not be read); over HTTP/2 only the stream ends.
+fn too_slow(mut resp: Response<Body>, version: http::Version) -> Response<Body> {
+    if version < http::Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }

@@ -153,6 +153,8 @@ enum Write {
         who: Claimant,
         value: Bytes,
         ttl: Ttl,
+        // Whether the route keeps tombstones: a live one then keeps a late completion out.
+        refuses: bool,
         // The tombstone the record leaves, and how long it lives.
         tombstone: Option<(Bytes, Duration)>,
     },
@@ -326,8 +328,8 @@ fn init(db: &Database) -> Result<(), StoreError> {
 
 /// An entry's expiry and encoding.
 fn split(value: &[u8]) -> Option<(u64, Bytes)> {
-    let at = u64::from_be_bytes(value.get(..8)?.try_into().ok()?);
-    Some((at, Bytes::copy_from_slice(&value[8..])))
+    let (at, encoding) = value.split_first_chunk::<8>()?;
+    Some((u64::from_be_bytes(*at), Bytes::copy_from_slice(encoding)))
 }
 
 /// An index row: expiry then key, so rows sort by expiry.
@@ -557,6 +559,7 @@ impl<'txn> Tables<'txn> {
                 who,
                 value,
                 ttl,
+                refuses,
                 tombstone,
             } => {
                 let key = &who.key;
@@ -567,7 +570,7 @@ impl<'txn> Tables<'txn> {
                     Some(_) => true,
                     // Our lease ran out and nobody claimed the key since; a live tombstone
                     // means another record was there.
-                    None => tombstone.is_none() || self.live(&key.tombstone(), now)?.is_none(),
+                    None => !refuses || self.live(&key.tombstone(), now)?.is_none(),
                 };
                 if written {
                     self.put(key, expiry(now, *ttl), value)?;
@@ -595,8 +598,12 @@ impl<'txn> Tables<'txn> {
                 Done::Yes(ours)
             }
             Write::Evict(key) => {
-                let record = self.remove(key)?;
-                Done::Yes(self.remove(&key.tombstone())? || record)
+                // A lapsed entry not purged yet goes too, but was as good as absent.
+                let record = self.live(key, now)?.is_some();
+                let tombstone = self.live(&key.tombstone(), now)?.is_some();
+                self.remove(key)?;
+                self.remove(&key.tombstone())?;
+                Done::Yes(record || tombstone)
             }
             Write::EvictAll => Done::Count(self.remove_all()?),
             Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
@@ -689,9 +696,8 @@ impl<'txn> Tables<'txn> {
         index: &redb::Table<'txn, &'static [u8; 40], ()>,
     ) -> Result2<Option<(u64, ScopedKey)>> {
         Ok(index.first()?.map(|(row, _)| {
-            let row = row.value();
-            let at = u64::from_be_bytes(row[..8].try_into().expect("8 bytes"));
-            (at, ScopedKey(row[8..].try_into().expect("32 bytes")))
+            let [a, b, c, d, e, f, g, h, key @ ..] = *row.value();
+            (u64::from_be_bytes([a, b, c, d, e, f, g, h]), ScopedKey(key))
         }))
     }
 
@@ -830,6 +836,7 @@ impl Store for EmbeddedStore {
             who: *who,
             value,
             ttl: keep.ttl,
+            refuses: keep.tombstone.is_some(),
             tombstone,
         })
         .await

@@ -24,7 +24,6 @@ use bytes::Bytes;
 use redis::Script;
 
 use super::codec;
-use crate::idempotency::policy::Ttl;
 
 mod events;
 mod topology;
@@ -139,6 +138,10 @@ impl WaitPool {
     }
 
     /// A connection no other write is using; the next in turn when all are taken.
+    #[expect(
+        clippy::indexing_slicing,
+        reason = "the pool holds WAIT_CONNECTIONS connections, indexed modulo their number"
+    )]
     async fn get(&self) -> tokio::sync::MutexGuard<'_, Conn> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let n = self.conns.len();
@@ -460,7 +463,7 @@ impl RedisStore {
         key: &ScopedKey,
         token: &Token,
         entry: &codec::Encoded<'_>,
-        ttl: Ttl,
+        keep: Keep,
         tombstone: Option<(Bytes, Duration)>,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
@@ -475,6 +478,7 @@ impl RedisStore {
         // The entry is written straight into the command, sized up front: one copy of the body.
         let mut set = redis::Cmd::with_capacity(5, entry.len() + staged.len() + 16);
         set.arg("SET").arg(&staged);
+        #[expect(clippy::expect_used, reason = "the command's buffer is in memory")]
         {
             let mut w = set.writer_for_next_arg();
             w.write_all(&entry.head).expect("writing to memory");
@@ -488,13 +492,14 @@ impl RedisStore {
             .ignore()
             .cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(2 + usize::from(tombstone.is_some()))
+            .arg(2 + usize::from(keep.tombstone.is_some()))
             .arg(&record_key)
             .arg(&staged);
-        if tombstone.is_some() {
+        // On a route that keeps tombstones, a live one keeps a late completion out.
+        if keep.tombstone.is_some() {
             pipe.arg(Self::tombstone_key(&record_key));
         }
-        pipe.arg(&token.0[..]).arg(millis(ttl.clamped()));
+        pipe.arg(&token.0[..]).arg(millis(keep.ttl.clamped()));
         if let Some((tombstone, lives)) = &tombstone {
             pipe.arg(tombstone.as_ref()).arg(millis(*lives));
         }
@@ -677,7 +682,7 @@ impl Store for RedisStore {
         let tombstone = self.codec.tombstone(key, keep, &who.fingerprint, state);
         if parts.len() >= STAGE_FROM {
             return self
-                .complete_staged(key, token, &parts, keep.ttl, tombstone)
+                .complete_staged(key, token, &parts, keep, tombstone)
                 .await;
         }
         let entry = parts.into_bytes();
@@ -686,9 +691,10 @@ impl Store for RedisStore {
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(1 + usize::from(tombstone.is_some()))
+            .arg(1 + usize::from(keep.tombstone.is_some()))
             .arg(&redis_key);
-        if tombstone.is_some() {
+        // On a route that keeps tombstones, a live one keeps a late completion out.
+        if keep.tombstone.is_some() {
             pipe.arg(Self::tombstone_key(&redis_key));
         }
         pipe.arg(&token.0[..])
