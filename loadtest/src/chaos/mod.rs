@@ -4,7 +4,7 @@
 //! Each run is one backend in one lease regime: clients send keyed payments and retry them
 //! ([`client`]); an upstream logs every execution and the bytes it answered, and misbehaves
 //! ([`upstream`]); a nemesis injects faults on a seeded schedule ([`nemesis`]). Then the faults
-//! stop, the leases run out, and every key is retried until it replays; [`check`] judges the
+//! stop, the leases run out, and every key is retried until it replays; [`check`](mod@check) judges the
 //! history. The runs of one invocation go at once, each on its own store and ports.
 
 mod check;
