@@ -46,7 +46,7 @@ use testkit::RedisServer;
 #[derive(Parser)]
 #[command(about = "Benchmark idemgate against a direct upstream and nginx")]
 struct Cli {
-    /// A short run (about three minutes) for CI: 1 KiB bodies only (but the stream section's
+    /// A short run (about four minutes) for CI: 1 KiB bodies only (but the stream section's
     /// replays), 1.2 s phases, no soak, the cluster and stream sections in 0.5 s phases, one
     /// failover (cluster, wait_replicas 1) and seven 20 s chaos runs.
     #[arg(long)]
