@@ -6,7 +6,10 @@
 use crate::common;
 
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
 
 use common::{send, wait_until, Backend, InProcessGateway, PostgresServer, TestConfig, TestEnv};
 use idemgate::idempotency::fingerprint::Fingerprint;
@@ -17,6 +20,9 @@ use idemgate::store::postgres::{PostgresError, REAP_EVERY};
 use idemgate::store::{Claim, Inspect, PostgresSettings, PostgresStore, Store, StoreError};
 
 const LEASE: Duration = Duration::from_secs(5);
+
+/// The records table's comment: its schema version.
+const COMMENT: &str = "SELECT obj_description('idemgate_records'::regclass, 'pg_class')";
 
 async fn store(server: &PostgresServer) -> PostgresStore {
     PostgresStore::connect(&PostgresSettings::new(server.url()))
@@ -117,8 +123,9 @@ async fn a_newer_schema_is_refused_and_a_foreign_table_too() {
     }
 }
 
-/// A table an idemgate of schema 1 made (its index on every row's expiry) is migrated at start:
-/// its records replay, and the expiry index leaves out the rows kept forever.
+/// A table an idemgate of schema 1 made (its index on every row's expiry) is migrated once the
+/// store has found it: its records replay, and the expiry index leaves out the rows kept
+/// forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
     let server = PostgresServer::start().await;
@@ -137,8 +144,12 @@ async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
          COMMENT ON TABLE idemgate_records IS 'idemgate schema 1'",
     );
     let s = store(&server).await;
-    let comment = "SELECT obj_description('idemgate_records'::regclass, 'pg_class')";
-    assert_eq!(server.psql(comment), "idemgate schema 2");
+    wait_until(
+        Duration::from_secs(30),
+        "the table is at schema 2",
+        async || server.psql(COMMENT) == "idemgate schema 2",
+    )
+    .await;
     let indexes = "SELECT string_agg(indexname || ':' || indexdef, ' | ' ORDER BY indexname) \
                    FROM pg_indexes WHERE tablename = 'idemgate_records'";
     let indexes = server.psql(indexes);
@@ -158,7 +169,7 @@ async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
     // A second start finds it migrated and changes nothing.
     drop(s);
     drop(store(&server).await);
-    assert_eq!(server.psql(comment), "idemgate schema 2");
+    assert_eq!(server.psql(COMMENT), "idemgate schema 2");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -682,4 +693,367 @@ async fn pool_size_bounds_the_whole_process() {
         .parse()
         .unwrap();
     assert!((3..=6).contains(&open), "{open} connections");
+}
+
+/// A connection of the test's own, as the gateway's role: another client beside the store (an
+/// older gateway, a person at psql).
+async fn session(server: &PostgresServer) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// `key` as a bytea literal.
+fn bytea(key: &ScopedKey) -> String {
+    let hex: String = key.0.iter().map(|b| format!("{b:02x}")).collect();
+    format!("'\\x{hex}'::bytea")
+}
+
+/// Begin a transaction on `client` that inserts `key`'s row and holds it uncommitted: a claim
+/// of the key waits for it to end.
+async fn hold(client: &tokio_postgres::Client, key: &ScopedKey) {
+    client
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO idemgate_records VALUES ({}, '\\x00', false, '\\x00', now())",
+            bytea(key)
+        ))
+        .await
+        .unwrap();
+}
+
+/// The gateway's statements waiting on a lock.
+fn waiting_on_locks(server: &PostgresServer) -> String {
+    server.psql(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = 'idemgate' AND wait_event_type = 'Lock'",
+    )
+}
+
+/// A claim stalled behind another transaction past the store's timeout is cancelled by the
+/// server too, so that it cannot commit after the gateway gave up on it (a 503) and hold the
+/// key with nobody working on it: with a URL that carries its own `options`, one of them
+/// turning `statement_timeout` off, and with a timeout past PostgreSQL's longest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_given_up_on_is_cancelled_on_the_server_whatever_the_url_says() {
+    let server = PostgresServer::start().await;
+    let url = format!(
+        "{}&options=-c%20statement_timeout%3D0%20-c%20search_path%3Dpublic",
+        server.url()
+    );
+    let settings = PostgresSettings::new(&url).timeout(Duration::from_millis(500));
+    let s = PostgresStore::connect(&settings).await.unwrap();
+    let (key, fp) = (ScopedKey([11; 32]), Fingerprint([11; 32]));
+    let other = session(&server).await;
+    hold(&other, &key).await;
+    let claim = s.claim(&key, &fp, &Token::random(), LEASE).await;
+    assert!(claim.is_err(), "{claim:?}");
+    wait_until(
+        Duration::from_secs(5),
+        "the server cancelled the claim",
+        async || waiting_on_locks(&server) == "0",
+    )
+    .await;
+    // The way is free again: a claim still waiting would now take the key.
+    other.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        rows(&server),
+        0,
+        "the claim given up on did not commit later"
+    );
+    assert!(matches!(
+        s.claim(&key, &fp, &Token::random(), LEASE).await.unwrap(),
+        Claim::Claimed
+    ));
+    // A timeout past PostgreSQL's longest statement_timeout is its longest, not a refused
+    // connection.
+    let longest = PostgresSettings::new(&url).timeout(idemgate::config::human::MAX_DURATION);
+    let s = PostgresStore::connect(&longest).await.unwrap();
+    let claim = s
+        .claim(&ScopedKey([12; 32]), &fp, &Token::random(), LEASE)
+        .await;
+    assert!(matches!(claim.unwrap(), Claim::Claimed));
+}
+
+/// A statement's time is counted from when it is sent, as the server counts its
+/// `statement_timeout`: a claim that waited most of its timeout for the pool's one connection
+/// still has the whole of it for its statement. (Counted from the checkout, the gateway gave up
+/// while the server ran the claim on, for up to a timeout more, and the claim committed with
+/// nobody working on it: past about 3 s, after the gateway had stopped trying to take it back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_has_its_whole_timeout_however_long_it_waited_for_a_connection() {
+    let server = PostgresServer::start().await;
+    let mut settings = PostgresSettings::new(server.url()).timeout(Duration::from_secs(2));
+    settings.pool_size = 1;
+    let s = PostgresStore::connect(&settings).await.unwrap();
+    let (first, second) = (ScopedKey([13; 32]), ScopedKey([14; 32]));
+    let (holds_first, holds_second) = (session(&server).await, session(&server).await);
+    hold(&holds_first, &first).await;
+    hold(&holds_second, &second).await;
+    let claim = |key: ScopedKey| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.claim(&key, &Fingerprint([13; 32]), &Token::random(), LEASE)
+                .await
+        })
+    };
+    let first_claim = claim(first);
+    wait_until(
+        Duration::from_secs(5),
+        "the first claim waits",
+        async || waiting_on_locks(&server) == "1",
+    )
+    .await;
+    // The second waits for the pool's one connection, held by the first for 1 s.
+    let second_claim = claim(second);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    holds_first.batch_execute("ROLLBACK").await.unwrap();
+    assert!(matches!(first_claim.await.unwrap(), Ok(Claim::Claimed)));
+    // 2.5 s after the second claim began, 1.5 s after its statement was sent.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holds_second.batch_execute("ROLLBACK").await.unwrap();
+    let second_claim = second_claim.await.unwrap();
+    assert!(
+        matches!(second_claim, Ok(Claim::Claimed)),
+        "{second_claim:?}"
+    );
+}
+
+/// A schema-1 table of `rows` rows (live for a day), as an idemgate of that schema left it.
+async fn schema_1_table(server: &PostgresServer, rows: u32) {
+    drop(store(server).await);
+    server.psql(&format!(
+        "DROP INDEX idemgate_records_expiring; \
+         INSERT INTO idemgate_records \
+         SELECT decode(lpad(to_hex(i), 64, '0'), 'hex'), '\\x00', false, '\\x00', now() + interval '1 day' \
+         FROM generate_series(1, {rows}) i; \
+         CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at); \
+         COMMENT ON TABLE idemgate_records IS 'idemgate schema 1'"
+    ));
+}
+
+/// The expiry indexes of the records table: (name, valid, definition).
+fn expiry_indexes(server: &PostgresServer) -> String {
+    server.psql(
+        "SELECT string_agg(c.relname || ':' || i.indisvalid || ':' || pg_get_indexdef(c.oid), ' | ' ORDER BY c.relname) \
+         FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE i.indrelid = 'idemgate_records'::regclass AND NOT i.indisprimary",
+    )
+}
+
+/// Set once the test has seen what it waited for: the tasks beside it stop.
+type Done = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+fn stopped(done: &Done) -> bool {
+    done.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// An older gateway's writes on `client`: one UPDATE of a live row after the other until
+/// `done`; when each ended.
+fn older_gateway_writes(client: tokio_postgres::Client, done: Done) -> JoinHandle<Vec<Instant>> {
+    tokio::spawn(async move {
+        let mut ends = Vec::new();
+        for i in 1.. {
+            if stopped(&done) {
+                break;
+            }
+            client
+                .execute(
+                    "UPDATE idemgate_records SET expires_at = now() + interval '1 day' \
+                     WHERE key = decode(lpad(to_hex($1::int), 64, '0'), 'hex')",
+                    &[&i],
+                )
+                .await
+                .unwrap();
+            ends.push(Instant::now());
+        }
+        ends
+    })
+}
+
+/// What the test saw of the index builds on the server, looking every 20 ms.
+#[derive(Default)]
+struct Builds {
+    // Each `CREATE INDEX` seen running: its backend and start.
+    seen: std::collections::BTreeSet<(i32, String)>,
+    // When one was first and last seen running.
+    first: Option<Instant>,
+    last: Option<Instant>,
+    // The most `ShareLock`s (what a plain `CREATE INDEX` takes, blocking writers) seen at once
+    // on the table.
+    share_locks: i64,
+}
+
+impl Builds {
+    /// Whether `at` was while an index was being built.
+    fn during(&self, at: Instant) -> bool {
+        matches!((self.first, self.last), (Some(f), Some(l)) if f <= at && at <= l)
+    }
+
+    /// How long the builds ran, from the first look that saw one to the last.
+    fn span(&self) -> Duration {
+        match (self.first, self.last) {
+            (Some(f), Some(l)) => l - f,
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+/// Watch the index builds on the table through `client` until `done`.
+fn watch_builds(
+    client: tokio_postgres::Client,
+    done: Done,
+) -> (Arc<Mutex<Builds>>, JoinHandle<()>) {
+    let builds = Arc::new(Mutex::new(Builds::default()));
+    let seen = builds.clone();
+    let task = tokio::spawn(async move {
+        // Each build running (client backends only: a parallel build's workers show the same
+        // query), and the table's ShareLocks, on a row of their own.
+        let look = "SELECT pid, query_start::text, 0::bigint FROM pg_stat_activity \
+                    WHERE query ILIKE 'CREATE INDEX%' AND state = 'active' \
+                    AND backend_type = 'client backend' \
+                    UNION ALL SELECT 0, '', count(*) FROM pg_locks \
+                    WHERE relation = 'idemgate_records'::regclass AND mode = 'ShareLock'";
+        while !stopped(&done) {
+            let rows = client.query(look, &[]).await.unwrap();
+            let now = Instant::now();
+            {
+                let mut b = seen.lock().unwrap();
+                for row in rows {
+                    match row.get::<_, i32>(0) {
+                        0 => b.share_locks = b.share_locks.max(row.get(2)),
+                        pid => {
+                            b.seen.insert((pid, row.get(1)));
+                            b.first.get_or_insert(now);
+                            b.last = Some(now);
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    (builds, task)
+}
+
+/// A big table of schema 1 (1.5 million rows, as in production), two gateways starting together
+/// on it with `[store] timeout = "200ms"`, an older gateway's writes going on: the index is
+/// built once, concurrently, while both gateways serve keyed requests and the writes go on
+/// (no `ShareLock`), and the table ends at version 2 with a valid index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_table_of_schema_1_is_migrated_once_while_it_is_served() {
+    let server = PostgresServer::start().await;
+    schema_1_table(&server, 1_500_000).await;
+    let done = Done::default();
+    let writes = older_gateway_writes(session(&server).await, done.clone());
+    let (builds, watching) = watch_builds(session(&server).await, done.clone());
+    let upstream = common::CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .postgres(&server)
+        .set("store.timeout", "200ms");
+    let started = Instant::now();
+    let (one, two) = tokio::join!(
+        InProcessGateway::start(&config),
+        InProcessGateway::start(&config)
+    );
+    let c = common::client();
+    let mut served = Vec::new();
+    for i in 0.. {
+        if server.psql(COMMENT) == "idemgate schema 2" {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "not migrated");
+        let gateway = [&one, &two][i % 2];
+        let key = format!("during-{i}");
+        let seen = send(
+            c.post(gateway.url("/v1/p"))
+                .header("idempotency-key", key)
+                .body("x"),
+        )
+        .await;
+        assert_eq!(seen.status, 201, "{seen:?}");
+        served.push(Instant::now());
+    }
+    let migrated_in = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let written = writes.await.unwrap();
+    watching.await.unwrap();
+    let builds = std::mem::take(&mut *builds.lock().unwrap());
+    let served = served.iter().filter(|at| builds.during(**at)).count();
+    let written = written.iter().filter(|at| builds.during(**at)).count();
+    eprintln!(
+        "migrated in {migrated_in:?}; the build ran for about {:?}, meanwhile {served} requests served and {written} rows written",
+        builds.span()
+    );
+    assert_eq!(builds.seen.len(), 1, "one CREATE INDEX: {:?}", builds.seen);
+    assert!(
+        builds.span() > Duration::from_millis(200),
+        "the build ({:?}) must outlast the store's timeout for this test to mean anything",
+        builds.span()
+    );
+    assert_eq!(builds.share_locks, 0, "writers were blocked");
+    assert!(
+        written >= 3,
+        "{written} rows written while the index was built"
+    );
+    assert!(
+        served >= 1,
+        "{served} requests served while the index was built"
+    );
+    assert_eq!(
+        expiry_indexes(&server),
+        "idemgate_records_expiring:true:CREATE INDEX idemgate_records_expiring ON public.idemgate_records USING btree (expires_at) WHERE (expires_at <> 'infinity'::timestamp with time zone)"
+    );
+    let replay = send(
+        c.post(two.url("/v1/p"))
+            .header("idempotency-key", "during-0")
+            .body("x"),
+    )
+    .await;
+    assert!(replay.replayed(), "{replay:?}");
+}
+
+/// A concurrent build of the new index cancelled halfway (its statement timed out) leaves it
+/// invalid: the next start drops it and builds it again, and only then is the table at
+/// version 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_an_interrupted_build_left_invalid_is_built_again() {
+    let server = PostgresServer::start().await;
+    schema_1_table(&server, 300_000).await;
+    let person = session(&server).await;
+    person
+        .batch_execute("SET statement_timeout = '20ms'")
+        .await
+        .unwrap();
+    let cancelled = person
+        .batch_execute(
+            "CREATE INDEX CONCURRENTLY idemgate_records_expiring ON idemgate_records (expires_at) \
+             WHERE expires_at <> 'infinity'",
+        )
+        .await;
+    assert!(cancelled.is_err(), "the build was not interrupted");
+    let left = expiry_indexes(&server);
+    assert!(
+        left.contains("idemgate_records_expiring:false"),
+        "an invalid index: {left}"
+    );
+    let settings = PostgresSettings::new(server.url())
+        .migration_timeout(idemgate::config::human::MAX_DURATION);
+    let s = PostgresStore::connect(&settings).await.unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the table is at schema 2",
+        async || server.psql(COMMENT) == "idemgate schema 2",
+    )
+    .await;
+    let indexes = expiry_indexes(&server);
+    assert!(
+        indexes.starts_with("idemgate_records_expiring:true:") && !indexes.contains('|'),
+        "{indexes}"
+    );
+    let (key, fp) = (ScopedKey([15; 32]), Fingerprint([15; 32]));
+    let claim = s.claim(&key, &fp, &Token::random(), LEASE).await;
+    assert!(matches!(claim.unwrap(), Claim::Claimed));
 }
