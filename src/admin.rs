@@ -362,9 +362,9 @@ async fn evict_all<S: Inspect>(
     }
 }
 
+/// A stored time as RFC 3339; one past year 9999 (a damaged record) as its milliseconds.
 fn rfc3339_ms(ms: u64) -> String {
-    let t = std::time::UNIX_EPOCH + Duration::from_millis(ms);
-    humantime::format_rfc3339_millis(t).to_string()
+    crate::time::rfc3339_ms(ms).unwrap_or_else(|| format!("{ms} ms after the Unix epoch"))
 }
 
 /// Request tracing: a span per request at debug level (method, URI, version, and the headers,

@@ -389,7 +389,7 @@ fn answer(
 
 /// A time in ms since the Unix epoch as an HTTP-date.
 fn http_date(ms: &u64) -> String {
-    httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_millis(*ms))
+    crate::time::http_date_ms(*ms).unwrap_or_else(|| "a date after the year 9999".to_string())
 }
 
 /// A recorded status, or what stood for it.

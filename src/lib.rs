@@ -145,6 +145,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod store;
 pub mod telemetry;
+pub mod time;
 mod tls;
 
 pub use app::{run, App, AppError};

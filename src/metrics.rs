@@ -106,11 +106,15 @@ pub enum Unsettled {
     /// The call or its answer broke after the request may have been sent: the connection
     /// failed, the body broke off midway, or the answer was no valid response.
     failed,
+    /// The call ended and its answer was delivered, but it was not recorded: a newer claim
+    /// took the key first (the store was unreachable past the lease), or the store did not
+    /// answer for as long as the record would have lived.
+    unrecorded,
 }
 
 impl Unsettled {
     /// Every reason, in declaration order.
-    pub const ALL: [Unsettled; 2] = [Unsettled::timeout, Unsettled::failed];
+    pub const ALL: [Unsettled; 3] = [Unsettled::timeout, Unsettled::failed, Unsettled::unrecorded];
 }
 
 /// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its

@@ -15,6 +15,7 @@ use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::{embedded, Claim, EmbeddedSettings, EmbeddedStore, Inspect, Store};
+use idemgate::store::{ClaimTerms, Claimant};
 use idemgate::StoreError;
 
 fn key(i: u32) -> ScopedKey {
@@ -358,7 +359,14 @@ async fn concurrent_claims_share_commits() {
     let claims: Vec<_> = (0..256)
         .map(|i| {
             let store = store.clone();
-            tokio::spawn(async move { store.claim(&key(i), &FP, &Token([1; 16]), lease).await })
+            tokio::spawn(async move {
+                store
+                    .claim(
+                        &Claimant::new(key(i), FP, Token([1; 16])),
+                        ClaimTerms::lease(lease),
+                    )
+                    .await
+            })
         })
         .collect();
     for c in claims {
@@ -375,18 +383,22 @@ async fn records_survive_a_reopen() {
     let lease = Duration::from_secs(60);
     let store = EmbeddedStore::open(&settings).unwrap();
     store
-        .claim(&key(1), &FP, &Token([1; 16]), lease)
+        .claim(
+            &Claimant::new(key(1), FP, Token([1; 16])),
+            ClaimTerms::lease(lease),
+        )
         .await
         .unwrap();
     store
-        .claim(&key(2), &FP, &Token([2; 16]), lease)
+        .claim(
+            &Claimant::new(key(2), FP, Token([2; 16])),
+            ClaimTerms::lease(lease),
+        )
         .await
         .unwrap();
     assert!(store
         .complete(
-            &key(2),
-            &FP,
-            &Token([2; 16]),
+            &Claimant::new(key(2), FP, Token([2; 16])),
             &EntryState::NotReplayable,
             lease.into()
         )
@@ -401,21 +413,25 @@ async fn records_survive_a_reopen() {
     .await;
     let store = reopened.unwrap();
     let again = store
-        .claim(&key(1), &FP, &Token([9; 16]), lease)
+        .claim(
+            &Claimant::new(key(1), FP, Token([9; 16])),
+            ClaimTerms::lease(lease),
+        )
         .await
         .unwrap();
     assert!(matches!(again, Claim::InFlight), "{again:?}");
     let again = store
-        .claim(&key(2), &FP, &Token([9; 16]), lease)
+        .claim(
+            &Claimant::new(key(2), FP, Token([9; 16])),
+            ClaimTerms::lease(lease),
+        )
         .await
         .unwrap();
     assert!(matches!(again, Claim::NotReplayable), "{again:?}");
     // The original holder still completes its claim after the restart.
     assert!(store
         .complete(
-            &key(1),
-            &FP,
-            &Token([1; 16]),
+            &Claimant::new(key(1), FP, Token([1; 16])),
             &EntryState::NotReplayable,
             lease.into()
         )
@@ -435,24 +451,37 @@ async fn bounded_like_the_memory_store_and_purged() {
     let lease = Duration::from_secs(60);
     for i in 0..10 {
         let t = Token([i as u8; 16]);
-        store.claim(&key(i), &FP, &t, lease).await.unwrap();
+        store
+            .claim(&Claimant::new(key(i), FP, t), ClaimTerms::lease(lease))
+            .await
+            .unwrap();
         if i >= 5 {
             store
-                .complete(&key(i), &FP, &t, &EntryState::NotReplayable, lease.into())
+                .complete(
+                    &Claimant::new(key(i), FP, t),
+                    &EntryState::NotReplayable,
+                    lease.into(),
+                )
                 .await
                 .unwrap();
         }
     }
     for i in 10..15 {
         let claimed = store
-            .claim(&key(i), &FP, &Token([i as u8; 16]), lease)
+            .claim(
+                &Claimant::new(key(i), FP, Token([i as u8; 16])),
+                ClaimTerms::lease(lease),
+            )
             .await
             .unwrap();
         assert!(matches!(claimed, Claim::Claimed));
     }
     for i in 0..5 {
         let again = store
-            .claim(&key(i), &FP, &Token([99; 16]), lease)
+            .claim(
+                &Claimant::new(key(i), FP, Token([99; 16])),
+                ClaimTerms::lease(lease),
+            )
             .await
             .unwrap();
         assert!(matches!(again, Claim::InFlight), "claim {i} was evicted");
@@ -465,7 +494,12 @@ async fn bounded_like_the_memory_store_and_purged() {
     assert_eq!(evictions.max_entries.get(), 5, "the five records, counted");
     assert_eq!(evictions.max_bytes.get(), 0);
     assert!(matches!(
-        store.claim(&key(100), &FP, &Token([1; 16]), lease).await,
+        store
+            .claim(
+                &Claimant::new(key(100), FP, Token([1; 16])),
+                ClaimTerms::lease(lease)
+            )
+            .await,
         Err(StoreError::Full)
     ));
     // Short leases run out and the background purge removes them.
@@ -474,7 +508,10 @@ async fn bounded_like_the_memory_store_and_purged() {
     for i in 0..3 {
         let short = Duration::from_millis(100);
         store
-            .claim(&key(i), &FP, &Token([1; 16]), short)
+            .claim(
+                &Claimant::new(key(i), FP, Token([1; 16])),
+                ClaimTerms::lease(short),
+            )
             .await
             .unwrap();
     }
@@ -495,15 +532,23 @@ async fn records_kept_forever_are_never_evicted_to_make_room() {
     let lease = Duration::from_secs(60);
     for i in 0..3 {
         let (k, t) = (key(i), Token([i as u8; 16]));
-        store.claim(&k, &FP, &t, lease).await.unwrap();
+        store
+            .claim(&Claimant::new(k, FP, t), ClaimTerms::lease(lease))
+            .await
+            .unwrap();
         let kept = EntryState::NotReplayable;
         assert!(store
-            .complete(&k, &FP, &t, &kept, Ttl::Forever.into())
+            .complete(&Claimant::new(k, FP, t), &kept, Ttl::Forever.into())
             .await
             .unwrap());
     }
     // At the bound, a new key is refused rather than a record kept forever dropped...
-    let refused = store.claim(&key(3), &FP, &Token([3; 16]), lease).await;
+    let refused = store
+        .claim(
+            &Claimant::new(key(3), FP, Token([3; 16])),
+            ClaimTerms::lease(lease),
+        )
+        .await;
     assert!(matches!(refused, Err(StoreError::Full)), "{refused:?}");
     for i in 0..3 {
         let kept = store.inspect(&key(i)).await.unwrap().expect("kept");
@@ -511,7 +556,12 @@ async fn records_kept_forever_are_never_evicted_to_make_room() {
     }
     // ...and an eviction by the operator makes room.
     assert!(store.evict(&key(0)).await.unwrap());
-    let claimed = store.claim(&key(3), &FP, &Token([3; 16]), lease).await;
+    let claimed = store
+        .claim(
+            &Claimant::new(key(3), FP, Token([3; 16])),
+            ClaimTerms::lease(lease),
+        )
+        .await;
     assert!(matches!(claimed, Ok(Claim::Claimed)), "{claimed:?}");
 }
 

@@ -18,6 +18,7 @@ use idemgate::idempotency::policy::Ttl;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::postgres::{PostgresError, REAP_EVERY};
 use idemgate::store::{Claim, Inspect, PostgresSettings, PostgresStore, Store, StoreError};
+use idemgate::store::{ClaimTerms, Claimant};
 
 const LEASE: Duration = Duration::from_secs(5);
 
@@ -60,13 +61,16 @@ async fn the_reaper_deletes_expired_rows_and_only_those_never_a_record_kept_fore
     let short = Duration::from_millis(200);
     for i in 0..5u8 {
         let t = Token::random();
-        s.claim(&ScopedKey([i; 32]), &fp, &t, short).await.unwrap();
+        s.claim(
+            &Claimant::new(ScopedKey([i; 32]), fp, t),
+            ClaimTerms::lease(short),
+        )
+        .await
+        .unwrap();
         if i % 2 == 0 {
             assert!(s
                 .complete(
-                    &ScopedKey([i; 32]),
-                    &fp,
-                    &t,
+                    &Claimant::new(ScopedKey([i; 32]), fp, t),
                     &EntryState::NotReplayable,
                     short.into()
                 )
@@ -75,13 +79,20 @@ async fn the_reaper_deletes_expired_rows_and_only_those_never_a_record_kept_fore
         }
     }
     let live = ScopedKey([99; 32]);
-    s.claim(&live, &fp, &Token::random(), LEASE).await.unwrap();
+    s.claim(
+        &Claimant::new(live, fp, Token::random()),
+        ClaimTerms::lease(LEASE),
+    )
+    .await
+    .unwrap();
     let forever = ScopedKey([98; 32]);
     let t = Token::random();
-    s.claim(&forever, &fp, &t, short).await.unwrap();
+    s.claim(&Claimant::new(forever, fp, t), ClaimTerms::lease(short))
+        .await
+        .unwrap();
     let kept = EntryState::NotReplayable;
     assert!(s
-        .complete(&forever, &fp, &t, &kept, Ttl::Forever.into())
+        .complete(&Claimant::new(forever, fp, t), &kept, Ttl::Forever.into())
         .await
         .unwrap());
     assert_eq!(rows(&server), 7);
@@ -131,9 +142,15 @@ async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
     let server = PostgresServer::start().await;
     let s = store(&server).await;
     let (k, fp, t) = (ScopedKey([5; 32]), Fingerprint([1; 32]), Token::random());
-    s.claim(&k, &fp, &t, LEASE).await.unwrap();
+    s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+        .await
+        .unwrap();
     assert!(s
-        .complete(&k, &fp, &t, &EntryState::NotReplayable, LEASE.into())
+        .complete(
+            &Claimant::new(k, fp, t),
+            &EntryState::NotReplayable,
+            LEASE.into()
+        )
         .await
         .unwrap());
     drop(s);
@@ -161,7 +178,13 @@ async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
         indexes.contains("WHERE (expires_at <> 'infinity"),
         "{indexes}"
     );
-    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let again = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert!(
         matches!(again, Claim::NotReplayable),
         "the record survived: {again:?}"
@@ -195,14 +218,20 @@ async fn a_stalled_server_is_a_store_error_within_the_timeout() {
         .await
         .unwrap();
     let fp = Fingerprint([2; 32]);
-    s.claim(&ScopedKey([1; 32]), &fp, &Token::random(), LEASE)
-        .await
-        .unwrap();
+    s.claim(
+        &Claimant::new(ScopedKey([1; 32]), fp, Token::random()),
+        ClaimTerms::lease(LEASE),
+    )
+    .await
+    .unwrap();
     server.pause();
     for i in 2..5u8 {
         let started = Instant::now();
         let err = s
-            .claim(&ScopedKey([i; 32]), &fp, &Token::random(), LEASE)
+            .claim(
+                &Claimant::new(ScopedKey([i; 32]), fp, Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
             .await;
         assert!(err.is_err(), "{err:?}");
         assert!(
@@ -216,9 +245,12 @@ async fn a_stalled_server_is_a_store_error_within_the_timeout() {
         Duration::from_secs(5),
         "the store answers again",
         async || {
-            s.claim(&ScopedKey([9; 32]), &fp, &Token::random(), LEASE)
-                .await
-                .is_ok()
+            s.claim(
+                &Claimant::new(ScopedKey([9; 32]), fp, Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
+            .await
+            .is_ok()
         },
     )
     .await;
@@ -319,7 +351,9 @@ async fn inspect_and_evict_see_the_table() {
     let s = store(&server).await;
     let (k, fp, t) = (ScopedKey([4; 32]), Fingerprint([5; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     let seen = s.inspect(&k).await.unwrap().expect("the claim");
@@ -327,8 +361,15 @@ async fn inspect_and_evict_see_the_table() {
     assert!(seen.expires_in.unwrap() <= LEASE);
     assert!(s.evict(&k).await.unwrap());
     assert!(!s.evict(&k).await.unwrap());
-    s.claim(&k, &fp, &t, LEASE).await.unwrap();
-    s.claim(&ScopedKey([6; 32]), &fp, &t, LEASE).await.unwrap();
+    s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+        .await
+        .unwrap();
+    s.claim(
+        &Claimant::new(ScopedKey([6; 32]), fp, t),
+        ClaimTerms::lease(LEASE),
+    )
+    .await
+    .unwrap();
     assert_eq!(s.evict_all().await.unwrap(), 2);
     assert_eq!(rows(&server), 0);
     s.ping().await.unwrap();
@@ -350,7 +391,9 @@ async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
         .expect("TLS with the CA");
     let (k, fp, t) = (ScopedKey([7; 32]), Fingerprint([7; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     let ssl: String = server.psql("SELECT count(*) FROM pg_stat_ssl WHERE ssl");
@@ -399,7 +442,9 @@ async fn a_client_certificate_for_a_server_that_asks_for_one() {
         .expect("TLS with the client certificate");
     let (k, fp, t) = (ScopedKey([9; 32]), Fingerprint([9; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     let upstream = common::CountingUpstream::start().await;
@@ -432,43 +477,77 @@ async fn a_live_row_is_read_not_rewritten() {
     let s = store(&server).await;
     let (k, fp, t) = (ScopedKey([8; 32]), Fingerprint([8; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     let claimed = row_version(&server, &k);
     let other = Fingerprint([9; 32]);
     for _ in 0..3 {
-        let c = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+        let c = s
+            .claim(
+                &Claimant::new(k, fp, Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
+            .await
+            .unwrap();
         assert!(matches!(c, Claim::InFlight), "{c:?}");
-        let c = s.claim(&k, &other, &Token::random(), LEASE).await.unwrap();
+        let c = s
+            .claim(
+                &Claimant::new(k, other, Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
+            .await
+            .unwrap();
         assert!(matches!(c, Claim::Mismatch), "{c:?}");
     }
     assert_eq!(row_version(&server, &k), claimed);
     assert!(s
-        .complete(&k, &fp, &t, &EntryState::NotReplayable, LEASE.into())
+        .complete(
+            &Claimant::new(k, fp, t),
+            &EntryState::NotReplayable,
+            LEASE.into()
+        )
         .await
         .unwrap());
     let completed = row_version(&server, &k);
     assert_ne!(completed, claimed);
     assert!(completed.ends_with("/0"), "{completed}");
     for _ in 0..3 {
-        let c = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+        let c = s
+            .claim(
+                &Claimant::new(k, fp, Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
+            .await
+            .unwrap();
         assert!(matches!(c, Claim::NotReplayable), "{c:?}");
     }
     assert_eq!(row_version(&server, &k), completed);
     // An expired claim is taken over by the next claim: a new version, with the new token.
     let short = ScopedKey([10; 32]);
     let lease = Duration::from_millis(100);
-    s.claim(&short, &fp, &Token::random(), lease).await.unwrap();
+    s.claim(
+        &Claimant::new(short, fp, Token::random()),
+        ClaimTerms::lease(lease),
+    )
+    .await
+    .unwrap();
     let first = row_version(&server, &short);
     tokio::time::sleep(lease * 2).await;
     let next = Token::random();
     assert!(matches!(
-        s.claim(&short, &fp, &next, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(short, fp, next), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     assert_ne!(row_version(&server, &short), first);
-    assert!(s.renew(&short, &next, LEASE).await.unwrap());
+    assert!(s
+        .renew(&Claimant::new(short, fp, next), LEASE)
+        .await
+        .unwrap());
 }
 
 /// Many claims of one key at once, on a free key and on an expired claim: exactly one wins, and
@@ -482,7 +561,13 @@ async fn concurrent_claims_have_exactly_one_winner() {
         let claims: Vec<_> = (0..12)
             .map(|_| {
                 let s = s.clone();
-                tokio::spawn(async move { s.claim(&key, &fp, &Token::random(), LEASE).await })
+                tokio::spawn(async move {
+                    s.claim(
+                        &Claimant::new(key, fp, Token::random()),
+                        ClaimTerms::lease(LEASE),
+                    )
+                    .await
+                })
             })
             .collect();
         let mut won = 0;
@@ -500,9 +585,12 @@ async fn concurrent_claims_have_exactly_one_winner() {
         assert_eq!(race(key).await, 1, "a free key");
         // The winner's lease runs out: the key is taken over by exactly one of the next ones.
         s.evict(&key).await.unwrap();
-        s.claim(&key, &fp, &Token::random(), Duration::from_millis(50))
-            .await
-            .unwrap();
+        s.claim(
+            &Claimant::new(key, fp, Token::random()),
+            ClaimTerms::lease(Duration::from_millis(50)),
+        )
+        .await
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(80)).await;
         assert_eq!(race(key).await, 1, "an expired claim");
     }

@@ -3,7 +3,7 @@
 //! native and with scripted claims), Redis behind the local cache and a private PostgreSQL server
 //! (alone and behind the local cache):
 //! atomic claims and token fencing (a holder whose lease ran out can neither overwrite nor delete
-//! a newer claim).
+//! a newer claim, but records its answer where nobody claimed since).
 
 use crate::common;
 
@@ -22,6 +22,8 @@ use idemgate::store::RedisSettings;
 use idemgate::store::{
     CachedStore, Claim, Inspect, Keep, LocalCache, RedisStore, Replay, Store, StoreError,
 };
+use idemgate::store::{ClaimTerms, Claimant};
+use idemgate::AfterExpiry;
 
 /// Generate, for each named `async fn(S: Store)`, one test per store the contract binds.
 macro_rules! contract {
@@ -109,6 +111,7 @@ contract!(
     renew_extends_only_own_lease,
     a_different_request_is_a_mismatch,
     an_expired_record_leaves_a_tombstone,
+    a_completion_after_the_lease_is_recorded_unless_a_newer_claim_came,
 );
 
 /// `after_expiry = "refuse"`: an expired record's tombstone decides, until it expires in turn.
@@ -123,20 +126,32 @@ async fn an_expired_record_leaves_a_tombstone<S: Inspect>(s: S) {
         tombstone: Some(Duration::from_secs(60)),
     };
     let t = Token::random();
-    let claimed = s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap();
+    let claimed = s
+        .claim(
+            &Claimant::new(k, fp, t),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
+        .await
+        .unwrap();
     assert!(matches!(claimed, Claim::Claimed), "{claimed:?}");
     assert!(s
-        .complete(&k, &fp, &t, &response("paid"), remembered)
+        .complete(&Claimant::new(k, fp, t), &response("paid"), remembered)
         .await
         .unwrap());
     // While the record lives, it wins over its tombstone.
     let live = s
-        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
         .await;
     assert_eq!(replayed_body(live.unwrap()).unwrap(), "paid");
     tokio::time::sleep(Duration::from_millis(500)).await;
     match s
-        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
         .await
         .unwrap()
     {
@@ -154,7 +169,10 @@ async fn an_expired_record_leaves_a_tombstone<S: Inspect>(s: S) {
         other => panic!("not refused as expired: {other:?}"),
     }
     let mismatch = s
-        .claim_unless_expired(&k, &other, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, other, Token::random()),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
         .await;
     assert!(matches!(mismatch, Ok(Claim::Mismatch)), "{mismatch:?}");
     let inspected = s.inspect(&k).await.unwrap().expect("the tombstone");
@@ -169,18 +187,29 @@ async fn an_expired_record_leaves_a_tombstone<S: Inspect>(s: S) {
     // An eviction removes it: the key is free.
     assert!(s.evict(&k).await.unwrap());
     let t = Token::random();
-    let again = s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap();
+    let again = s
+        .claim(
+            &Claimant::new(k, fp, t),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
+        .await
+        .unwrap();
     assert!(matches!(again, Claim::Claimed), "{again:?}");
     // A released key leaves none; nor does a record kept without one.
-    assert!(s.release(&k, &t).await.unwrap());
+    assert!(s.release(&Claimant::new(k, fp, t)).await.unwrap());
     let t = Token::random();
     assert!(matches!(
-        s.claim_unless_expired(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(
+            &Claimant::new(k, fp, t),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse)
+        )
+        .await
+        .unwrap(),
         Claim::Claimed
     ));
     let brief = Duration::from_millis(100);
     assert!(s
-        .complete(&k, &fp, &t, &response("paid"), brief.into())
+        .complete(&Claimant::new(k, fp, t), &response("paid"), brief.into())
         .await
         .unwrap());
     // And a tombstone's own life ends: the key is free after it.
@@ -190,19 +219,30 @@ async fn an_expired_record_leaves_a_tombstone<S: Inspect>(s: S) {
         tombstone: Some(Duration::from_millis(200)),
     };
     let t = Token::random();
-    s.claim_unless_expired(&k2, &fp, &t, LEASE).await.unwrap();
+    s.claim(
+        &Claimant::new(k2, fp, t),
+        ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+    )
+    .await
+    .unwrap();
     assert!(s
-        .complete(&k2, &fp, &t, &EntryState::NotReplayable, short)
+        .complete(&Claimant::new(k2, fp, t), &EntryState::NotReplayable, short)
         .await
         .unwrap());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let free = s
-        .claim_unless_expired(&k, &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
         .await
         .unwrap();
     assert!(matches!(free, Claim::Claimed), "{free:?}");
     let free = s
-        .claim_unless_expired(&k2, &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k2, fp, Token::random()),
+            ClaimTerms::lease(LEASE).after_expiry(AfterExpiry::Refuse),
+        )
         .await
         .unwrap();
     assert!(matches!(free, Claim::Claimed), "{free:?}");
@@ -237,19 +277,30 @@ async fn kept_forever<S: Inspect>(s: S) {
     ] {
         let t = Token::random();
         assert!(matches!(
-            s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+            s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+                .await
+                .unwrap(),
             Claim::Claimed
         ));
         assert!(s
-            .complete(&k, &fp, &t, &response("kept"), ttl.into())
+            .complete(&Claimant::new(k, fp, t), &response("kept"), ttl.into())
             .await
             .unwrap());
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let claim = s.claim(&brief, &fp, &Token::random(), LEASE).await.unwrap();
+    let claim = s
+        .claim(
+            &Claimant::new(brief, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert!(matches!(claim, Claim::Claimed), "{claim:?}");
     match s
-        .claim(&forever, &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(forever, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
         .await
         .unwrap()
     {
@@ -299,29 +350,38 @@ async fn claim_is_exclusive<S: Store>(s: S) {
     let (k, fp) = (ScopedKey([1; 32]), Fingerprint([2; 32]));
     let (a, other) = (Token::random(), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &a, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, a), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     assert!(
         matches!(
-            s.claim(&k, &fp, &other, LEASE).await.unwrap(),
+            s.claim(&Claimant::new(k, fp, other), ClaimTerms::lease(LEASE))
+                .await
+                .unwrap(),
             Claim::InFlight
         ),
         "second claim must not succeed"
     );
     // The holder's own claim, retried after a lost answer, is still its own.
     assert!(matches!(
-        s.claim(&k, &fp, &a, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, a), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     assert!(s
-        .complete(&k, &fp, &a, &response("done"), TTL.into())
+        .complete(&Claimant::new(k, fp, a), &response("done"), TTL.into())
         .await
         .unwrap());
-    let again = s.claim(&k, &fp, &other, LEASE).await.unwrap();
+    let again = s
+        .claim(&Claimant::new(k, fp, other), ClaimTerms::lease(LEASE))
+        .await
+        .unwrap();
     assert_eq!(replayed_body(again).as_deref(), Some(&b"done"[..]));
     // A completed record is not released by anyone, its writer included.
-    assert!(!s.release(&k, &a).await.unwrap());
+    assert!(!s.release(&Claimant::new(k, fp, a)).await.unwrap());
 }
 
 async fn a_different_request_is_a_mismatch<S: Store>(s: S) {
@@ -332,25 +392,43 @@ async fn a_different_request_is_a_mismatch<S: Store>(s: S) {
     );
     let t = Token::random();
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     // In flight or completed, the key belongs to the first request.
     let in_flight = s
-        .claim(&k, &other_fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, other_fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
         .await
         .unwrap();
     assert!(matches!(in_flight, Claim::Mismatch), "{in_flight:?}");
     assert!(s
-        .complete(&k, &fp, &t, &EntryState::NotReplayable, TTL.into())
+        .complete(
+            &Claimant::new(k, fp, t),
+            &EntryState::NotReplayable,
+            TTL.into()
+        )
         .await
         .unwrap());
     let done = s
-        .claim(&k, &other_fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(k, other_fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
         .await
         .unwrap();
     assert!(matches!(done, Claim::Mismatch), "{done:?}");
-    let same = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let same = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert!(matches!(same, Claim::NotReplayable), "{same:?}");
 }
 
@@ -360,13 +438,17 @@ async fn stale_and_fresh<S: Store>(s: &S, k: &ScopedKey, fp: &Fingerprint) -> (T
     let (stale, fresh) = (Token::random(), Token::random());
     let short = Duration::from_millis(150);
     assert!(matches!(
-        s.claim(k, fp, &stale, short).await.unwrap(),
+        s.claim(&Claimant::new(*k, *fp, stale), ClaimTerms::lease(short))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     // Past the lease: this stall is the scenario.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(matches!(
-        s.claim(k, fp, &fresh, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(*k, *fp, fresh), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     (stale, fresh)
@@ -377,22 +459,78 @@ async fn stale_holder_is_fenced<S: Store>(s: S) {
     let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
     // The stale holder wakes up: it can neither complete, renew nor release the new claim.
     assert!(!s
-        .complete(&k, &fp, &stale, &response("stale"), TTL.into())
+        .complete(&Claimant::new(k, fp, stale), &response("stale"), TTL.into())
         .await
         .unwrap());
-    assert!(!s.renew(&k, &stale, TTL).await.unwrap());
-    assert!(!s.release(&k, &stale).await.unwrap());
+    assert!(!s.renew(&Claimant::new(k, fp, stale), TTL).await.unwrap());
+    assert!(!s.release(&Claimant::new(k, fp, stale)).await.unwrap());
     // The fresh holder completes; the stale one still cannot overwrite it.
     assert!(s
-        .complete(&k, &fp, &fresh, &response("fresh"), TTL.into())
+        .complete(&Claimant::new(k, fp, fresh), &response("fresh"), TTL.into())
         .await
         .unwrap());
     assert!(!s
-        .complete(&k, &fp, &stale, &response("stale"), TTL.into())
+        .complete(&Claimant::new(k, fp, stale), &response("stale"), TTL.into())
         .await
         .unwrap());
-    let seen = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let seen = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert_eq!(replayed_body(seen).as_deref(), Some(&b"fresh"[..]));
+}
+
+/// A holder whose lease ran out while the store could not be reached (here: a lease shorter
+/// than the call) still records its answer when no newer claim took the key, so that a retry
+/// replays it; its own completion sent twice counts as written; once a newer claim holds the
+/// key, or another record, a late completion writes nothing.
+async fn a_completion_after_the_lease_is_recorded_unless_a_newer_claim_came<S: Store>(s: S) {
+    let (k, fp) = (ScopedKey([9; 32]), Fingerprint([10; 32]));
+    let late = Claimant::new(k, fp, Token::random());
+    let short = ClaimTerms::lease(Duration::from_millis(150));
+    assert!(matches!(
+        s.claim(&late, short).await.unwrap(),
+        Claim::Claimed
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Lapsed: not renewed, not released, but recorded.
+    assert!(!s.renew(&late, LEASE).await.unwrap());
+    assert!(!s.release(&late).await.unwrap());
+    assert!(s
+        .complete(&late, &response("late"), TTL.into())
+        .await
+        .unwrap());
+    assert!(s
+        .complete(&late, &response("late"), TTL.into())
+        .await
+        .unwrap());
+    let retry = Claimant::new(k, fp, Token::random());
+    let seen = s.claim(&retry, ClaimTerms::lease(LEASE)).await.unwrap();
+    assert_eq!(replayed_body(seen).as_deref(), Some(&b"late"[..]));
+    // Another lapsed holder of the same key finds a record there: nothing written.
+    let other = Claimant::new(k, fp, Token::random());
+    assert!(!s
+        .complete(&other, &response("other"), TTL.into())
+        .await
+        .unwrap());
+    let seen = s.claim(&retry, ClaimTerms::lease(LEASE)).await.unwrap();
+    assert_eq!(replayed_body(seen).as_deref(), Some(&b"late"[..]));
+    // A newer claim took the key after the lease ran out: the late answer is not written.
+    let k2 = ScopedKey([11; 32]);
+    let (stale, fresh) = stale_and_fresh(&s, &k2, &fp).await;
+    let stale = Claimant::new(k2, fp, stale);
+    assert!(!s
+        .complete(&stale, &response("stale"), TTL.into())
+        .await
+        .unwrap());
+    let fresh = Claimant::new(k2, fp, fresh);
+    assert!(s
+        .complete(&fresh, &response("fresh"), TTL.into())
+        .await
+        .unwrap());
 }
 
 async fn renew_extends_only_own_lease<S: Store>(s: S) {
@@ -400,20 +538,33 @@ async fn renew_extends_only_own_lease<S: Store>(s: S) {
     let t = Token::random();
     let lease = Duration::from_millis(300);
     assert!(matches!(
-        s.claim(&k, &fp, &t, lease).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(lease))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     for _ in 0..4 {
         // Renewing at half the lease, twice past where it would have ended: the scenario.
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert!(s.renew(&k, &t, lease).await.unwrap());
+        assert!(s.renew(&Claimant::new(k, fp, t), lease).await.unwrap());
     }
     // 600 ms after a 300 ms lease, still ours thanks to renewal.
-    let other = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let other = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert!(matches!(other, Claim::InFlight), "{other:?}");
-    assert!(s.release(&k, &t).await.unwrap());
+    assert!(s.release(&Claimant::new(k, fp, t)).await.unwrap());
     assert!(matches!(
-        s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap(),
+        s.claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE)
+        )
+        .await
+        .unwrap(),
         Claim::Claimed
     ));
 }
@@ -422,14 +573,22 @@ async fn renew_extends_only_own_lease<S: Store>(s: S) {
 async fn records_and_replays(s: &RedisStore, n: u8, body: &'static str) {
     let (k, fp, t) = (ScopedKey([n; 32]), Fingerprint([n; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     assert!(s
-        .complete(&k, &fp, &t, &response(body), TTL.into())
+        .complete(&Claimant::new(k, fp, t), &response(body), TTL.into())
         .await
         .unwrap());
-    let again = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let again = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert_eq!(replayed_body(again).as_deref(), Some(body.as_bytes()));
 }
 
@@ -515,7 +674,9 @@ async fn redis_acl_user() {
         .expect("ACL login");
     let (k, fp, t) = (ScopedKey([10; 32]), Fingerprint([11; 32]), Token::random());
     assert!(matches!(
-        s.claim(&k, &fp, &t, LEASE).await.unwrap(),
+        s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     let wrong = format!("redis://gateway:wrong@127.0.0.1:{}/0", server.port);
@@ -549,7 +710,7 @@ async fn large_entries_complete_through_a_staging_key() {
     let (stale, fresh) = stale_and_fresh(&s, &k, &fp).await;
     // The stale holder's large completion is refused and its staged entry removed.
     assert!(!s
-        .complete(&k, &fp, &stale, &large(b's'), TTL.into())
+        .complete(&Claimant::new(k, fp, stale), &large(b's'), TTL.into())
         .await
         .unwrap());
     // Redis forgets its scripts: the next completion loads the script again.
@@ -559,15 +720,29 @@ async fn large_entries_complete_through_a_staging_key() {
         .await
         .unwrap();
     assert!(s
-        .complete(&k, &fp, &fresh, &large(b'f'), (10 * TTL).into())
+        .complete(
+            &Claimant::new(k, fp, fresh),
+            &large(b'f'),
+            (10 * TTL).into()
+        )
         .await
         .unwrap());
     // A retried completion (its first answer lost) is recognised as done.
     assert!(s
-        .complete(&k, &fp, &fresh, &large(b'f'), (10 * TTL).into())
+        .complete(
+            &Claimant::new(k, fp, fresh),
+            &large(b'f'),
+            (10 * TTL).into()
+        )
         .await
         .unwrap());
-    let seen = s.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let seen = s
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert_eq!(
         replayed_body(seen).as_deref(),
         Some(&vec![b'f'; 100_000][..])
@@ -606,7 +781,13 @@ async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
         .await
         .unwrap();
     let (k, fp) = (ScopedKey([7; 32]), Fingerprint([8; 32]));
-    match waiting.claim(&k, &fp, &Token::random(), LEASE).await {
+    match waiting
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+    {
         Err(StoreError::NotAcknowledged {
             acked: 0,
             wanted: 1,
@@ -616,13 +797,16 @@ async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
     let mine = Token::random();
     assert!(
         matches!(
-            plain.claim(&k, &fp, &mine, LEASE).await.unwrap(),
+            plain
+                .claim(&Claimant::new(k, fp, mine), ClaimTerms::lease(LEASE))
+                .await
+                .unwrap(),
             Claim::Claimed
         ),
         "the unacknowledged claim was released"
     );
     match waiting
-        .complete(&k, &fp, &mine, &response("done"), TTL.into())
+        .complete(&Claimant::new(k, fp, mine), &response("done"), TTL.into())
         .await
     {
         Err(StoreError::NotAcknowledged {
@@ -631,7 +815,13 @@ async fn unacknowledged_writes_are_reported_and_a_claim_is_taken_back() {
         }) => {}
         other => panic!("expected a completion no replica acknowledged, got {other:?}"),
     }
-    let seen = plain.claim(&k, &fp, &Token::random(), LEASE).await.unwrap();
+    let seen = plain
+        .claim(
+            &Claimant::new(k, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await
+        .unwrap();
     assert_eq!(replayed_body(seen).as_deref(), Some(&b"done"[..]));
 }
 
@@ -664,11 +854,14 @@ async fn writes_a_replica_acknowledges_count() {
     .unwrap();
     let (k, fp, token) = (ScopedKey([9; 32]), Fingerprint([1; 32]), Token::random());
     assert!(matches!(
-        store.claim(&k, &fp, &token, LEASE).await.unwrap(),
+        store
+            .claim(&Claimant::new(k, fp, token), ClaimTerms::lease(LEASE))
+            .await
+            .unwrap(),
         Claim::Claimed
     ));
     assert!(store
-        .complete(&k, &fp, &token, &large(b'r'), TTL.into())
+        .complete(&Claimant::new(k, fp, token), &large(b'r'), TTL.into())
         .await
         .unwrap());
     let on_replica: Option<Vec<u8>> = redis::cmd("GET")
@@ -700,7 +893,10 @@ async fn a_watch_hears_completions_and_releases() {
     for finish in ["complete", "release"] {
         let token = Token::random();
         assert!(matches!(
-            holder.claim(&k, &fp, &token, LEASE).await.unwrap(),
+            holder
+                .claim(&Claimant::new(k, fp, token), ClaimTerms::lease(LEASE))
+                .await
+                .unwrap(),
             Claim::Claimed
         ));
         let mut watch = waiter.watch(&k).await.expect("Redis watches keys");
@@ -708,11 +904,11 @@ async fn a_watch_hears_completions_and_releases() {
         assert!(heard.await.is_err(), "nothing happened yet ({finish})");
         if finish == "complete" {
             assert!(holder
-                .complete(&k, &fp, &token, &response("x"), LEASE.into())
+                .complete(&Claimant::new(k, fp, token), &response("x"), LEASE.into())
                 .await
                 .unwrap());
         } else {
-            assert!(holder.release(&k, &token).await.unwrap());
+            assert!(holder.release(&Claimant::new(k, fp, token)).await.unwrap());
         }
         let heard = tokio::time::timeout(Duration::from_secs(2), watch.changed());
         assert!(heard.await.is_ok(), "the watch heard the {finish}");

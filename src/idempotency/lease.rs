@@ -10,20 +10,18 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, error, warn};
 
-use super::fingerprint::Fingerprint;
-use super::key::{IdempotencyKey, KeySource, ScopedKey};
-use super::policy::{AfterExpiry, ErrorFormat, Policy, Ttl};
-use super::record::{EntryState, Token};
+use super::key::{IdempotencyKey, KeySource};
+use super::policy::{ErrorFormat, Policy};
+use super::record::EntryState;
 use super::shared::Shared;
-use crate::metrics::StoreOp;
-use crate::store::{Claim, Keep, Store, StoreError, Watch};
+use crate::metrics::{StoreOp, Unsettled};
+use crate::store::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError, Watch};
 
 /// A claim on a key: what fences its store operations (key, token), what it records
 /// (fingerprint, under the route's policy), and what its warnings name (route, key tag).
 pub(super) struct Held {
-    pub(super) key: ScopedKey,
-    pub(super) token: Token,
-    pub(super) fingerprint: Fingerprint,
+    // The key, the request's fingerprint and the claim's token.
+    pub(super) who: Claimant,
     // The route's policy: its name, lease and ttls.
     pub(super) policy: Arc<Policy>,
     // The client's key, logged only as a short hash.
@@ -73,12 +71,11 @@ impl<St: Store> Lease<St> {
     pub(super) async fn claim(&self) -> Result<Claim, StoreError> {
         let (shared, held) = (&self.shared, &self.held);
         let pending = PendingClaim::arm(self);
-        let (key, fingerprint, token) = (&held.key, &held.fingerprint, &held.token);
-        let lease = held.policy.lock_ttl;
-        let tombstones = held.policy.after_expiry == AfterExpiry::Refuse;
-        let claim = shared
-            .store
-            .claim_with(key, fingerprint, token, lease, tombstones);
+        let terms = ClaimTerms {
+            lease: held.policy.lock_ttl,
+            after_expiry: held.policy.after_expiry,
+        };
+        let claim = shared.store.claim(&held.who, terms);
         let claim = shared.timed(StoreOp::claim, claim).await;
         match &claim {
             Ok(_) | Err(StoreError::Decode(_) | StoreError::Unreadable(_)) => pending.disarm(),
@@ -90,23 +87,24 @@ impl<St: Store> Lease<St> {
     /// A subscription to changes of the key (a completion or a release by its holder), when
     /// the store offers one.
     pub(super) async fn watch(&self) -> Option<Watch> {
-        self.shared.store.watch(&self.held.key).await
+        self.shared.store.watch(&self.held.who.key).await
     }
 
     /// Renew the lease every third of its length for as long as this future is polled. Never
-    /// returns: when the lease is lost (a newer claim exists), renewing stops and fencing makes
-    /// sure this holder's completion is refused.
+    /// returns: when the lease is lost (a newer claim exists, or it ran out while the store
+    /// could not be reached), renewing stops; the completion then records the answer only if
+    /// no newer claim took the key meanwhile.
     pub(super) async fn hold(&self) -> std::convert::Infallible {
         let held = &self.held;
         let (route, lock_ttl) = (&held.policy.route, held.policy.lock_ttl);
         let every = (lock_ttl / 3).max(Duration::from_millis(10));
         loop {
             tokio::time::sleep(every).await;
-            let renew = self.shared.store.renew(&held.key, &held.token, lock_ttl);
+            let renew = self.shared.store.renew(&held.who, lock_ttl);
             match self.shared.timed(StoreOp::renew, renew).await {
                 Ok(true) => debug!(%route, key = %held.tag(), "lease renewed"),
                 Ok(false) => {
-                    warn!(%route, key = %held.tag(), "lease lost while the upstream was running; this holder's result will not be stored");
+                    warn!(%route, key = %held.tag(), "lease lost while the upstream was running; the answer is recorded only if no newer claim took the key");
                     return std::future::pending().await;
                 }
                 Err(e) => {
@@ -116,63 +114,62 @@ impl<St: Store> Lease<St> {
         }
     }
 
-    /// Record `state` for `ttl`; when the store does not record it (or no replica acknowledges
-    /// it), the response is delivered anyway and the completion sent again in the background.
-    pub(super) async fn complete(&self, state: &EntryState, ttl: Ttl) {
+    /// Record `state` for `ttl`; when the store does not answer (or no replica acknowledges
+    /// the write), the response is delivered anyway and the completion sent again in the
+    /// background until the store answers.
+    pub(super) async fn complete(&self, state: &EntryState, keep: Keep) {
         let (shared, held) = (&self.shared, &self.held);
         let route = &held.policy.route;
         if matches!(state, EntryState::NotReplayable) {
             shared.metrics.not_replayable(route);
             warn!(%route, key = %held.tag(), max_body = held.policy.max_body, "response larger than the route's max_body: recorded as not replayable, a retry of this key gets 409 not-replayable");
         }
-        let keep = keep(&held.policy, ttl);
-        let complete =
-            shared
-                .store
-                .complete(&held.key, &held.fingerprint, &held.token, state, keep);
+        let complete = shared.store.complete(&held.who, state, keep);
         match shared.timed(StoreOp::complete, complete).await {
             Ok(true) => {}
-            Ok(false) => {
-                warn!(%route, key = %held.tag(), "lease was lost before completion; response delivered but not recorded")
-            }
+            Ok(false) => self.unrecorded("a newer claim holds the key"),
             Err(e) => {
                 if matches!(e, StoreError::NotAcknowledged { .. }) {
                     shared.metrics.unacknowledged(StoreOp::complete);
                 }
-                warn!(%route, key = %held.tag(), error = %e, "store did not record the response (or no replica acknowledged it); delivered anyway, sent again in the background until the lease ends");
+                warn!(%route, key = %held.tag(), error = %e, "store did not record the response (or no replica acknowledged it); delivered anyway, sent again in the background until the store answers");
                 let (this, state) = (self.clone(), state.clone());
                 shared
                     .tasks
-                    .spawn(async move { this.complete_again(&state, ttl).await });
+                    .spawn(async move { this.complete_again(&state, keep).await });
             }
         }
     }
 
-    /// Send a completion again until the store records it and the replicas acknowledge it (a
-    /// failover in progress, a Redis restart), for as long as the claim's lease could last:
-    /// after that the key is free and the response no longer ours to record. Fenced by the
-    /// token, and a completion already there counts as done.
-    async fn complete_again(&self, state: &EntryState, ttl: Ttl) {
+    /// Send a completion again until the store answers (a stall, a failover in progress, a
+    /// restart) and the replicas acknowledge it. The lease may run out meanwhile: the store
+    /// still records the answer when no newer claim took the key, so a retry that arrives once
+    /// the store is back replays it. Sending stops once the record would have expired anyway
+    /// (its ttl, at least a lease, after the first try); fenced by the token, and a completion
+    /// already there counts as done.
+    async fn complete_again(&self, state: &EntryState, keep: Keep) {
         let held = &self.held;
         let route = &held.policy.route;
-        let until = Instant::now() + held.policy.lock_ttl;
+        let lasts = keep.ttl.clamped().max(held.policy.lock_ttl);
+        let until = crate::time::after(Instant::now(), lasts);
+        let mut unsent = Unrecorded::arm(self);
         let mut delay = Duration::from_millis(100);
         let mut written = false;
         while Instant::now() + delay < until {
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
-            let keep = keep(&held.policy, ttl);
-            let complete =
-                self.shared
-                    .store
-                    .complete(&held.key, &held.fingerprint, &held.token, state, keep);
+            delay = (delay * 2).min(RESEND_AT_MOST);
+            let complete = self.shared.store.complete(&held.who, state, keep);
             match complete.await {
                 Ok(true) => {
+                    unsent.disarm();
                     tracing::info!(%route, key = %held.tag(), "response recorded on a later try");
                     return;
                 }
                 Ok(false) => {
-                    warn!(%route, key = %held.tag(), "lease was lost before the response could be recorded");
+                    unsent.disarm();
+                    self.unrecorded(
+                        "a newer claim took the key while the store could not be reached",
+                    );
                     return;
                 }
                 Err(e) => {
@@ -182,16 +179,23 @@ impl<St: Store> Lease<St> {
             }
         }
         if written {
-            warn!(%route, key = %held.tag(), "response recorded, but no replica acknowledged it before the lease ended; a failover now could lose it");
-        } else {
-            error!(%route, key = %held.tag(), "store did not record the response before the lease ended; a retry may run again");
+            unsent.disarm();
+            warn!(%route, key = %held.tag(), "response recorded, but no replica acknowledged it before its record would have expired; a failover now could lose it");
         }
+    }
+
+    /// Count and log a call whose answer was delivered but not recorded: a retry of its key
+    /// runs again.
+    fn unrecorded(&self, why: &str) {
+        let (held, route) = (&self.held, &self.held.policy.route);
+        self.shared.metrics.unsettled(route, Unsettled::unrecorded);
+        error!(%route, key = %held.tag(), why, "response delivered but not recorded; a retry of this key runs again");
     }
 
     /// Let the key go, so that a retry runs at once.
     pub(super) async fn release(&self) {
         let held = &self.held;
-        let release = self.shared.store.release(&held.key, &held.token);
+        let release = self.shared.store.release(&held.who);
         if let Err(e) = self.shared.timed(StoreOp::release, release).await {
             warn!(route = %held.policy.route, key = %held.tag(), error = %e, "store failed to release the key; it stays claimed until its lease ends")
         }
@@ -210,7 +214,7 @@ impl<St: Store> Lease<St> {
                 tokio::time::sleep(delay).await;
                 delay *= 2;
             }
-            if let Ok(true) = self.shared.store.release(&held.key, &held.token).await {
+            if let Ok(true) = self.shared.store.release(&held.who).await {
                 debug!(route = %held.policy.route, key = %held.tag(), "claim with a lost answer taken back");
                 return;
             }
@@ -251,9 +255,29 @@ impl<St: Store> Drop for PendingClaim<St> {
     }
 }
 
-/// How a record kept for `ttl` on `policy`'s route is kept: with a tombstone for
-/// `tombstone_ttl` after it when the route refuses a retry after expiry.
-fn keep(policy: &Policy, ttl: Ttl) -> Keep {
-    let tombstone = (policy.after_expiry == AfterExpiry::Refuse).then_some(policy.tombstone_ttl);
-    Keep { ttl, tombstone }
+/// How long a completion is sent again at most between tries.
+const RESEND_AT_MOST: Duration = Duration::from_millis(500);
+
+/// Armed while a completion is sent again in the background: dropped armed (the gateway shut
+/// down before the store answered), the call counts as unrecorded.
+struct Unrecorded<'a, St: Store> {
+    armed: Option<&'a Lease<St>>,
+}
+
+impl<'a, St: Store> Unrecorded<'a, St> {
+    fn arm(lease: &'a Lease<St>) -> Self {
+        Unrecorded { armed: Some(lease) }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl<St: Store> Drop for Unrecorded<'_, St> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.armed.take() {
+            lease.unrecorded("the store did not answer before the record would have expired, or the gateway stopped first");
+        }
+    }
 }

@@ -16,58 +16,7 @@ pub use crate::error::ErrorFormat;
 /// The name of the upstream requests go to unless their route names another.
 pub const DEFAULT_UPSTREAM: &str = "default";
 
-/// The longest duration any setting takes effect with (100 years); longer values are clamped, so
-/// that deadline arithmetic can never overflow.
-pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// How long a record is kept: a duration, or until an operator evicts it.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Ttl {
-    /// Kept this long (at most [`MAX_DURATION`]).
-    For(Duration),
-    /// Never expires (`"forever"`): only the durable stores keep such records, and only an
-    /// admin eviction removes one. A store that cannot keeps it for [`MAX_DURATION`].
-    Forever,
-}
-
-impl Ttl {
-    /// The duration, or `None` for [`Ttl::Forever`].
-    pub fn finite(self) -> Option<Duration> {
-        match self {
-            Ttl::For(d) => Some(d),
-            Ttl::Forever => None,
-        }
-    }
-
-    /// The duration, [`MAX_DURATION`] for [`Ttl::Forever`].
-    pub fn clamped(self) -> Duration {
-        self.finite().unwrap_or(MAX_DURATION).min(MAX_DURATION)
-    }
-}
-
-impl From<Duration> for Ttl {
-    fn from(d: Duration) -> Self {
-        Ttl::For(d)
-    }
-}
-
-impl std::fmt::Debug for Ttl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Ttl::For(d) => d.fmt(f),
-            Ttl::Forever => f.write_str("forever"),
-        }
-    }
-}
-
-impl std::fmt::Display for Ttl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Ttl::For(d) => humantime::format_duration(*d).fmt(f),
-            Ttl::Forever => f.write_str("forever"),
-        }
-    }
-}
+pub use crate::time::{Ttl, MAX_DURATION};
 
 /// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]

@@ -183,9 +183,4 @@ pub struct Entry {
     pub written_ms: u64,
 }
 
-/// Now, in ms since the Unix epoch.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+pub use crate::time::now_ms;

@@ -11,9 +11,10 @@ use http::{response, HeaderMap, Response, StatusCode};
 
 use super::body::{with_trailers, ByteBody};
 use super::grpc;
-use super::policy::{Policy, Ttl};
+use super::policy::{AfterExpiry, Policy, Ttl};
 use super::record::StoredResponse;
 use crate::headers::declares_its_length;
+use crate::store::Keep;
 
 /// The W3C trace context header, forwarded to the inner service and stored with the record.
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
@@ -35,17 +36,18 @@ pub(super) fn relayed(resp: Response<impl ByteBody>) -> Response<Body> {
     resp
 }
 
-/// How long to record a response whose head is `head`, or `None` when it must not be recorded
-/// (a status that says "try again", or `Idempotency-Control: no-store`). The answer to a gRPC
-/// call (`grpc`) with HTTP 200 is judged by its gRPC status, read from `trailers` (or its head,
-/// when trailers-only). Takes `Idempotency-Control` out of the head either way.
+/// How to record a response whose head is `head` (how long, and whether it leaves a
+/// tombstone), or `None` when it must not be recorded (a status that says "try again", or
+/// `Idempotency-Control: no-store`). The answer to a gRPC call (`grpc`) with HTTP 200 is judged
+/// by its gRPC status, read from `trailers` (or its head, when trailers-only). Takes
+/// `Idempotency-Control` out of the head either way.
 pub(super) fn recorded_for(
     head: &mut response::Parts,
     trailers: Option<&HeaderMap>,
     grpc: bool,
     policy: &Policy,
-) -> Option<Ttl> {
-    Terms::take(head).ttl((head.status, &head.headers), trailers, grpc, policy)
+) -> Option<Keep> {
+    Terms::take(head).keep((head.status, &head.headers), trailers, grpc, policy)
 }
 
 /// What a response's head says of its recording: its `Idempotency-Control`, taken out of the
@@ -59,14 +61,17 @@ impl Terms {
         Terms(Control::take(&mut head.headers))
     }
 
-    /// [`recorded_for`] on a head taken before: its status and headers, then its trailers.
-    pub(super) fn ttl(
+    /// [`recorded_for`] on a head taken before: its status and headers, then its trailers. A
+    /// failure (a 4xx, a recorded 5xx, a gRPC status other than OK) is kept for `failure_ttl`
+    /// and leaves no tombstone: once it expires, the corrected request may run with the same
+    /// key, on a route that refuses expired keys too.
+    pub(super) fn keep(
         &self,
         (status, headers): (StatusCode, &HeaderMap),
         trailers: Option<&HeaderMap>,
         grpc: bool,
         policy: &Policy,
-    ) -> Option<Ttl> {
+    ) -> Option<Keep> {
         let (storable, failure) = if grpc && status == StatusCode::OK {
             let code = grpc::status_of(headers, trailers);
             let storable = grpc::is_storable(code, policy.cache_server_errors);
@@ -78,10 +83,15 @@ impl Terms {
         if !storable || self.0.no_store {
             return None;
         }
-        Some(match self.0.max_age {
-            Some(age) => Ttl::For(age).min(policy.max_ttl),
+        let ttl = match self.0.max_age {
+            Some(age) => age.min(policy.max_ttl),
             None if failure => policy.failure_ttl,
             None => policy.ttl,
+        };
+        let refuses = policy.after_expiry == AfterExpiry::Refuse && !failure;
+        Some(Keep {
+            ttl,
+            tombstone: refuses.then_some(policy.tombstone_ttl),
         })
     }
 }
@@ -91,8 +101,9 @@ impl Terms {
 struct Control {
     // `no-store`, or `max-age=0`: not recorded.
     no_store: bool,
-    // `max-age=SECONDS`: recorded for this long (bounded by the route's max_ttl).
-    max_age: Option<Duration>,
+    // `max-age=SECONDS`: recorded for this long (bounded by the route's max_ttl, and by
+    // MAX_DURATION however many seconds it says).
+    max_age: Option<Ttl>,
 }
 
 impl Control {
@@ -108,7 +119,7 @@ impl Control {
                 } else if name.eq_ignore_ascii_case("max-age") {
                     match arg.trim().trim_matches('"').parse::<u64>() {
                         Ok(0) => control.no_store = true,
-                        Ok(secs) => control.max_age = Some(Duration::from_secs(secs)),
+                        Ok(secs) => control.max_age = Some(Ttl::secs(secs)),
                         Err(_) => {}
                     }
                 }
@@ -209,9 +220,7 @@ pub(super) fn streamed_once(
 /// The expiry header of `policy`, for a record that lives `lives` more (forever: none).
 fn expiry(policy: &Policy, lives: Option<Duration>) -> Option<(HeaderName, HeaderValue)> {
     let name = policy.expiry_header.clone()?;
-    let at = std::time::SystemTime::now().checked_add(lives?)?;
-    let value = HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()?;
-    Some((name, value))
+    Some((name, crate::time::expiry_date(lives)?))
 }
 
 /// Build the client's response from a stored head and `body`. A replay (`drop` given) carries

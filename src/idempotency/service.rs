@@ -54,7 +54,7 @@ use super::inner::{is_not_sent, Deadline};
 use super::json::{self, Json};
 use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy, Ttl};
+use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy};
 use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, Terms, TRACEPARENT};
@@ -66,7 +66,7 @@ use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
 use crate::metrics::{Outcome, StoreOp, Unanswered, Unsettled};
-use crate::store::{Claim, Replay, Store, StoreError};
+use crate::store::{Claim, Claimant, Keep, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
 const IN_FLIGHT: GatewayError = GatewayError::InFlight {
@@ -175,11 +175,13 @@ where
         );
         Box::pin(async move {
             let unanswered = Unanswered::new(&shared.metrics);
-            let finished = shared
+            // Boxed: the keyed path's state machine is deep, and a caller's own future (an axum
+            // app's over a Redis store) would otherwise overflow the compiler's layout depth.
+            let keyed = shared
                 .clone()
                 .keyed(route.clone(), inner, (key, grpc), req, &unanswered)
-                .instrument(span.clone())
-                .await;
+                .instrument(span.clone());
+            let finished = Box::pin(keyed).await;
             unanswered.answered();
             span.record("outcome", finished.outcome.as_str());
             match &finished.answer {
@@ -258,10 +260,14 @@ enum Called<E> {
     Transient(Response<Body>),
     /// A storable response whose whole body (and trailers) fit in `max_body`, to keep for the
     /// duration.
-    Whole(http::response::Parts, (Bytes, Option<http::HeaderMap>), Ttl),
+    Whole(
+        http::response::Parts,
+        (Bytes, Option<http::HeaderMap>),
+        Keep,
+    ),
     /// A storable response larger than `max_body`: the chunks read so far and the rest; the
     /// key is recorded as not replayable for the duration.
-    TooLarge(http::response::Parts, Vec<Bytes>, Body, Ttl),
+    TooLarge(http::response::Parts, Vec<Bytes>, Body, Keep),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
     Streamed(http::response::Parts, Body, StreamTtl),
 }
@@ -368,9 +374,11 @@ impl<St: Store> Shared<St> {
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
         let held = Held {
-            key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
-            token: Token::random(),
-            fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+            who: Claimant {
+                key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
+                fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+                token: Token::random(),
+            },
             policy: policy.clone(),
             client_key: key,
             source,
@@ -430,7 +438,7 @@ impl<St: Store> Shared<St> {
             match lease.claim().await {
                 Ok(Claim::InFlight) => {
                     // Made before the try to attach: an answer offered after it wakes the wait.
-                    let offered = attaches.then(|| self.live.offered(&lease.held.key));
+                    let offered = attaches.then(|| self.live.offered(&lease.held.who.key));
                     if attaches {
                         if let Some(attached) = self.attach(route, &lease.held, headers) {
                             return Err(attached);
@@ -553,7 +561,7 @@ impl<St: Store> Shared<St> {
         let last_event_id = sse::last_event_id(headers);
         let (tape, reader) =
             self.live
-                .attach(&held.key, &held.fingerprint, last_event_id, permit)?;
+                .attach(&held.who.key, &held.who.fingerprint, last_event_id, permit)?;
         debug!("attached to the live answer");
         let resumes = reader.resumes();
         let body = reader.into_body();
@@ -669,13 +677,13 @@ impl<St: Store> Shared<St> {
                 lease.release().await;
                 Ok(resp)
             }
-            Some(Called::Whole(head, body, ttl)) => {
+            Some(Called::Whole(head, body, keep)) => {
                 let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
                 if response::framed(&stored, is_head) {
                     lease
-                        .complete(&EntryState::Completed(stored.clone()), ttl)
+                        .complete(&EntryState::Completed(stored.clone()), keep)
                         .await;
-                    Ok(response::first(&stored, policy, ttl))
+                    Ok(response::first(&stored, policy, keep.ttl))
                 } else {
                     // A response that would be sent with a wrong length: not recorded, not sent.
                     error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
@@ -683,9 +691,9 @@ impl<St: Store> Shared<St> {
                     Ok(GatewayError::Upstream.respond(format))
                 }
             }
-            Some(Called::TooLarge(head, read, rest, ttl)) => {
-                lease.complete(&EntryState::NotReplayable, ttl).await;
-                Ok(response::streamed_once(head, read, rest, policy, ttl))
+            Some(Called::TooLarge(head, read, rest, keep)) => {
+                lease.complete(&EntryState::NotReplayable, keep).await;
+                Ok(response::streamed_once(head, read, rest, policy, keep.ttl))
             }
             Some(Called::Streamed(head, body, ttl)) => {
                 let (first, streamed) =

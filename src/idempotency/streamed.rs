@@ -11,17 +11,16 @@ use tracing::{error, warn};
 
 use super::lease::{Held, Lease};
 use super::live::{OnAir, Tape};
-use super::policy::Ttl;
 use super::record::{EntryState, StoredResponse};
 use super::response::{self, Terms};
 use super::shared::Shared;
 use crate::metrics::Unsettled;
-use crate::store::Store;
+use crate::store::{Keep, Store};
 
 /// How long a streamed answer is recorded: known from its head, or decided by its trailers (a
 /// gRPC call's status), when its body has ended.
 pub(super) enum StreamTtl {
-    Known(Ttl),
+    Known(Keep),
     AtEnd(Terms),
 }
 
@@ -50,13 +49,13 @@ impl<St: Store> Shared<St> {
         let head = StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
         let head = Arc::new(head);
         let lives = match &ttl {
-            StreamTtl::Known(ttl) => ttl.finite(),
+            StreamTtl::Known(keep) => keep.ttl.finite(),
             StreamTtl::AtEnd(_) => None,
         };
-        let tape = Tape::new(head.clone(), held.fingerprint, lives, policy.max_body);
+        let tape = Tape::new(head.clone(), held.who.fingerprint, lives, policy.max_body);
         let first = tape.first_reader().into_body();
         let tail = Tail {
-            _on_air: self.live.open(held.key, &tape),
+            _on_air: self.live.open(held.who.key, &tape),
             tape,
             body,
             ttl,
@@ -91,14 +90,14 @@ impl<St: Store> Shared<St> {
         }
         let recorded = tape.recorded();
         let ttl = match ttl {
-            StreamTtl::Known(ttl) => Some(ttl),
+            StreamTtl::Known(keep) => Some(keep),
             // A gRPC call's status, in its trailers (its head had none); past max_body it is too
             // large to wait for, and judged by the HTTP rules, as a buffered one is.
             StreamTtl::AtEnd(terms) => {
                 let head = (tape.head.status, &http::HeaderMap::new());
                 match &recorded {
-                    Some((_, trailers)) => terms.ttl(head, trailers.as_ref(), true, policy),
-                    None => terms.ttl(head, None, false, policy),
+                    Some((_, trailers)) => terms.keep(head, trailers.as_ref(), true, policy),
+                    None => terms.keep(head, None, false, policy),
                 }
             }
         };

@@ -5,12 +5,11 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::{
-    CachedStore, Claim, EmbeddedStore, Evicted, Inspect, Inspected, Keep, LocalCache, MemoryStore,
-    PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
+    CachedStore, Claim, ClaimTerms, Claimant, EmbeddedStore, Evicted, Inspect, Inspected, Keep,
+    LocalCache, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
 };
-use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{EntryState, Token};
+use crate::idempotency::record::EntryState;
 use crate::metrics::Metrics;
 
 /// The configured store: in memory, embedded, or a shared one (Redis, PostgreSQL) with the
@@ -145,39 +144,25 @@ fn local_cache(
 }
 
 impl Store for AnyStore {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
-        on_store!(self, s => s.claim_with(key, fingerprint, token, lease, tombstones).await)
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+        on_store!(self, s => s.claim(who, terms).await)
     }
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.complete(key, fingerprint, token, state, keep).await)
+        on_store!(self, s => s.complete(who, state, keep).await)
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        on_store!(self, s => s.release(key, token).await)
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+        on_store!(self, s => s.release(who).await)
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        on_store!(self, s => s.renew(key, token, lease).await)
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+        on_store!(self, s => s.renew(who, lease).await)
     }
 
     async fn watch(&self, key: &ScopedKey) -> Option<Watch> {

@@ -14,10 +14,10 @@ use std::time::Duration;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use super::{Claim, Keep, Replay, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Keep, Replay, Store, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{EntryState, StoredResponse, Token};
+use crate::idempotency::record::{EntryState, StoredResponse};
 
 /// Bytes of responses a process keeps when no bound is given.
 pub const DEFAULT_BYTES: u64 = 64 * 1024 * 1024;
@@ -201,53 +201,33 @@ impl<S: Store> CachedStore<S> {
 }
 
 impl<S: Store> Store for CachedStore<S> {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
         // A cached record is live (it never outlives its record), so it wins over a tombstone
         // as in the store.
-        if let Some(replay) = self.cache.get(key, fingerprint) {
+        if let Some(replay) = self.cache.get(&who.key, &who.fingerprint) {
             return Ok(Claim::Replay(replay));
         }
-        let claim = self
-            .inner
-            .claim_with(key, fingerprint, token, lease, tombstones);
-        Ok(self.cached(key, fingerprint, claim.await?))
+        let claim = self.inner.claim(who, terms).await?;
+        Ok(self.cached(&who.key, &who.fingerprint, claim))
     }
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let done = self
-            .inner
-            .complete(key, fingerprint, token, state, keep)
-            .await?;
         // Not cached here: most keys are never retried, so a record enters the cache when it is
         // first read back (a replay), not when it is written.
-        Ok(done)
+        self.inner.complete(who, state, keep).await
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        self.inner.release(key, token).await
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+        self.inner.release(who).await
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(key, token, lease).await
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+        self.inner.renew(who, lease).await
     }
 
     async fn watch(&self, key: &ScopedKey) -> Option<super::Watch> {
@@ -283,6 +263,7 @@ impl<S: super::Inspect> super::Inspect for CachedStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::record::Token;
     use crate::store::MemoryStore;
     use bytes::Bytes;
     use http::StatusCode;
@@ -308,16 +289,17 @@ mod tests {
         let (k, fp, t) = (ScopedKey([1; 32]), Fingerprint([2; 32]), Token([3; 16]));
         assert!(matches!(
             store
-                .claim(&k, &fp, &t, Duration::from_secs(5))
+                .claim(
+                    &Claimant::new(k, fp, t),
+                    ClaimTerms::lease(Duration::from_secs(5))
+                )
                 .await
                 .unwrap(),
             Claim::Claimed
         ));
         assert!(store
             .complete(
-                &k,
-                &fp,
-                &t,
+                &Claimant::new(k, fp, t),
                 &response(b"ok"),
                 Duration::from_secs(10).into()
             )
@@ -326,7 +308,10 @@ mod tests {
         assert_eq!(store.cache().len(), 0, "written records are not cached");
         // The first replay reads the store and fills the cache...
         let first = store
-            .claim(&k, &fp, &Token([6; 16]), Duration::from_secs(5))
+            .claim(
+                &Claimant::new(k, fp, Token([6; 16])),
+                ClaimTerms::lease(Duration::from_secs(5)),
+            )
             .await
             .unwrap();
         assert!(matches!(first, Claim::Replay(_)));
@@ -335,7 +320,10 @@ mod tests {
         inner.purge_all();
         tokio::time::advance(Duration::from_secs(3)).await;
         let hit = store
-            .claim(&k, &fp, &Token([4; 16]), Duration::from_secs(5))
+            .claim(
+                &Claimant::new(k, fp, Token([4; 16])),
+                ClaimTerms::lease(Duration::from_secs(5)),
+            )
             .await
             .unwrap();
         let Claim::Replay(hit) = hit else {
@@ -346,7 +334,10 @@ mod tests {
         // ...but a different request always asks the store underneath.
         let other = Fingerprint([9; 32]);
         let miss = store
-            .claim(&k, &other, &Token([5; 16]), Duration::from_secs(5))
+            .claim(
+                &Claimant::new(k, other, Token([5; 16])),
+                ClaimTerms::lease(Duration::from_secs(5)),
+            )
             .await
             .unwrap();
         assert!(matches!(miss, Claim::Claimed));

@@ -28,12 +28,13 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::{self, Codec};
-use super::{Claim, EmbeddedSettings, Inspected, Keep, Store, StoreError};
-use crate::idempotency::fingerprint::Fingerprint;
+use super::{Claim, ClaimTerms, Claimant, EmbeddedSettings, Inspected, Keep, Store, StoreError};
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::AfterExpiry;
 use crate::idempotency::policy::Ttl;
 use crate::idempotency::record::{now_ms, EntryState, Token};
 use crate::metrics::Evictions;
+use crate::time;
 
 /// Entries by key: expiry (u64 big-endian ms) then the encoded entry.
 const ENTRIES: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("entries");
@@ -143,28 +144,21 @@ struct Op {
 #[derive(Debug)]
 enum Write {
     Claim {
-        key: ScopedKey,
-        fingerprint: Fingerprint,
-        token: Token,
+        who: Claimant,
         lease: Duration,
         // Whether a live tombstone keeps the key from being claimed.
         tombstones: bool,
     },
     Complete {
-        key: ScopedKey,
-        token: Token,
+        who: Claimant,
         value: Bytes,
         ttl: Ttl,
         // The tombstone the record leaves, and how long it lives.
         tombstone: Option<(Bytes, Duration)>,
     },
-    Release {
-        key: ScopedKey,
-        token: Token,
-    },
+    Release(Claimant),
     Renew {
-        key: ScopedKey,
-        token: Token,
+        who: Claimant,
         lease: Duration,
     },
     Evict(ScopedKey),
@@ -179,6 +173,11 @@ enum Done {
     Claim(Option<(u64, Bytes)>),
     Yes(bool),
     Count(u64),
+}
+
+/// A writer's answer of the wrong kind, as an error rather than a panic.
+fn unexpected(what: &str, answer: Done) -> StoreError {
+    StoreError::Embedded(format!("{what} got the answer {answer:?}"))
 }
 
 /// A storage failure as the store's error.
@@ -264,15 +263,24 @@ impl EmbeddedStore {
         }
     }
 
-    /// What `key` holds now, unexpired: its expiry (ms) and encoding, from a snapshot.
-    fn read(&self, key: &ScopedKey) -> Result<Option<(u64, Bytes)>, StoreError> {
+    /// What `key` holds now, unexpired: its expiry (ms) and encoding; else, with `tombstone`,
+    /// its live tombstone. Both from one snapshot.
+    fn read(&self, key: &ScopedKey, tombstone: bool) -> Result<Option<(u64, Bytes)>, StoreError> {
         self.db.with(|db| {
             let txn = db.begin_read().map_err(|e| failed("read", e))?;
             let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
-            let value = table.get(&key.0).map_err(|e| failed("read", e))?;
-            Ok(value
-                .and_then(|v| split(v.value()))
-                .filter(|(at, _)| *at > now_ms()))
+            let now = now_ms();
+            let live = |at: &ScopedKey| -> Result<Option<(u64, Bytes)>, StoreError> {
+                let value = table.get(&at.0).map_err(|e| failed("read", e))?;
+                Ok(value
+                    .and_then(|v| split(v.value()))
+                    .filter(|(at, _)| *at > now))
+            };
+            match live(key)? {
+                Some(found) => Ok(Some(found)),
+                None if tombstone => live(&key.tombstone()),
+                None => Ok(None),
+            }
         })
     }
 
@@ -281,14 +289,14 @@ impl EmbeddedStore {
     pub async fn purge_expired(&self) -> Result<u64, StoreError> {
         match self.write(Write::Purge).await? {
             Done::Count(n) => Ok(n),
-            other => unreachable!("purge answered {other:?}"),
+            other => Err(unexpected("a purge", other)),
         }
     }
 
     async fn yes(&self, what: Write) -> Result<bool, StoreError> {
         match self.write(what).await? {
             Done::Yes(b) => Ok(b),
-            other => unreachable!("a fenced write answered {other:?}"),
+            other => Err(unexpected("a fenced write", other)),
         }
     }
 }
@@ -330,17 +338,13 @@ fn index_key(at: u64, key: &[u8; 32]) -> [u8; 40] {
     row
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 /// The expiry of a record kept forever: past every clock, so never purged or evicted first.
 const FOREVER: u64 = u64::MAX;
 
 /// When an entry written at `now` for `ttl` expires.
 fn expiry(now: u64, ttl: Ttl) -> u64 {
     ttl.finite()
-        .map_or(FOREVER, |ttl| now.saturating_add(ms(ttl)).min(FOREVER - 1))
+        .map_or(FOREVER, |ttl| time::after_ms(now, ttl).min(FOREVER - 1))
 }
 
 /// How long an entry expiring at `at` lives after `now` (forever: `None`).
@@ -539,48 +543,54 @@ impl<'txn> Tables<'txn> {
     ) -> Result2<Result<Done, StoreError>> {
         Ok(Ok(match what {
             Write::Claim {
-                key,
-                fingerprint,
-                token,
+                who,
                 lease,
                 tombstones,
             } => {
-                let expires = now + ms(*lease);
-                match self.claim(key, fingerprint, token, expires, *tombstones, now, limits)? {
+                let expires = time::after_ms(now, *lease);
+                match self.claim(who, expires, *tombstones, now, limits)? {
                     Ok(held) => Done::Claim(held),
                     Err(e) => return Ok(Err(e)),
                 }
             }
             Write::Complete {
-                key,
-                token,
+                who,
                 value,
                 ttl,
                 tombstone,
             } => {
-                let ours = self.claimed_by(key, token, now)?;
-                if ours {
+                let key = &who.key;
+                let written = match self.held(key)?.filter(|(at, _)| *at > now) {
+                    Some((_, v)) if !has_token(&v, &who.token) => false,
+                    // Our own completion, already there.
+                    Some((_, v)) if !is_claim(&v) => return Ok(Ok(Done::Yes(true))),
+                    Some(_) => true,
+                    // Our lease ran out and nobody claimed the key since; a live tombstone
+                    // means another record was there.
+                    None => tombstone.is_none() || self.live(&key.tombstone(), now)?.is_none(),
+                };
+                if written {
                     self.put(key, expiry(now, *ttl), value)?;
                     if let Some((tombstone, lives)) = tombstone {
-                        let at = now.saturating_add(ms(*lives));
+                        let at = time::after_ms(now, *lives);
                         self.put(&key.tombstone(), at, tombstone)?;
                     }
                     // Never refused: nothing is added.
                     let _ = self.make_room(limits, false, now)?;
                 }
-                Done::Yes(ours)
+                Done::Yes(written)
             }
-            Write::Release { key, token } => {
-                let ours = self.held(key)?.is_some_and(|(_, v)| holds(&v, token));
+            Write::Release(who) => {
+                let ours = self.claimed_by(&who.key, &who.token, now)?;
                 if ours {
-                    self.remove(key)?;
+                    self.remove(&who.key)?;
                 }
                 Done::Yes(ours)
             }
-            Write::Renew { key, token, lease } => {
-                let ours = self.claimed_by(key, token, now)?;
-                if let (true, Some((_, value))) = (ours, self.held(key)?) {
-                    self.put(key, now + ms(*lease), &value)?;
+            Write::Renew { who, lease } => {
+                let ours = self.claimed_by(&who.key, &who.token, now)?;
+                if let (true, Some((_, value))) = (ours, self.held(&who.key)?) {
+                    self.put(&who.key, time::after_ms(now, *lease), &value)?;
                 }
                 Done::Yes(ours)
             }
@@ -593,17 +603,15 @@ impl<'txn> Tables<'txn> {
         }))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn claim(
         &mut self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         expires: u64,
         tombstones: bool,
         now: u64,
         limits: Limits,
     ) -> Result2<Result<Option<(u64, Bytes)>, StoreError>> {
+        let key = &who.key;
         if let Some((at, value)) = self.held(key)? {
             if at > now {
                 return Ok(Ok(Some((at, value))));
@@ -611,14 +619,14 @@ impl<'txn> Tables<'txn> {
             self.remove(key)?;
         }
         if tombstones {
-            if let Some(held) = self.held(&key.tombstone())?.filter(|(at, _)| *at > now) {
+            if let Some(held) = self.live(&key.tombstone(), now)? {
                 return Ok(Ok(Some(held)));
             }
         }
         if let Err(e) = self.make_room(limits, true, now)? {
             return Ok(Err(e));
         }
-        let value = codec::encode(fingerprint, token, &EntryState::InFlight);
+        let value = codec::encode(&who.fingerprint, &who.token, &EntryState::InFlight);
         self.put(key, expires, &value)?;
         Ok(Ok(None))
     }
@@ -628,11 +636,14 @@ impl<'txn> Tables<'txn> {
         Ok(self.entries.get(&key.0)?.and_then(|v| split(v.value())))
     }
 
-    /// Whether `key` is an unexpired in-flight claim made with `token`.
+    /// The live entry of `key`: not past its lease or ttl.
+    fn live(&self, key: &ScopedKey, now: u64) -> Result2<Option<(u64, Bytes)>> {
+        Ok(self.held(key)?.filter(|(at, _)| *at > now))
+    }
+
+    /// Whether `key` is a live in-flight claim made with `token`.
     fn claimed_by(&self, key: &ScopedKey, token: &Token, now: u64) -> Result2<bool> {
-        Ok(self
-            .held(key)?
-            .is_some_and(|(at, v)| at > now && holds(&v, token)))
+        Ok(self.live(key, now)?.is_some_and(|(_, v)| holds(&v, token)))
     }
 
     /// Write `key`'s entry (replacing any), its index row and its weight.
@@ -730,6 +741,13 @@ impl<'txn> Tables<'txn> {
                 true => self.evicted.0 += 1,
                 false => self.evicted.1 += 1,
             }
+            // A record evicted before its ttl takes its tombstone along: its key was not
+            // expired, so a retry runs again rather than being refused as expired.
+            if let Some((_, value)) = self.held(&key)? {
+                if value.get(codec::STATE_AT) != Some(&codec::EXPIRED) {
+                    self.remove(&key.tombstone())?;
+                }
+            }
             self.remove(&key)?;
             evicted += 1;
         }
@@ -748,8 +766,17 @@ impl<'txn> Tables<'txn> {
 
 /// Whether an encoded entry is an in-flight claim made with `token`.
 fn holds(value: &[u8], token: &Token) -> bool {
+    is_claim(value) && has_token(value, token)
+}
+
+/// Whether an encoded entry is an in-flight claim.
+fn is_claim(value: &[u8]) -> bool {
     value.get(codec::STATE_AT) == Some(&codec::IN_FLIGHT)
-        && value.get(codec::TOKEN_AT..codec::WRITTEN_AT) == Some(&token.0[..])
+}
+
+/// Whether an encoded entry was written by the claim whose token is `token`.
+fn has_token(value: &[u8], token: &Token) -> bool {
+    value.get(codec::TOKEN_AT..codec::WRITTEN_AT) == Some(&token.0[..])
 }
 
 /// What an entry costs: its encoding and a fixed overhead.
@@ -758,72 +785,49 @@ fn weight(value: &[u8]) -> u64 {
 }
 
 impl EmbeddedStore {
-    /// The claim's answer from `key`'s live entry (or tombstone) expiring at `at`.
-    fn decided(
-        &self,
-        key: &ScopedKey,
-        (at, value): (u64, Bytes),
-        fingerprint: &Fingerprint,
-        token: &Token,
-    ) -> Result<Claim, StoreError> {
-        let (mut entry, holder) = self.codec.decode(key, value)?;
+    /// The claim's answer from the live entry (or tombstone) expiring at `at`.
+    fn decided(&self, who: &Claimant, (at, value): (u64, Bytes)) -> Result<Claim, StoreError> {
+        let (mut entry, holder) = self.codec.decode(&who.key, value)?;
         entry.expires_in = lives(at, now_ms());
-        Ok(Claim::decide(entry, &holder, fingerprint, token))
+        Ok(Claim::decide(entry, &holder, &who.fingerprint, &who.token))
     }
 }
 
 impl Store for EmbeddedStore {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+        let tombstones = terms.after_expiry == AfterExpiry::Refuse;
         // A live entry that is not our own claim decides without a write (a replay, a claim in
         // flight, a mismatch, a tombstone); the writer checks again before it claims.
-        match self.read(key)? {
-            Some(held) if !holds(&held.1, token) => {
-                return self.decided(key, held, fingerprint, token);
-            }
-            None if tombstones => {
-                if let Some(held) = self.read(&key.tombstone())? {
-                    return self.decided(key, held, fingerprint, token);
-                }
-            }
+        match self.read(&who.key, tombstones)? {
+            Some(held) if !holds(&held.1, &who.token) => return self.decided(who, held),
             _ => {}
         }
         let what = Write::Claim {
-            key: *key,
-            fingerprint: *fingerprint,
-            token: *token,
-            lease,
+            who: *who,
+            lease: terms.lease,
             tombstones,
         };
         match self.write(what).await? {
             Done::Claim(None) => Ok(Claim::Claimed),
-            Done::Claim(Some(held)) => self.decided(key, held, fingerprint, token),
-            other => unreachable!("a claim answered {other:?}"),
+            Done::Claim(Some(held)) => self.decided(who, held),
+            other => Err(unexpected("a claim", other)),
         }
     }
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
+        let (key, fingerprint) = (&who.key, &who.fingerprint);
         let value = self
             .codec
-            .record(key, fingerprint, token, state)
+            .record(key, fingerprint, &who.token, state)
             .into_bytes();
         let tombstone = self.codec.tombstone(key, keep, fingerprint, state);
         self.yes(Write::Complete {
-            key: *key,
-            token: *token,
+            who: *who,
             value,
             ttl: keep.ttl,
             tombstone,
@@ -831,26 +835,12 @@ impl Store for EmbeddedStore {
         .await
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
-        self.yes(Write::Release {
-            key: *key,
-            token: *token,
-        })
-        .await
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+        self.yes(Write::Release(*who)).await
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.yes(Write::Renew {
-            key: *key,
-            token: *token,
-            lease,
-        })
-        .await
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+        self.yes(Write::Renew { who: *who, lease }).await
     }
 }
 
@@ -862,10 +852,7 @@ impl super::Inspect for EmbeddedStore {
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
         // The record, or its tombstone once it has expired.
-        let found = match self.read(key)? {
-            Some(found) => Some(found),
-            None => self.read(&key.tombstone())?,
-        };
+        let found = self.read(key, true)?;
         let Some((at, value)) = found else {
             return Ok(None);
         };
@@ -885,7 +872,7 @@ impl super::Inspect for EmbeddedStore {
     async fn evict_all(&self) -> Result<u64, StoreError> {
         match self.write(Write::EvictAll).await? {
             Done::Count(n) => Ok(n),
-            other => unreachable!("evict-all answered {other:?}"),
+            other => Err(unexpected("evict-all", other)),
         }
     }
 }

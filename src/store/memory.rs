@@ -13,11 +13,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{Claim, Keep, Store, StoreError};
-use crate::idempotency::fingerprint::Fingerprint;
+use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::AfterExpiry;
 use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 use crate::metrics::Evictions;
+use crate::time;
 
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
 /// [`PURGE_EVERY`] by a task the store owns, stopped when the last handle goes (made outside a
@@ -126,9 +127,14 @@ impl Table {
         }
     }
 
-    /// Whether `key` is an unexpired in-flight claim made with `token`.
+    /// The live slot of `key`: not past its lease or ttl.
+    fn live(&self, key: &ScopedKey, now: Instant) -> Option<&Slot> {
+        self.map.get(key).filter(|s| s.expires_at > now)
+    }
+
+    /// Whether `key` is a live in-flight claim made with `token`.
     fn claimed_by(&self, key: &ScopedKey, token: &Token, now: Instant) -> bool {
-        matches!(self.map.get(key), Some(s) if s.expires_at > now && s.token == *token && matches!(s.entry.state, EntryState::InFlight))
+        matches!(self.live(key, now), Some(s) if s.token == *token && matches!(s.entry.state, EntryState::InFlight))
     }
 
     fn purge_expired(&mut self, now: Instant) {
@@ -167,7 +173,12 @@ impl Table {
                 break;
             };
             let for_entries = self.map.len() + usize::from(adding) > max_entries;
-            self.remove(&key);
+            let gone = self.remove(&key);
+            // A record evicted before its ttl takes its tombstone along: its key was not
+            // expired, so a retry runs again rather than being refused as expired.
+            if gone.is_some_and(|slot| !matches!(slot.entry.state, EntryState::Expired(_))) {
+                self.remove(&key.tombstone());
+            }
             self.evictions.count(for_entries, 1);
             evicted += 1;
         }
@@ -319,36 +330,34 @@ impl super::Inspect for MemoryStore {
 }
 
 impl Store for MemoryStore {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut t = self.lock();
-        let tombstone = tombstones.then(|| key.tombstone());
-        for at in std::iter::once(key).chain(tombstone.as_ref()) {
-            if let Some(slot) = t.map.get(at).filter(|s| s.expires_at > now) {
+        let tombstone = (terms.after_expiry == AfterExpiry::Refuse).then(|| who.key.tombstone());
+        for at in std::iter::once(&who.key).chain(tombstone.as_ref()) {
+            if let Some(slot) = t.live(at, now) {
                 let mut entry = slot.entry.clone();
                 entry.expires_in = Some(slot.expires_at - now);
-                return Ok(Claim::decide(entry, &slot.token, fingerprint, token));
+                return Ok(Claim::decide(
+                    entry,
+                    &slot.token,
+                    &who.fingerprint,
+                    &who.token,
+                ));
             }
         }
         t.make_room(self.shared.max_entries, self.shared.max_bytes, true, now)?;
         t.insert(
-            *key,
+            who.key,
             Slot {
-                token: *token,
+                token: who.token,
                 entry: Entry {
-                    fingerprint: *fingerprint,
+                    fingerprint: who.fingerprint,
                     state: EntryState::InFlight,
                     expires_in: None,
                     written_ms: now_ms(),
                 },
-                expires_at: now + lease,
+                expires_at: time::after(now, terms.lease),
             },
         );
         Ok(Claim::Claimed)
@@ -356,13 +365,11 @@ impl Store for MemoryStore {
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let tombstone = keep.tombstone_of(fingerprint, state);
+        let tombstone = keep.tombstone_of(&who.fingerprint, state);
         // Kept in memory: detached from the upstream connection's read buffers, so the record
         // holds only its own bytes. Copied before the lock is taken, not while every worker
         // waits on it.
@@ -372,26 +379,34 @@ impl Store for MemoryStore {
         };
         let now = Instant::now();
         let mut t = self.lock();
-        let ours = t.claimed_by(key, token, now);
-        if !ours {
-            return Ok(false);
+        match t.live(&who.key, now) {
+            Some(s) if s.token != who.token => return Ok(false),
+            // Our own completion, already there.
+            Some(s) if !matches!(s.entry.state, EntryState::InFlight) => return Ok(true),
+            Some(_) => {}
+            // Our lease ran out and nobody claimed the key since; a live tombstone means that
+            // another record was there.
+            None if keep.tombstone.is_some() && t.live(&who.key.tombstone(), now).is_some() => {
+                return Ok(false)
+            }
+            None => {}
         }
         let slot = Slot {
-            token: *token,
+            token: who.token,
             entry: Entry {
-                fingerprint: *fingerprint,
+                fingerprint: who.fingerprint,
                 state,
                 expires_in: None,
                 written_ms: now_ms(),
             },
-            expires_at: now + keep.ttl.clamped(),
+            expires_at: time::after(now, keep.ttl.clamped()),
         };
-        t.insert(*key, slot);
+        t.insert(who.key, slot);
         if let Some((entry, lives)) = tombstone {
             let token = Token([0; 16]);
-            let expires_at = now + lives;
+            let expires_at = time::after(now, lives);
             t.insert(
-                key.tombstone(),
+                who.key.tombstone(),
                 Slot {
                     token,
                     entry,
@@ -403,26 +418,21 @@ impl Store for MemoryStore {
         Ok(true)
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
         let mut t = self.lock();
-        let ours = matches!(t.map.get(key), Some(s) if s.token == *token && matches!(s.entry.state, EntryState::InFlight));
+        let ours = t.claimed_by(&who.key, &who.token, Instant::now());
         if ours {
-            t.remove(key);
+            t.remove(&who.key);
         }
         Ok(ours)
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut t = self.lock();
-        let ours = t.claimed_by(key, token, now);
+        let ours = t.claimed_by(&who.key, &who.token, now);
         if ours {
-            t.extend(key, now + lease);
+            t.extend(&who.key, time::after(now, lease));
         }
         Ok(ours)
     }
@@ -431,6 +441,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::fingerprint::Fingerprint;
 
     fn key(i: u32) -> ScopedKey {
         let mut k = [0u8; 32];
@@ -448,12 +459,19 @@ mod tests {
         for i in 0..10 {
             let t = Token([i as u8; 16]);
             assert!(matches!(
-                store.claim(&key(i), &fp, &t, lease).await.unwrap(),
+                store
+                    .claim(&Claimant::new(key(i), fp, t), ClaimTerms::lease(lease))
+                    .await
+                    .unwrap(),
                 Claim::Claimed
             ));
             if i >= 5 {
                 assert!(store
-                    .complete(&key(i), &fp, &t, &EntryState::NotReplayable, lease.into())
+                    .complete(
+                        &Claimant::new(key(i), fp, t),
+                        &EntryState::NotReplayable,
+                        lease.into()
+                    )
                     .await
                     .unwrap());
             }
@@ -462,14 +480,20 @@ mod tests {
         for i in 10..15 {
             let t = Token([i as u8; 16]);
             assert!(matches!(
-                store.claim(&key(i), &fp, &t, lease).await.unwrap(),
+                store
+                    .claim(&Claimant::new(key(i), fp, t), ClaimTerms::lease(lease))
+                    .await
+                    .unwrap(),
                 Claim::Claimed
             ));
             assert!(store.len() <= 10);
         }
         for i in 0..5 {
             let again = store
-                .claim(&key(i), &fp, &Token([99; 16]), lease)
+                .claim(
+                    &Claimant::new(key(i), fp, Token([99; 16])),
+                    ClaimTerms::lease(lease),
+                )
                 .await
                 .unwrap();
             assert!(matches!(again, Claim::InFlight), "claim {i} was evicted");
@@ -478,7 +502,12 @@ mod tests {
         assert_eq!(evictions.max_bytes.get(), 0);
         // Only claims left: a new claim is refused rather than growing without bound.
         assert!(matches!(
-            store.claim(&key(100), &fp, &Token([1; 16]), lease).await,
+            store
+                .claim(
+                    &Claimant::new(key(100), fp, Token([1; 16])),
+                    ClaimTerms::lease(lease)
+                )
+                .await,
             Err(StoreError::Full)
         ));
     }
@@ -499,9 +528,12 @@ mod tests {
         let state = EntryState::Completed(Arc::new(body));
         for i in 0..20 {
             let t = Token([i as u8; 16]);
-            store.claim(&key(i), &fp, &t, lease).await.unwrap();
+            store
+                .claim(&Claimant::new(key(i), fp, t), ClaimTerms::lease(lease))
+                .await
+                .unwrap();
             assert!(store
-                .complete(&key(i), &fp, &t, &state, lease.into())
+                .complete(&Claimant::new(key(i), fp, t), &state, lease.into())
                 .await
                 .unwrap());
             assert!(store.bytes() <= 20_000, "{} bytes after {i}", store.bytes());
@@ -517,7 +549,10 @@ mod tests {
         let store = MemoryStore::new();
         let fp = Fingerprint([0; 32]);
         store
-            .claim(&key(1), &fp, &Token([1; 16]), Duration::from_secs(1))
+            .claim(
+                &Claimant::new(key(1), fp, Token([1; 16])),
+                ClaimTerms::lease(Duration::from_secs(1)),
+            )
             .await
             .unwrap();
         store.purge_expired();
@@ -544,9 +579,15 @@ mod tests {
         let store = MemoryStore::new();
         let (fp, t) = (Fingerprint([0; 32]), Token([1; 16]));
         let lease = Duration::from_secs(10);
-        store.claim(&key(1), &fp, &t, lease).await.unwrap();
+        store
+            .claim(&Claimant::new(key(1), fp, t), ClaimTerms::lease(lease))
+            .await
+            .unwrap();
         tokio::time::advance(Duration::from_secs(8)).await;
-        assert!(store.renew(&key(1), &t, lease).await.unwrap());
+        assert!(store
+            .renew(&Claimant::new(key(1), fp, t), lease)
+            .await
+            .unwrap());
         tokio::time::advance(Duration::from_secs(5)).await;
         store.purge_expired();
         assert_eq!(store.len(), 1, "purged at the first lease's end");
@@ -562,14 +603,15 @@ mod tests {
         let lease = Duration::from_secs(5);
         for i in 0..400u32 {
             let t = Token([(i % 251) as u8; 16]);
-            store.claim(&key(i % 97), &fp, &t, lease).await.ok();
+            store
+                .claim(&Claimant::new(key(i % 97), fp, t), ClaimTerms::lease(lease))
+                .await
+                .ok();
             match i % 4 {
                 0 => {
                     store
                         .complete(
-                            &key(i % 97),
-                            &fp,
-                            &t,
+                            &Claimant::new(key(i % 97), fp, t),
                             &EntryState::NotReplayable,
                             (lease * (1 + i % 3)).into(),
                         )
@@ -577,10 +619,16 @@ mod tests {
                         .unwrap();
                 }
                 1 => {
-                    store.release(&key(i % 97), &t).await.unwrap();
+                    store
+                        .release(&Claimant::new(key(i % 97), fp, t))
+                        .await
+                        .unwrap();
                 }
                 2 => {
-                    store.renew(&key(i % 97), &t, lease * 2).await.unwrap();
+                    store
+                        .renew(&Claimant::new(key(i % 97), fp, t), lease * 2)
+                        .await
+                        .unwrap();
                 }
                 _ => {}
             }

@@ -1,8 +1,9 @@
 //! The store of idempotency records, behind one small async trait.
 //!
-//! Every method is one atomic step (one Redis round trip): a claim checks and sets in one go, and
-//! completing, releasing and renewing are fenced by the claim's [`Token`], so a holder whose lease
-//! ran out cannot overwrite or delete what a newer holder wrote.
+//! Every method is one atomic step on every backend (one round trip to Redis or PostgreSQL, one
+//! transaction of the embedded file, one lock of the memory map): a claim checks and sets in one
+//! go, and completing, releasing and renewing are fenced by the claim's [`Token`], so a holder
+//! whose lease ran out cannot overwrite or delete what a newer holder wrote.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -10,9 +11,9 @@ use std::time::Duration;
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::Ttl;
-use crate::idempotency::policy::MAX_DURATION;
+use crate::idempotency::policy::AfterExpiry;
 use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
+use crate::time::{Ttl, MAX_DURATION};
 
 mod any;
 pub mod cached;
@@ -93,7 +94,7 @@ impl Keep {
     ) -> Option<(Entry, Duration)> {
         let lives = self.tombstone_lives()?;
         let written_ms = now_ms();
-        let ttl_ms = self.ttl.clamped().as_millis() as u64;
+        let ttl_ms = crate::time::millis(self.ttl.clamped());
         let tombstone = Tombstone::of(state, written_ms, ttl_ms)?;
         let entry = Entry {
             fingerprint: *fingerprint,
@@ -185,69 +186,100 @@ pub enum StoreError {
     Unreadable(#[from] Unreadable),
 }
 
-/// The operations the state machine needs. Implementations must make each one atomic.
-pub trait Store: Clone + Send + Sync + 'static {
-    /// Claim `key` as in flight for `lease` if it is free; otherwise decide from what it holds
-    /// ([`Claim::decide`]). With `tombstones` (a route that refuses a retry after expiry), a key
-    /// whose record has expired but whose tombstone lives is not free, and the decision comes
-    /// from the tombstone ([`Claim::Expired`], or [`Claim::Mismatch`] for another request); a
-    /// live record wins over its tombstone.
-    fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+/// Who claims a key, or holds its claim: the key, the fingerprint of the request, and the
+/// claim's fencing token. Every store operation on a claim names its claimant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claimant {
+    /// The scoped key.
+    pub key: ScopedKey,
+    /// The request's fingerprint, kept with the claim and its record.
+    pub fingerprint: Fingerprint,
+    /// The claim's random token: whoever completes, renews or releases must present it.
+    pub token: Token,
+}
 
-    /// [`Store::claim_with`] without tombstones: a key whose record has expired is free.
+/// The terms a key is claimed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimTerms {
+    /// How long the claim holds the key unless renewed.
+    pub lease: Duration,
+    /// What an expired record's key means: with [`AfterExpiry::Refuse`], a key whose record has
+    /// expired but whose tombstone lives is not free.
+    pub after_expiry: AfterExpiry,
+}
+
+impl ClaimTerms {
+    /// A claim for `lease`, on a key that is free again once its record expires.
+    pub fn lease(lease: Duration) -> Self {
+        ClaimTerms {
+            lease,
+            after_expiry: AfterExpiry::Run,
+        }
+    }
+
+    /// These terms on a key whose expired record's tombstone refuses it (`Refuse`) or not.
+    pub fn after_expiry(self, after_expiry: AfterExpiry) -> Self {
+        ClaimTerms {
+            after_expiry,
+            ..self
+        }
+    }
+}
+
+impl Claimant {
+    /// The claimant of `key` with `fingerprint`, whose claim's token is `token`.
+    pub fn new(key: ScopedKey, fingerprint: Fingerprint, token: Token) -> Self {
+        Claimant {
+            key,
+            fingerprint,
+            token,
+        }
+    }
+}
+
+/// The operations the state machine needs: the store contract. Implementations make each one
+/// atomic, and every one of them answers as this contract says, on every backend (the model in
+/// `tests/store_model.rs` holds them to it).
+///
+/// A key holds at most one live entry (an in-flight claim, or a completed record), and, on
+/// routes that refuse a retry after expiry, a tombstone beside it that outlives the record. An
+/// entry is live until its lease or ttl ends; a lapsed one is as good as absent.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claim the key for `who` as in flight for `terms.lease` if it is free; otherwise decide
+    /// from what it holds ([`Claim::decide`]): a live record or claim first, then (with
+    /// [`AfterExpiry::Refuse`]) a live tombstone ([`Claim::Expired`], or [`Claim::Mismatch`] for
+    /// another request). [`StoreError::Full`] when a bounded store has no room for the claim.
     fn claim(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        self.claim_with(key, fingerprint, token, lease, false)
-    }
+        who: &Claimant,
+        terms: ClaimTerms,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// [`Store::claim_with`] with tombstones: a key whose record has expired is refused while
-    /// its tombstone lives.
-    fn claim_unless_expired(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        self.claim_with(key, fingerprint, token, lease, true)
-    }
-
-    /// Replace our in-flight claim with a completed entry kept as `keep` says (with the
-    /// tombstone it leaves, if any, in the same atomic step). Returns `false` (and writes
-    /// nothing) when the key is no longer claimed with `token`.
+    /// Record `state` for `who`, kept as `keep` says (with the tombstone it leaves, if any, in
+    /// the same atomic step). Written when the key holds `who`'s claim, and also when it holds
+    /// nothing live (the claim's lease ran out, typically while the store could not be
+    /// reached, and no newer claim took the key meanwhile: fencing forbids overwriting a newer
+    /// claim, not writing where nobody else did), unless a live tombstone says another record
+    /// was there. `who`'s own completion already there counts as written (a retried call whose
+    /// answer was lost) and is left as it is. `false`, and nothing written, when another claim
+    /// or record holds the key.
     fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Delete our in-flight claim so that a retry runs again. `false` when it is not ours.
-    fn release(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Delete `who`'s live in-flight claim so that a retry runs at once. `false` when the key
+    /// holds no live claim of `who`'s.
+    fn release(&self, who: &Claimant) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Extend our in-flight claim's lease. `false` when it is not ours any more.
+    /// Extend `who`'s live in-flight claim to `lease` from now. `false` when the key holds no
+    /// live claim of `who`'s (its lease ran out: it is not taken again, since a renewal that
+    /// arrives after the holder's own release must not claim the key for nobody).
     fn renew(
         &self,
-        key: &ScopedKey,
-        token: &Token,
+        who: &Claimant,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 

@@ -29,9 +29,11 @@ use tokio_util::task::AbortOnDropHandle;
 use super::codec::Codec;
 use super::settings::redact_url;
 use super::watch::{Local, Signals};
-use super::{Claim, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch};
-use crate::idempotency::fingerprint::Fingerprint;
+use super::{
+    Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch,
+};
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::AfterExpiry;
 use crate::idempotency::record::{EntryState, Token};
 
 mod listen;
@@ -746,9 +748,10 @@ async fn bounded<T>(
         .unwrap_or(Err(PostgresError::Timeout(timeout)))
 }
 
-/// Milliseconds for a statement's interval parameter.
+/// Milliseconds for a statement's interval parameter: bounded by MAX_DURATION, whose
+/// milliseconds PostgreSQL's interval holds (an interval of i64::MAX ms is out of range).
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(crate::time::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// The entry a returned row of `key`'s record holds (`record`, milliseconds left: NULL when kept
@@ -778,13 +781,8 @@ impl PostgresStore {
 
 impl PostgresStore {
     /// Claim `key` for `lease` if it is free; otherwise decide from its row.
-    async fn claim_record(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<Claim, StoreError> {
+    async fn claim_record(&self, who: &Claimant, lease: Duration) -> Result<Claim, StoreError> {
+        let (key, fingerprint, token) = (&who.key, &who.fingerprint, &who.token);
         let record = self.shared.codec.claim(fingerprint, token);
         let s = self.handle();
         let params: [&(dyn ToSql + Sync); 4] =
@@ -803,60 +801,55 @@ impl PostgresStore {
 }
 
 impl Store for PostgresStore {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
         // A live record wins over its tombstone: the claim decides first. A key it takes is
         // then given back if its tombstone lives (others saw it in flight meanwhile).
-        let claim = self.claim_record(key, fingerprint, token, lease).await?;
-        if !tombstones || !matches!(claim, Claim::Claimed) {
+        let claim = self.claim_record(who, terms.lease).await?;
+        if terms.after_expiry != AfterExpiry::Refuse || !matches!(claim, Claim::Claimed) {
             return Ok(claim);
         }
-        let Some(row) = self.live(&key.tombstone()).await? else {
+        let Some(row) = self.live(&who.key.tombstone()).await? else {
             return Ok(claim);
         };
-        self.release(key, token).await?;
-        let (held, holder) = entry_of(&self.shared.codec, key, &row)?;
-        Ok(Claim::decide(held, &holder, fingerprint, token))
+        self.release(who).await?;
+        let (held, holder) = entry_of(&self.shared.codec, &who.key, &row)?;
+        Ok(Claim::decide(held, &holder, &who.fingerprint, &who.token))
     }
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
+        let (key, fingerprint) = (&who.key, &who.fingerprint);
         let codec = &self.shared.codec;
-        let record = codec.record(key, fingerprint, token, state).into_bytes();
+        let record = codec
+            .record(key, fingerprint, &who.token, state)
+            .into_bytes();
         let s = self.handle();
         let ttl = keep.ttl.finite().map(millis);
         let at = key.tombstone();
-        let (k, t) = (&&key.0[..], &&token.0[..]);
-        let n = match codec.tombstone(key, keep, fingerprint, state) {
+        let (k, t) = (&&key.0[..], &&who.token.0[..]);
+        let rows = match codec.tombstone(key, keep, fingerprint, state) {
             None => {
                 let sql = &self.shared.sql.complete;
-                s.execute(sql, &[k, t, &&record[..], &ttl]).await?
+                s.query(sql, &[k, t, &&record[..], &ttl]).await?
             }
             Some((tombstone, lives)) => {
                 let (at, lives) = (&&at.0[..], millis(lives));
                 let sql = &self.shared.sql.complete_with_tombstone;
                 let params: [&(dyn ToSql + Sync); 7] =
                     [k, t, &&record[..], &ttl, at, &&tombstone[..], &lives];
-                s.execute(sql, &params).await?
+                s.query(sql, &params).await?
             }
         };
         self.shared.waiters.wake(&key.0);
-        Ok(n == 1)
+        Ok(rows.first().is_some_and(|row| row.get::<_, bool>(0)))
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+        let (key, token) = (&who.key, &who.token);
         let s = self.handle();
         let n = s
             .execute(&self.shared.sql.release, &[&&key.0[..], &&token.0[..]])
@@ -872,12 +865,8 @@ impl Store for PostgresStore {
         Some(Local::watch(&self.shared.waiters, &key.0))
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+        let (key, token) = (&who.key, &who.token);
         let s = self.handle();
         let n = s
             .execute(

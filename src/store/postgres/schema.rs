@@ -112,25 +112,49 @@ impl Sql {
              SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live",
             lease = ms(4),
         );
-        // Our live claim becomes the record, kept for `$4` milliseconds (NULL: forever); our own
-        // completion already there (a retried call whose answer was lost) is left as it is and
-        // counts as done.
-        let complete = format!(
-            "UPDATE \"{t}\" SET record = CASE WHEN in_flight THEN $3 ELSE record END, \
-             expires_at = CASE WHEN in_flight THEN COALESCE(now() + {ttl}, 'infinity') \
-             ELSE expires_at END, \
-             in_flight = false \
-             WHERE key = $1 AND token = $2 AND expires_at > now()",
-            ttl = ms(4),
+        // The record, kept for `$4` milliseconds (NULL: forever): an update of our claim (its
+        // lease running, or run out), or else an insert where no live row is (our lease ran
+        // out and nobody claimed the key since). With a tombstone at $5, neither writes where
+        // no live row is while that tombstone lives (another record was there). Our own
+        // completion already there is left as it is and counts as written.
+        let record = |tombstone: bool| {
+            let unmarked =
+                format!("NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $5 AND expires_at > now())");
+            let (lapsed, free) = match tombstone {
+                true => (
+                    format!(" AND (expires_at > now() OR {unmarked})"),
+                    format!(" AND {unmarked}"),
+                ),
+                false => (String::new(), String::new()),
+            };
+            format!(
+                "upd AS (UPDATE \"{t}\" SET record = $3, expires_at = COALESCE(now() + {ttl}, 'infinity'), \
+                 in_flight = false WHERE key = $1 AND token = $2 AND in_flight{lapsed} RETURNING 1), \
+                 ins AS (INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+                 SELECT $1::bytea, $2::bytea, false, $3::bytea, COALESCE(now() + {ttl}, 'infinity') \
+                 WHERE NOT EXISTS (SELECT 1 FROM upd){free} \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
+                 record = excluded.record, expires_at = excluded.expires_at \
+                 WHERE r.expires_at <= now() RETURNING 1), \
+                 done AS (SELECT 1 FROM upd UNION ALL SELECT 1 FROM ins)",
+                ttl = ms(4),
+            )
+        };
+        let written = format!(
+            "SELECT EXISTS (SELECT 1 FROM done) OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $1 \
+             AND token = $2 AND NOT in_flight AND expires_at > now())"
         );
+        let complete = format!("WITH {} {written}", record(false));
         // The same, and the tombstone it leaves at $5 (record $6, kept $7 ms) once it is done.
         let complete_with_tombstone = format!(
-            "WITH done AS ({complete} RETURNING 1) \
-             INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-             SELECT $5, '\\x00000000000000000000000000000000'::bytea, false, $6, now() + {lives} \
-             FROM done \
-             ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
-             record = excluded.record, expires_at = excluded.expires_at",
+            "WITH {}, tomb AS (\
+                 INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+                 SELECT $5, '\\x00000000000000000000000000000000'::bytea, false, $6, now() + {lives} \
+                 FROM done \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
+                 record = excluded.record, expires_at = excluded.expires_at\
+             ) {written}",
+            record(true),
             lives = ms(7),
         );
         let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";

@@ -35,9 +35,9 @@ use self::topology::{Conn, Opening};
 use super::settings::{Compression, RedisSettings, Topology};
 pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 use super::Watch;
-use super::{Claim, Keep, Store, StoreError};
-use crate::idempotency::fingerprint::Fingerprint;
+use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
 use crate::idempotency::key::ScopedKey;
+use crate::idempotency::policy::AfterExpiry;
 use crate::idempotency::record::{EntryState, Token};
 
 /// A handle to the Redis store; clones share one multiplexed connection.
@@ -547,9 +547,7 @@ fn parse<T: redis::FromRedisValue>(value: Option<redis::Value>) -> Result<T, Sto
         .map_err(|e| StoreError::Redis(e.into()))
 }
 
-fn millis(d: Duration) -> u64 {
-    d.as_millis().clamp(1, u64::MAX as u128) as u64
-}
+use crate::time::millis;
 
 impl super::Inspect for RedisStore {
     async fn ping(&self) -> Result<(), StoreError> {
@@ -644,46 +642,39 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    async fn claim_with(
-        &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
-        lease: Duration,
-        tombstones: bool,
-    ) -> Result<Claim, StoreError> {
-        let entry = self.codec.claim(fingerprint, token);
-        let redis_key = self.redis_key(key);
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+        let entry = self.codec.claim(&who.fingerprint, &who.token);
+        let redis_key = self.redis_key(&who.key);
+        let tombstones = terms.after_expiry == AfterExpiry::Refuse;
         let tombstone = tombstones.then(|| Self::tombstone_key(&redis_key));
-        let tried = self.try_claim(&redis_key, &entry, lease, tombstone.as_deref());
+        let tried = self.try_claim(&redis_key, &entry, terms.lease, tombstone.as_deref());
         match tried.await? {
             (None, Ok(())) => Ok(Claim::Claimed),
             (None, Err(not_acknowledged)) => {
                 // A failover could lose this claim: take it back before answering, so that it
                 // neither runs unprotected nor sits in flight for a lease.
-                if let Err(e) = self.release(key, token).await {
+                if let Err(e) = self.release(who).await {
                     tracing::warn!(error = %e, "could not release a claim the replicas did not acknowledge; it ends with its lease");
                 }
                 Err(not_acknowledged)
             }
             (Some((raw, pttl)), _) => {
-                let (mut held, holder) = self.codec.decode(key, Bytes::from(raw))?;
+                let (mut held, holder) = self.codec.decode(&who.key, Bytes::from(raw))?;
                 held.expires_in = u64::try_from(pttl).ok().map(Duration::from_millis);
-                Ok(Claim::decide(held, &holder, fingerprint, token))
+                Ok(Claim::decide(held, &holder, &who.fingerprint, &who.token))
             }
         }
     }
 
     async fn complete(
         &self,
-        key: &ScopedKey,
-        fingerprint: &Fingerprint,
-        token: &Token,
+        who: &Claimant,
         state: &EntryState,
         keep: Keep,
     ) -> Result<bool, StoreError> {
-        let parts = self.codec.record(key, fingerprint, token, state);
-        let tombstone = self.codec.tombstone(key, keep, fingerprint, state);
+        let (key, token) = (&who.key, &who.token);
+        let parts = self.codec.record(key, &who.fingerprint, token, state);
+        let tombstone = self.codec.tombstone(key, keep, &who.fingerprint, state);
         if parts.len() >= STAGE_FROM {
             return self
                 .complete_staged(key, token, &parts, keep.ttl, tombstone)
@@ -709,21 +700,16 @@ impl Store for RedisStore {
         self.write_completion(pipe, script, &redis_key).await
     }
 
-    async fn release(&self, key: &ScopedKey, token: &Token) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
         let mut call = self.scripts.release.prepare_invoke();
-        call.key(self.redis_key(key)).arg(&token.0[..]);
+        call.key(self.redis_key(&who.key)).arg(&who.token.0[..]);
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
         let mut call = self.scripts.renew.prepare_invoke();
-        call.key(self.redis_key(key))
-            .arg(&token.0[..])
+        call.key(self.redis_key(&who.key))
+            .arg(&who.token.0[..])
             .arg(millis(lease));
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
