@@ -835,7 +835,12 @@ async fn a_claim_given_up_on_is_cancelled_on_the_server_whatever_the_url_says() 
     let (key, fp) = (ScopedKey([11; 32]), Fingerprint([11; 32]));
     let other = session(&server).await;
     hold(&other, &key).await;
-    let claim = s.claim(&key, &fp, &Token::random(), LEASE).await;
+    let claim = s
+        .claim(
+            &Claimant::new(key, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await;
     assert!(claim.is_err(), "{claim:?}");
     wait_until(
         Duration::from_secs(5),
@@ -851,15 +856,23 @@ async fn a_claim_given_up_on_is_cancelled_on_the_server_whatever_the_url_says() 
         "the claim given up on did not commit later"
     );
     assert!(matches!(
-        s.claim(&key, &fp, &Token::random(), LEASE).await.unwrap(),
+        s.claim(
+            &Claimant::new(key, fp, Token::random()),
+            ClaimTerms::lease(LEASE)
+        )
+        .await
+        .unwrap(),
         Claim::Claimed
     ));
     // A timeout past PostgreSQL's longest statement_timeout is its longest, not a refused
     // connection.
-    let longest = PostgresSettings::new(&url).timeout(idemgate::config::human::MAX_DURATION);
+    let longest = PostgresSettings::new(&url).timeout(idemgate::time::MAX_DURATION);
     let s = PostgresStore::connect(&longest).await.unwrap();
     let claim = s
-        .claim(&ScopedKey([12; 32]), &fp, &Token::random(), LEASE)
+        .claim(
+            &Claimant::new(ScopedKey([12; 32]), fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
         .await;
     assert!(matches!(claim.unwrap(), Claim::Claimed));
 }
@@ -882,8 +895,11 @@ async fn a_statement_has_its_whole_timeout_however_long_it_waited_for_a_connecti
     let claim = |key: ScopedKey| {
         let s = s.clone();
         tokio::spawn(async move {
-            s.claim(&key, &Fingerprint([13; 32]), &Token::random(), LEASE)
-                .await
+            s.claim(
+                &Claimant::new(key, Fingerprint([13; 32]), Token::random()),
+                ClaimTerms::lease(LEASE),
+            )
+            .await
         })
     };
     let first_claim = claim(first);
@@ -1127,8 +1143,8 @@ async fn an_index_an_interrupted_build_left_invalid_is_built_again() {
         left.contains("idemgate_records_expiring:false"),
         "an invalid index: {left}"
     );
-    let settings = PostgresSettings::new(server.url())
-        .migration_timeout(idemgate::config::human::MAX_DURATION);
+    let settings =
+        PostgresSettings::new(server.url()).migration_timeout(idemgate::time::MAX_DURATION);
     let s = PostgresStore::connect(&settings).await.unwrap();
     wait_until(
         Duration::from_secs(60),
@@ -1142,6 +1158,11 @@ async fn an_index_an_interrupted_build_left_invalid_is_built_again() {
         "{indexes}"
     );
     let (key, fp) = (ScopedKey([15; 32]), Fingerprint([15; 32]));
-    let claim = s.claim(&key, &fp, &Token::random(), LEASE).await;
+    let claim = s
+        .claim(
+            &Claimant::new(key, fp, Token::random()),
+            ClaimTerms::lease(LEASE),
+        )
+        .await;
     assert!(matches!(claim.unwrap(), Claim::Claimed));
 }

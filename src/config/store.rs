@@ -528,7 +528,7 @@ mod postgres_tests {
         );
         assert_eq!(
             read("migration_timeout = \"1000000y\"").migration_timeout,
-            crate::config::human::MAX_DURATION
+            crate::time::MAX_DURATION
         );
         let zero = err("url = \"postgres://db/x\"\nmigration_timeout = \"0s\"");
         assert!(zero.contains("store.migration_timeout"), "{zero}");

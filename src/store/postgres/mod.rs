@@ -404,8 +404,7 @@ struct Connector {
 /// `bound` as PostgreSQL's `statement_timeout` in milliseconds: at least 1 (0 would turn it
 /// off), at most [`MAX_STATEMENT_TIMEOUT_MS`].
 fn statement_timeout_ms(bound: Duration) -> u64 {
-    let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
-    ms.clamp(1, MAX_STATEMENT_TIMEOUT_MS)
+    crate::time::millis(bound).min(MAX_STATEMENT_TIMEOUT_MS)
 }
 
 impl Connector {
@@ -475,7 +474,8 @@ impl Connector {
                 }
             }
         };
-        bounded(Instant::now() + self.timeout, self.timeout, connected).await
+        let deadline = crate::time::after(Instant::now(), self.timeout);
+        bounded(deadline, self.timeout, connected).await
     }
 
     /// A pool of up to `size` connections; nothing is connected yet.
@@ -621,7 +621,7 @@ impl Handle<'_> {
         shared
             .ready
             .get_or_try_init(|| async {
-                let deadline = Instant::now() + shared.timeout;
+                let deadline = crate::time::after(Instant::now(), shared.timeout);
                 let mut client = self.checkout(deadline).await?;
                 let checked = schema::check(&mut client, &shared.table);
                 let found = match tokio::time::timeout_at(deadline, checked).await {
@@ -693,7 +693,9 @@ impl Handle<'_> {
     ) -> Result<Answer, StoreError> {
         self.ready().await?;
         let timeout = self.shared.timeout;
-        let client = self.checkout(Instant::now() + timeout).await?;
+        let client = self
+            .checkout(crate::time::after(Instant::now(), timeout))
+            .await?;
         let prepared = tokio::time::timeout(timeout, client.prepare_cached(statement)).await;
         let prepared = match prepared {
             Ok(prepared) => prepared.map_err(PostgresError::Db)?,
@@ -921,7 +923,7 @@ impl Inspect for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::policy::MAX_DURATION;
+    use crate::time::MAX_DURATION;
 
     #[test]
     fn every_connection_bounds_its_statements_after_the_urls_own_options() {
