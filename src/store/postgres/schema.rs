@@ -258,6 +258,7 @@ pub(super) async fn check(client: &mut Client, table: &str) -> Result<Found, Pos
     Ok(Found::Current)
 }
 
+/// What a table at `version` (one this build serves) is to it.
 fn found_at(version: u32) -> Found {
     match version {
         VERSION => Found::Current,
