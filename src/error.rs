@@ -130,6 +130,12 @@ pub enum GatewayError {
     /// 503 with `Retry-After`: the idempotency store is unavailable; nothing was forwarded.
     #[error("the idempotency store is unavailable; nothing was forwarded, retry later")]
     StoreUnavailable,
+    /// 500: the gateway itself failed while handling the request (a defect, logged with its
+    /// cause). A claimed key is left to its lease, never answered twice.
+    #[error(
+        "the gateway failed while handling this request; retry it with the same Idempotency-Key"
+    )]
+    Internal,
 }
 
 impl GatewayError {
@@ -147,7 +153,9 @@ impl GatewayError {
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
             }
-            Self::CorruptRecord | Self::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::CorruptRecord | Self::RecordUnreadable | Self::Internal => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
@@ -185,6 +193,7 @@ impl GatewayError {
             Self::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             Self::UpstreamTimeout | Self::UpstreamBusy => "upstream-timeout",
             Self::StoreUnavailable => "store-unavailable",
+            Self::Internal => "internal",
         }
     }
 
@@ -210,6 +219,7 @@ impl GatewayError {
             Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => "Bad gateway",
             Self::UpstreamTimeout | Self::UpstreamBusy => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::Internal => "Internal error",
         }
     }
 
@@ -267,6 +277,7 @@ impl GatewayError {
             E::BodyTooLarge { .. } => Code::ResourceExhausted,
             E::UnsupportedTransferCoding | E::UnsupportedMethod(_) => Code::Unimplemented,
             E::CorruptRecord | E::RecordUnreadable => Code::DataLoss,
+            E::Internal => Code::Internal,
             E::UpstreamTimeout => Code::DeadlineExceeded,
             E::Upstream
             | E::UpstreamTls
@@ -304,7 +315,8 @@ impl GatewayError {
             | Self::UpstreamTls
             | Self::UpstreamBusy
             | Self::UpstreamTimeout
-            | Self::StoreUnavailable => ("api_error", self.status()),
+            | Self::StoreUnavailable
+            | Self::Internal => ("api_error", self.status()),
         }
     }
 
@@ -441,4 +453,13 @@ impl ConfigError {
             reason: reason.into(),
         }
     }
+}
+
+/// What a panic carried, for the log.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }

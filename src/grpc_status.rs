@@ -28,6 +28,7 @@ pub(crate) enum Code {
     FailedPrecondition = 9,
     Aborted = 10,
     Unimplemented = 12,
+    Internal = 13,
     Unavailable = 14,
     DataLoss = 15,
 }

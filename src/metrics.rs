@@ -117,6 +117,25 @@ impl Unsettled {
     pub const ALL: [Unsettled; 3] = [Unsettled::timeout, Unsettled::failed, Unsettled::unrecorded];
 }
 
+/// A claimed call counted in `idemgate_in_flight` for as long as it lives: the gauge goes down
+/// however the call's task ends (a panic, a shutdown that drops it).
+pub struct InFlight(Gauge);
+
+impl InFlight {
+    /// Count one more claimed call in flight, until the guard is dropped.
+    pub fn count(metrics: &Metrics) -> Self {
+        let gauge = metrics.in_flight().clone();
+        gauge.inc();
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
 /// client went away and the server dropped the request), it counts the request in
 /// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
@@ -465,7 +484,7 @@ impl Metrics {
         let unsettled = registered(
             &mut registry,
             "idemgate_calls_unsettled",
-            "Keyed upstream calls whose outcome is unknown (by route and reason: timeout, failed): the upstream may have done the work, so the key stays claimed until its lease ends, and a retry after that runs again",
+            "Keyed upstream calls a retry may run again (by route and reason): timeout and failed, whose outcome is unknown, so the key stays claimed until its lease ends; unrecorded, whose answer was delivered but not recorded",
             Family::<UnsettledLabels, Counter>::default(),
         );
         let grpc_streaming_keyed = registered(

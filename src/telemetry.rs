@@ -2,7 +2,7 @@
 //! layer that turns their spans into OTel spans, and the exporter that sends those to a
 //! collector over OTLP/HTTP without ever holding up a request.
 //!
-//! Sampling comes first. [`Sampling`], the outermost service, decides per request before any
+//! Sampling comes first. `Sampling`, the outermost service, decides per request before any
 //! span exists: a client's `traceparent` decides by its sampled flag, a request without one is
 //! recorded with probability `sample_ratio`. Only then does the engine's debug-level
 //! `idempotent_request` span, and its children (store operations, the upstream call), pass

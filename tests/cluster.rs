@@ -859,6 +859,45 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
     }
 }
 
+/// A failover longer than the rest of a lease: `lock_ttl = "1s"`, a 1 s upstream call, and the
+/// primary holding the key killed -9 right after the claim (the failover takes over a second
+/// here, with a 1 s node timeout; Redis's default of 15 s is longer than most leases). The
+/// promoted replica's copy of the claim lapses meanwhile, and since no newer claim took the
+/// key, the completion (sent again until the new primary takes it) is recorded there: the
+/// retry replays, and the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_failover_longer_than_the_rest_of_the_lease_still_records_the_answer() {
+    let _one_at_a_time = KILLS.lock().await;
+    let cluster = RedisCluster::start().await;
+    let upstream = CountingUpstream::start()
+        .await
+        .delay(Duration::from_millis(1000));
+    let config = on(
+        Replicated::Cluster(&cluster),
+        TestConfig::new()
+            .upstream(&upstream.url())
+            .set("store.wait_replicas", 1)
+            .set("store.timeout", "500ms")
+            .set("defaults.lock_ttl", "1s"),
+    );
+    let gateways = Gateways::start(1, &config).await;
+    let first = tokio::spawn(send(gateways.post(0, "/v1/p", "fo").body("x")));
+    upstream.wait_for_calls(1).await;
+    let (_, record) = cluster.keys("*").await.first().expect("the claim").clone();
+    let killed = cluster.kill9_primary_of(&record).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "the answer is delivered: {first:?}");
+    let took = cluster.wait_for_failover(killed).await;
+    println!("failover took {took:?} (lease 1s)");
+    // The promoted primary acknowledges nothing until it has a replica again.
+    cluster.restart(killed).await;
+    let log = Mutex::new(Storm::default());
+    let retry = until_2xx(&gateways, 0, "fo", &log).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.calls(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_with_wait_replicas_runs_nothing_twice() {
     let cluster = RedisCluster::start().await;

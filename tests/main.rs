@@ -13,6 +13,7 @@ mod cluster;
 mod connections;
 mod deploy;
 mod docs;
+mod edges;
 mod embedded;
 mod faults;
 mod framing;

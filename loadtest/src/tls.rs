@@ -23,7 +23,7 @@ pub struct Files {
 }
 
 impl Files {
-    /// Where [`write`] puts them in `dir`.
+    /// Where [`write()`] puts them in `dir`.
     pub fn in_dir(dir: &Path) -> Self {
         Files {
             ca: dir.join("ca.pem"),

@@ -136,6 +136,11 @@ impl IdempotencyKey {
         let raw = trim(raw);
         let key = if raw.len() >= 2 && raw[0] == b'"' && raw[raw.len() - 1] == b'"' {
             unquote(&raw[1..raw.len() - 1])?
+        } else if raw.contains(&b',') {
+            // Two field lines combined by an intermediary (RFC 9110 5.3) look like this.
+            return Err(GatewayError::InvalidKey(
+                "a key with a comma must be a quoted string (\"a,b\"); a bare one is what two keys combined into one header look like".into(),
+            ));
         } else {
             raw.to_vec()
         };
@@ -362,6 +367,13 @@ mod tests {
         assert!(key("a b").is_err());
         assert!(key("\"a\\nb\"").is_err());
         assert!(IdempotencyKey::parse("é".as_bytes(), 16).is_err());
+    }
+
+    #[test]
+    fn a_bare_comma_is_two_keys_combined_and_a_quoted_one_is_a_key() {
+        assert!(key("abc,def").is_err());
+        assert!(key("abc, def").is_err());
+        assert_eq!(key("\"a,b\"").unwrap().as_str(), "a,b");
     }
 
     #[test]

@@ -352,21 +352,22 @@ impl LiveAnswers {
     }
 
     /// A reader on the live answer of `key` for a duplicate of the request that claimed it,
-    /// holding `permit` until it is done; `None` when no such answer is live here, or it is
-    /// already past `max_body`.
+    /// holding the waiter permit `permit` gives (asked for only once there is a reader) until
+    /// it is done; `None` when no such answer is live here, it is already past `max_body`, or
+    /// no permit is given.
     pub(super) fn attach(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         last_event_id: Option<&[u8]>,
-        permit: OwnedSemaphorePermit,
+        permit: impl FnOnce() -> Option<OwnedSemaphorePermit>,
     ) -> Option<(Arc<Tape>, Reader)> {
         let tape = self.map().by_key.get(key)?.1.clone();
         if tape.fingerprint != *fingerprint {
             return None;
         }
         let mut reader = tape.reader(last_event_id)?;
-        reader._permit = Some(permit);
+        reader._permit = Some(permit()?);
         Some((tape, reader))
     }
 

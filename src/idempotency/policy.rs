@@ -184,6 +184,12 @@ impl Policy {
         }
     }
 
+    /// The shortest life the route's own settings give a record: `ttl` or `failure_ttl`,
+    /// whichever is shorter (an upstream's `max-age` aside).
+    pub fn shortest_life(&self) -> Ttl {
+        self.ttl.min(self.failure_ttl)
+    }
+
     /// A policy built in code: the built-in defaults, with what the builder sets, validated
     /// exactly as the same fields in TOML are.
     pub fn builder() -> PolicyBuilder {

@@ -44,8 +44,8 @@ pub(super) fn is_repeatable(policy: &Policy, headers: &HeaderMap) -> bool {
 }
 
 /// Check a repeatable request's `Repeatability-First-Sent` at `now`: missing or unparsable is
-/// 400; older than the route's `ttl` (its record may be gone, so a repeat could run twice) or
-/// more than [`MAX_CLOCK_SKEW`] ahead is 412.
+/// 400; older than `ttl`, the shortest life the route gives a record (its record may be gone,
+/// so a repeat could run twice), or more than [`MAX_CLOCK_SKEW`] ahead is 412.
 pub(super) fn check_first_sent(
     headers: &HeaderMap,
     ttl: Ttl,

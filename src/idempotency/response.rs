@@ -84,6 +84,11 @@ impl Terms {
             return None;
         }
         let ttl = match self.0.max_age {
+            // A repeatable route vouches for repeats sent within its records' shortest life
+            // (repeatability.rs): an upstream's shorter max-age would break that promise.
+            Some(age) if policy.repeatability => {
+                age.max(policy.shortest_life()).min(policy.max_ttl)
+            }
             Some(age) => age.min(policy.max_ttl),
             None if failure => policy.failure_ttl,
             None => policy.ttl,

@@ -40,6 +40,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use axum::body::Body;
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::header;
 use http::request::Parts;
 use http::{Method, Request, Response};
@@ -65,7 +66,7 @@ use super::trace;
 use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{Outcome, StoreOp, Unanswered, Unsettled};
+use crate::metrics::{InFlight, Outcome, StoreOp, Unanswered, Unsettled};
 use crate::store::{Claim, Claimant, Keep, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
@@ -155,7 +156,9 @@ where
         };
         if repeatable {
             let now = std::time::SystemTime::now();
-            if let Err(e) = repeatability::check_first_sent(req.headers(), policy.ttl, now) {
+            if let Err(e) =
+                repeatability::check_first_sent(req.headers(), policy.shortest_life(), now)
+            {
                 return shared.refuse_now(&route, started, e, format, true);
             }
         }
@@ -197,7 +200,9 @@ where
                 .overhead(started.elapsed().saturating_sub(finished.inner_time));
             let mut answer = finished.answer;
             if let (true, Ok(resp)) = (repeatable, &mut answer) {
-                let accepted = matches!(finished.outcome, Outcome::miss | Outcome::replayed);
+                // Accepted whenever the request may have been processed: forwarded (a miss, or
+                // without idempotency when the store was down), or answered by a replay.
+                let accepted = finished.forwarded || finished.outcome == Outcome::replayed;
                 repeatability::mark(resp.headers_mut(), accepted);
             }
             answer
@@ -221,6 +226,7 @@ impl<E> Forwarded<E> {
             outcome,
             answer: self.answer,
             inner_time: self.took,
+            forwarded: true,
         }
     }
 }
@@ -231,6 +237,8 @@ struct Finished<E> {
     outcome: Outcome,
     answer: Answer<E>,
     inner_time: Duration,
+    // Whether the request was handed to the inner service (it may have been processed).
+    forwarded: bool,
 }
 
 impl<E> Finished<E> {
@@ -241,6 +249,7 @@ impl<E> Finished<E> {
             outcome,
             answer: Ok(e.respond(format)),
             inner_time: Duration::ZERO,
+            forwarded: false,
         }
     }
 }
@@ -440,7 +449,7 @@ impl<St: Store> Shared<St> {
                     // Made before the try to attach: an answer offered after it wakes the wait.
                     let offered = attaches.then(|| self.live.offered(&lease.held.who.key));
                     if attaches {
-                        if let Some(attached) = self.attach(route, &lease.held, headers) {
+                        if let Some(attached) = self.attach(&mut waiter, &lease.held, headers) {
                             return Err(attached);
                         }
                     }
@@ -543,6 +552,7 @@ impl<St: Store> Shared<St> {
             outcome: Outcome::replayed,
             answer: Ok(response::replay(stored, &held.policy, lives, from)),
             inner_time: Duration::ZERO,
+            forwarded: false,
         }
     }
 
@@ -552,16 +562,15 @@ impl<St: Store> Shared<St> {
     /// `None` when no such answer is live here.
     fn attach<E>(
         &self,
-        route: &RouteState,
+        waiter: &mut Waiter,
         held: &Held,
         headers: &http::HeaderMap,
     ) -> Option<Finished<E>> {
         let policy = &held.policy;
-        let permit = route.waiters.clone().try_acquire_owned().ok()?;
         let last_event_id = sse::last_event_id(headers);
-        let (tape, reader) =
-            self.live
-                .attach(&held.who.key, &held.who.fingerprint, last_event_id, permit)?;
+        let (key, fingerprint) = (&held.who.key, &held.who.fingerprint);
+        let permit = || waiter.permit();
+        let (tape, reader) = self.live.attach(key, fingerprint, last_event_id, permit)?;
         debug!("attached to the live answer");
         let resumes = reader.resumes();
         let body = reader.into_body();
@@ -570,6 +579,7 @@ impl<St: Store> Shared<St> {
             outcome: Outcome::replayed,
             answer: Ok(answer),
             inner_time: Duration::ZERO,
+            forwarded: false,
         })
     }
 
@@ -592,23 +602,31 @@ impl<St: Store> Shared<St> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let format = lease.held.format;
         let this = self.clone();
-        this.metrics.in_flight().inc();
         let work = async move {
-            let (forwarded, tail) = this.run_claimed(inner, &lease, parts, body).await;
-            if tx.send(forwarded).is_err() {
-                debug!("client went away; the response is recorded for its retry");
+            let _in_flight = InFlight::count(&this.metrics);
+            let run = async {
+                let (forwarded, tail) = this.run_claimed(inner, &lease, parts, body).await;
+                if tx.send(forwarded).is_err() {
+                    debug!("client went away; the response is recorded for its retry");
+                }
+                if let Some(tail) = tail {
+                    this.record_stream(&lease, tail).await;
+                }
+            };
+            // A defect must not take the key with it: the call's outcome is unknown, so the
+            // key is left to its lease (counted as unsettled) and the client gets a 500.
+            if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
+                let route = &lease.held.policy.route;
+                error!(%route, key = %lease.held.tag(), panic = crate::error::panic_message(&*panic), "the claimed call's task failed; the key stays claimed until its lease ends");
+                this.metrics.unsettled(route, Unsettled::failed);
             }
-            if let Some(tail) = tail {
-                this.record_stream(&lease, tail).await;
-            }
-            this.metrics.in_flight().dec();
         };
         // No span of its own at info level (its cost shows on the miss path); its warnings
         // name the route and key themselves.
         self.tasks.spawn(work.in_current_span());
         let forwarded = rx.await.unwrap_or_else(|_| Forwarded {
-            // The task ended without an answer: it panicked, or the runtime is going away.
-            answer: Ok(GatewayError::Upstream.respond(format)),
+            // The task ended without an answer: it failed, or the runtime is going away.
+            answer: Ok(GatewayError::Internal.respond(format)),
             took: Duration::ZERO,
         });
         forwarded.ended(Outcome::miss)
@@ -640,8 +658,9 @@ impl<St: Store> Shared<St> {
         // From here on the lease is no longer renewed.
         let mut tail = None;
         // A call that ends in failure at its deadline timed out, whoever noticed first.
+        let timed_out = took >= policy.upstream_timeout;
         let unsettled = || {
-            let reason = match took >= policy.upstream_timeout {
+            let reason = match timed_out {
                 true => Unsettled::timeout,
                 false => Unsettled::failed,
             };
@@ -657,6 +676,12 @@ impl<St: Store> Shared<St> {
             Some(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
                 lease.release().await;
+                Err(e)
+            }
+            Some(Called::Failed(e)) if timed_out => {
+                // The inner service gave up at the same deadline (the proxy's own timeout).
+                warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, error = %e, "upstream timed out; key stays claimed until its lease ends");
+                unsettled();
                 Err(e)
             }
             Some(Called::Failed(e)) => {

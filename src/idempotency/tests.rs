@@ -26,7 +26,7 @@ enum InnerError {
 
 /// What the inner service does with a request: answers from its path and query.
 /// `/ok` 201 with the call number, `/status/NNN`, `/slow?ms=N` (then 201), `/big` (2 KiB),
-/// `/refused` (NotSent), `/reset` (another error).
+/// `/refused` (NotSent), `/reset` (another error), `/panic` (a defect).
 async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<Body>, InnerError> {
     let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
     let path = req.uri().path().to_string();
@@ -41,6 +41,7 @@ async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<
     match path.as_str() {
         "/refused" => Err(InnerError::Refused(NotSent::new("connection refused"))),
         "/reset" => Err(InnerError::Reset),
+        "/panic" => panic!("a defect in the inner service"),
         "/big" => Ok(answer(201, "x".repeat(2048))),
         "/slow" => {
             let ms: u64 = query.trim_start_matches("ms=").parse().unwrap();
@@ -207,6 +208,41 @@ async fn a_failure_after_sending_keeps_the_claim_until_the_lease_ends() {
         "the lease ended: it runs again"
     );
     assert_eq!(s.calls(), 2);
+}
+
+/// A claimed call's task that fails in any way settles its key and its gauges: the client gets
+/// a 500 (not a closed connection), the in-flight gauge comes back down, the call is counted
+/// as unsettled, and the key is left to its lease (whether the call ran is unknown), then runs.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_call_answers_500_and_leaves_its_key_to_the_lease() {
+    let s = Setup::new(|p| p.lock_ttl(Duration::from_secs(10)));
+    let first = s.post("/panic", "k", "a").await.unwrap();
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(first.problem(), "internal");
+    s.layer.tasks().close();
+    s.layer.tasks().wait().await;
+    let metrics = s.layer.metrics().encode();
+    assert!(
+        metrics.contains("idemgate_in_flight_claims 0\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains("idemgate_calls_unsettled_total{route=\"defaults\",reason=\"failed\"} 1\n"),
+        "{metrics}"
+    );
+    let retry = s.post("/panic", "k", "a").await.unwrap();
+    assert_eq!(retry.problem(), "in-flight");
+    tokio::time::advance(Duration::from_secs(11)).await;
+    assert_eq!(
+        s.post("/ok", "k2", "a").await.unwrap().status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        s.post("/panic", "k", "a").await.unwrap().problem(),
+        "internal"
+    );
+    assert_eq!(s.calls(), 3);
 }
 
 #[tokio::test(start_paused = true)]

@@ -30,6 +30,15 @@ impl Waiter {
         }
     }
 
+    /// A waiter permit for a duplicate that stops waiting to attach to a live answer: the one
+    /// this wait holds, or else one of the route's, if any is free.
+    pub(super) fn permit(&mut self) -> Option<OwnedSemaphorePermit> {
+        match self.waiting.take() {
+            Some(waiting) => Some(waiting._permit),
+            None => self.route.waiters.clone().try_acquire_owned().ok(),
+        }
+    }
+
     /// The key was found in flight: whether to look again (after waiting for the holder, or
     /// until `offered` ends, when this is not the first look), or to answer "in flight" now
     /// (the route does not wait, its waiters are all taken, or the wait is over).

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
+use futures_util::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -25,7 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::error::GatewayError;
 use crate::headers::admit;
@@ -344,11 +345,17 @@ where
         let stack = self.stack.clone();
         let (routes, uri) = (self.routes.clone(), req.uri().clone());
         Box::pin(async move {
-            let resp = match stack.oneshot(req).await {
-                Ok(resp) => resp.map(Body::new),
-                Err(e) => {
-                    let format = routes.policy_for(uri.path()).error_format;
-                    GatewayError::from(&e).respond(grpc::error_format(call, format))
+            // A defect answers this request with a 500 in the route's format (which tower-http's
+            // CatchPanic cannot choose) rather than closing the connection with no answer.
+            let called = std::panic::AssertUnwindSafe(stack.oneshot(req)).catch_unwind();
+            let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
+            let resp = match called.await {
+                Ok(Ok(resp)) => resp.map(Body::new),
+                Ok(Err(e)) => GatewayError::from(&e).respond(format()),
+                Err(panic) => {
+                    let panic = crate::error::panic_message(&*panic);
+                    error!(%panic, path = uri.path(), "the gateway failed while handling a request; answered 500");
+                    GatewayError::Internal.respond(format())
                 }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))

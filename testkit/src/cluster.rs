@@ -780,7 +780,7 @@ impl NodeLine {
 }
 
 /// One command to the node on `127.0.0.1:port`, on a fresh connection; an error when it does not
-/// answer within [`QUERY`]. Without the client's `CLIENT SETINFO`, which Redis 7.0 answers with an
+/// answer within `QUERY`. Without the client's `CLIENT SETINFO`, which Redis 7.0 answers with an
 /// error that would count in the node's `INFO errorstats`.
 pub async fn query<T: FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
     let info = format!("redis://127.0.0.1:{port}").into_connection_info()?;
