@@ -877,51 +877,79 @@ async fn a_claim_given_up_on_is_cancelled_on_the_server_whatever_the_url_says() 
     assert!(matches!(claim.unwrap(), Claim::Claimed));
 }
 
-/// A statement's time is counted from when it is sent, as the server counts its
-/// `statement_timeout`: a claim that waited most of its timeout for the pool's one connection
-/// still has the whole of it for its statement. (Counted from the checkout, the gateway gave up
-/// while the server ran the claim on, for up to a timeout more, and the claim committed with
-/// nobody working on it: past about 3 s, after the gateway had stopped trying to take it back.)
+/// A claim that waited most of its timeout for the pool's one connection is cancelled on the
+/// server when the gateway gives up on it, not a whole timeout after it began there (the server
+/// counts `statement_timeout` from the statement's start: left at that, the claim ran on past
+/// the gateway's 503, past the engine's take-back of about 3 s with a long enough timeout, and
+/// committed with nobody working on it). One that starts late and succeeds hands its connection
+/// back bound by the whole timeout again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_statement_has_its_whole_timeout_however_long_it_waited_for_a_connection() {
+async fn a_claim_that_started_late_is_cancelled_on_the_server_when_the_gateway_gives_up() {
     let server = PostgresServer::start().await;
-    let mut settings = PostgresSettings::new(server.url()).timeout(Duration::from_secs(2));
+    let mut settings = PostgresSettings::new(server.url()).timeout(Duration::from_secs(5));
     settings.pool_size = 1;
     let s = PostgresStore::connect(&settings).await.unwrap();
-    let (first, second) = (ScopedKey([13; 32]), ScopedKey([14; 32]));
-    let (holds_first, holds_second) = (session(&server).await, session(&server).await);
-    hold(&holds_first, &first).await;
-    hold(&holds_second, &second).await;
+    let keys: Vec<_> = (20..25).map(|i| ScopedKey([i; 32])).collect();
+    let mut holders = Vec::new();
+    for key in &keys {
+        holders.push(session(&server).await);
+        hold(holders.last().unwrap(), key).await;
+    }
     let claim = |key: ScopedKey| {
         let s = s.clone();
         tokio::spawn(async move {
-            s.claim(
-                &Claimant::new(key, Fingerprint([13; 32]), Token::random()),
-                ClaimTerms::lease(LEASE),
-            )
-            .await
+            let who = Claimant::new(key, Fingerprint([20; 32]), Token::random());
+            s.claim(&who, ClaimTerms::lease(LEASE)).await
         })
     };
-    let first_claim = claim(first);
+    let waiting = async |n: &str| {
+        wait_until(Duration::from_secs(5), "claims wait", async || {
+            waiting_on_locks(&server) == n
+        })
+        .await;
+    };
+    let release = async |i: usize| holders[i].batch_execute("ROLLBACK").await.unwrap();
+    // The second claim waits 4 s of its 5 for the pool's one connection, held by the first.
+    let first = claim(keys[0]);
+    waiting("1").await;
+    let second = claim(keys[1]);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    release(0).await;
+    assert!(matches!(first.await.unwrap(), Ok(Claim::Claimed)));
+    let second = second.await.unwrap();
+    assert!(second.is_err(), "{second:?}");
     wait_until(
-        Duration::from_secs(5),
-        "the first claim waits",
-        async || waiting_on_locks(&server) == "1",
+        Duration::from_millis(1500),
+        "the server gave up on the claim with the gateway",
+        async || waiting_on_locks(&server) == "0",
     )
     .await;
-    // The second waits for the pool's one connection, held by the first for 1 s.
-    let second_claim = claim(second);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    holds_first.batch_execute("ROLLBACK").await.unwrap();
-    assert!(matches!(first_claim.await.unwrap(), Ok(Claim::Claimed)));
-    // 2.5 s after the second claim began, 1.5 s after its statement was sent.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    holds_second.batch_execute("ROLLBACK").await.unwrap();
-    let second_claim = second_claim.await.unwrap();
-    assert!(
-        matches!(second_claim, Ok(Claim::Claimed)),
-        "{second_claim:?}"
+    release(1).await;
+    let row = format!(
+        "SELECT count(*) FROM idemgate_records WHERE key = {}",
+        bytea(&keys[1])
     );
+    assert_eq!(
+        server.psql(&row),
+        "0",
+        "the claim given up on never committed"
+    );
+    // Again with 1.5 s left, the row free 0.3 s into them: claimed.
+    let first = claim(keys[2]);
+    waiting("1").await;
+    let second = claim(keys[3]);
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    release(2).await;
+    assert!(matches!(first.await.unwrap(), Ok(Claim::Claimed)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    release(3).await;
+    assert!(matches!(second.await.unwrap(), Ok(Claim::Claimed)));
+    // The next statement on that connection has its whole 5 s: it waits 2.5 s, and claims.
+    let third = claim(keys[4]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    release(4).await;
+    let third = third.await.unwrap();
+    assert!(matches!(third, Ok(Claim::Claimed)), "{third:?}");
 }
 
 /// A schema-1 table of `rows` rows (live for a day), as an idemgate of that schema left it.

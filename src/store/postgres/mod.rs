@@ -7,11 +7,11 @@
 //! is (run again when a concurrent claimant won the key meanwhile); completing, releasing and renewing are one
 //! `UPDATE`/`DELETE ... WHERE key = $1 AND token = $2`. Expired rows are ignored by every
 //! statement and deleted in the background by a reaper, in bounded batches, every
-//! [`REAP_EVERY`]. Waiting for a pooled connection (connecting included) is bounded by
-//! `timeout`, and so is each statement, on both sides: the gateway waits for its answer at most
-//! `timeout` from sending it, and the server cancels it `timeout` after it began
-//! (`statement_timeout`, set on every connection whatever the URL says), so that a statement
-//! the gateway gave up on does not commit later. Admin evictions are notified to every process
+//! [`REAP_EVERY`]. Every operation (pool checkout, connecting when needed, the statement) is
+//! bounded by `timeout` as a whole, and the server gives up on the statement when the gateway
+//! does (`statement_timeout`, set on every connection whatever the URL says, and shortened for
+//! a statement that starts late), so that a statement the gateway gave up on does not commit
+//! later. Admin evictions are notified to every process
 //! on the table (`listen.rs`), for the local caches in front. A table of an older schema is
 //! served as it is while one process migrates it in the background (`schema.rs`).
 
@@ -69,6 +69,12 @@ pub const DEFAULT_MIGRATION_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 const MIGRATION_RETRY: Duration = Duration::from_secs(5);
 const MIGRATION_RETRY_MAX: Duration = Duration::from_secs(300);
 
+/// How late a statement may start within its operation's timeout and run under the
+/// connection's own `statement_timeout` (the whole timeout): the server may then run it this
+/// much longer than the gateway waits, a moment the engine's take-back of a claim whose answer
+/// was lost covers. A statement that starts later has its bound set to the time left.
+const LATE_START: Duration = Duration::from_millis(50);
+
 /// PostgreSQL's longest `statement_timeout` (`INT_MAX` milliseconds, about 24.8 days): longer
 /// bounds count as this.
 const MAX_STATEMENT_TIMEOUT_MS: u64 = i32::MAX as u64;
@@ -82,9 +88,8 @@ pub struct PostgresSettings {
     pub table: String,
     /// Most connections this gateway opens.
     pub pool_size: usize,
-    /// How long waiting for a pooled connection (connecting included), and then each statement,
-    /// may take before the store counts as down for that request; the server cancels a
-    /// statement past it too.
+    /// How long one operation (checkout, connect, statement) may take before the store counts
+    /// as down for that request; the server cancels the statement then too.
     pub timeout: Duration,
     /// How long one statement of a schema migration may run (on a connection of its own, in
     /// the background).
@@ -444,7 +449,8 @@ impl Connector {
         .bounding(settings.timeout))
     }
 
-    /// These connections, with every statement cancelled by the server `bound` after it began:
+    /// These connections, with every statement cancelled by the server `bound` after it began
+    /// (unless set otherwise for one statement):
     /// `-c statement_timeout` after the URL's own options, so that it wins over a
     /// `statement_timeout` set there (or for the role or the database).
     fn bounding(mut self, bound: Duration) -> Self {
@@ -680,11 +686,13 @@ impl Handle<'_> {
         }
     }
 
-    /// Run `statement` on a pooled connection (prepared once per connection): the checkout
-    /// within the timeout, then the statement within the timeout from when it is sent, as the
-    /// server counts its `statement_timeout` (a wait from the start of the checkout would give
-    /// up on a statement the server still runs, and may commit, for as long again). A
-    /// connection whose answer is late is dropped, not handed to the next caller behind it.
+    /// Run `statement` on a pooled connection (prepared once per connection), the whole within
+    /// the timeout. The server gives up on the statement when the gateway does: the
+    /// connection's `statement_timeout` is the whole timeout, counted from the statement's
+    /// start, so a statement that starts late (after a wait for a connection) is preceded by
+    /// `SET statement_timeout` to the time left, and followed by one setting it back, in the
+    /// same round trip. A connection whose answer is late is dropped, not handed to the next
+    /// caller behind it.
     async fn run(
         &self,
         statement: &str,
@@ -693,23 +701,42 @@ impl Handle<'_> {
     ) -> Result<Answer, StoreError> {
         self.ready().await?;
         let timeout = self.shared.timeout;
-        let client = self
-            .checkout(crate::time::after(Instant::now(), timeout))
-            .await?;
-        let prepared = tokio::time::timeout(timeout, client.prepare_cached(statement)).await;
+        let deadline = crate::time::after(Instant::now(), timeout);
+        let client = self.checkout(deadline).await?;
+        let prepared = tokio::time::timeout_at(deadline, client.prepare_cached(statement)).await;
         let prepared = match prepared {
             Ok(prepared) => prepared.map_err(PostgresError::Db)?,
             Err(_) => return Err(late(client, timeout)),
         };
-        let answer = tokio::time::timeout(timeout, async {
-            Ok::<_, tokio_postgres::Error>(match rows {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let statement = async {
+            Ok(match rows {
                 true => Answer::Rows(client.query(&prepared, params).await?),
                 false => Answer::Count(client.execute(&prepared, params).await?),
             })
+        };
+        let answer = tokio::time::timeout_at(deadline, async {
+            if timeout.saturating_sub(left) <= LATE_START {
+                return (statement.await, true);
+            }
+            let bound = |d| format!("SET statement_timeout = {}", statement_timeout_ms(d));
+            let (shortened, restored) = (bound(left), bound(timeout));
+            let (set, answer, reset) = tokio::join!(
+                client.batch_execute(&shortened),
+                statement,
+                client.batch_execute(&restored),
+            );
+            (answer, set.is_ok() && reset.is_ok())
         })
         .await;
         match answer {
-            Ok(answer) => Ok(answer.map_err(PostgresError::Db)?),
+            Ok((answer, bound_again)) => {
+                if !bound_again {
+                    // Its statement_timeout is not known: not handed to the next caller.
+                    drop(deadpool_postgres::Object::take(client));
+                }
+                Ok(answer.map_err(PostgresError::Db)?)
+            }
             Err(_) => Err(late(client, timeout)),
         }
     }
