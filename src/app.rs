@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use crate::admin;
 use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
-use crate::listener::{ConnectionCap, Timeouts, Worker};
+use crate::listener::{ConnectionCap, MinBodyRate, Timeouts, Worker};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, ProxyError};
 use crate::store::{AnyStore, StoreError};
@@ -277,6 +277,12 @@ where
         timeouts: Timeouts {
             header: config.client_header_timeout,
             idle: config.client_idle_timeout,
+            body_rate: config
+                .client_min_body_rate
+                .map(|bytes_per_second| MinBodyRate {
+                    bytes_per_second,
+                    grace: config.client_min_body_rate_grace,
+                }),
         },
         cap,
         metrics: layer.metrics().clone(),

@@ -58,6 +58,10 @@ pub enum GatewayError {
     /// than the route's `ttl`, or more than a minute in the future; never forwarded.
     #[error("{0}")]
     RepeatabilityRejected(&'static str),
+    /// 408: the request body arrived slower than `client_min_body_rate` once its grace had
+    /// passed; it was not forwarded whole.
+    #[error("the request body arrived slower than {0} bytes a second, the least the gateway accepts once a body has had its grace; it was not forwarded whole")]
+    BodyTooSlow(u64),
     /// 501: the request uses a transfer coding other than `chunked`, which the gateway does not
     /// decode (it never forwards a body relabelled).
     #[error("the only transfer coding accepted is chunked, applied once")]
@@ -157,6 +161,7 @@ impl GatewayError {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTooSlow(_) => StatusCode::REQUEST_TIMEOUT,
             Self::Mismatch { status } => *status,
             Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
             Self::KeyExpired { .. } => StatusCode::GONE,
@@ -185,6 +190,7 @@ impl GatewayError {
             Self::CorruptRecord => "corrupt-record",
             Self::RecordUnreadable => "record-unreadable",
             Self::BodyTooLarge { .. } => "body-too-large",
+            Self::BodyTooSlow(_) => "body-too-slow",
             Self::Mismatch { .. } => "mismatch",
             Self::InFlight { .. } => "in-flight",
             Self::NotReplayable => "not-replayable",
@@ -212,6 +218,7 @@ impl GatewayError {
             Self::CorruptRecord => "Stored response damaged",
             Self::RecordUnreadable => "Stored response unreadable",
             Self::BodyTooLarge { .. } => "Request body too large",
+            Self::BodyTooSlow(_) => "Request body too slow",
             Self::Mismatch { .. } => "Idempotency-Key reused with a different request",
             Self::InFlight { .. } => "Request in flight",
             Self::NotReplayable => "Response not replayable",
@@ -278,7 +285,7 @@ impl GatewayError {
             E::UnsupportedTransferCoding | E::UnsupportedMethod(_) => Code::Unimplemented,
             E::CorruptRecord | E::RecordUnreadable => Code::DataLoss,
             E::Internal => Code::Internal,
-            E::UpstreamTimeout => Code::DeadlineExceeded,
+            E::UpstreamTimeout | E::BodyTooSlow(_) => Code::DeadlineExceeded,
             E::Upstream
             | E::UpstreamTls
             | E::UpstreamInvalidResponse(_)
@@ -307,7 +314,8 @@ impl GatewayError {
             | Self::RepeatabilityRejected(_)
             | Self::UnsupportedTransferCoding
             | Self::UnsupportedMethod(_)
-            | Self::BodyTooLarge { .. } => ("invalid_request_error", self.status()),
+            | Self::BodyTooLarge { .. }
+            | Self::BodyTooSlow(_) => ("invalid_request_error", self.status()),
             Self::CorruptRecord
             | Self::RecordUnreadable
             | Self::Upstream

@@ -69,7 +69,8 @@
 //! - `listener/`: client connections: `listener/mod.rs` (the accept loop under
 //!   `max_client_connections`, one connection served with HTTP/1.1 or HTTP/2, the service that
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
-//!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients).
+//!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients),
+//!   `listener/rate.rs` (`client_min_body_rate`: a request body that arrives too slowly, cut).
 //! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
 //!   its errors), `proxy/settings.rs` (one upstream's settings, [`proxy::UpstreamConfig`]),
 //!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),

@@ -187,6 +187,14 @@ fn check_config(file: Option<&str>) -> Result<(), String> {
         config.client_header_timeout
     );
     println!("client_idle_timeout    = {:?}", config.client_idle_timeout);
+    println!(
+        "client_min_body_rate   = {:?}",
+        idemgate::config::HumanRate(config.client_min_body_rate)
+    );
+    println!(
+        "client_min_body_rate_grace = {:?}",
+        config.client_min_body_rate_grace
+    );
     println!("max_client_connections = {}", config.max_client_connections);
     match &config.tls {
         Some(tls) => println!("[tls] {tls:#?}"),

@@ -407,6 +407,7 @@ struct ClientConnections {
     open: Gauge,
     closed: Family<ClosedLabels, Counter>,
     at_cap: Counter<f64, std::sync::atomic::AtomicU64>,
+    too_slow: Counter,
 }
 
 impl ClientConnections {
@@ -429,10 +430,17 @@ impl ClientConnections {
             "Time spent with max_client_connections open, new connections waiting in the kernel's backlog",
             at_cap.clone(),
         );
+        let too_slow = Counter::default();
+        registry.register(
+            "idemgate_client_bodies_too_slow",
+            "Request bodies cut for arriving slower than client_min_body_rate, answered 408",
+            too_slow.clone(),
+        );
         ClientConnections {
             open,
             closed,
             at_cap,
+            too_slow,
         }
     }
 }
@@ -788,6 +796,11 @@ impl Metrics {
             .closed
             .get_or_create(&ClosedLabels { reason })
             .inc();
+    }
+
+    /// Count a request body cut for arriving slower than `client_min_body_rate`.
+    pub fn client_body_too_slow(&self) {
+        self.inner.clients.too_slow.inc();
     }
 
     /// Add time spent at `max_client_connections`.

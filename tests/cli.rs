@@ -54,6 +54,18 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "max_client_connections",
         ),
         (
+            "upstream = \"http://127.0.0.1:9\"\nclient_min_body_rate = \"0.5B/s\"",
+            "client_min_body_rate",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\nclient_min_body_rate = \"240B\"",
+            "client_min_body_rate",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:9\"\nclient_min_body_rate_grace = \"0s\"",
+            "client_min_body_rate_grace",
+        ),
+        (
             "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"forever\"",
             "defaults.ttl",
         ),
@@ -95,9 +107,27 @@ fn check_config_accepts_the_shipped_example() {
     for line in [
         "client_header_timeout  = 30s",
         "client_idle_timeout    = 60s",
+        "client_min_body_rate   = 240 B/s",
+        "client_min_body_rate_grace = 5s",
         "max_client_connections = 10000",
     ] {
         assert!(shown.contains(line), "{line:?} not in {shown}");
+    }
+    for (rate, shown) in [
+        ("off", "off"),
+        ("0", "off"),
+        ("1", "1 B/s"),
+        ("1MiB/s", "1.0 MiB/s"),
+    ] {
+        let out = idemgate_env(
+            &["check-config"],
+            &[
+                ("IDEMGATE_UPSTREAM", "http://127.0.0.1:9"),
+                ("IDEMGATE_CLIENT_MIN_BODY_RATE", rate),
+            ],
+        );
+        let line = format!("client_min_body_rate   = {shown}\n");
+        assert!(succeeded(&out).contains(&line), "{rate}: {line:?}");
     }
 }
 

@@ -12,12 +12,12 @@ use common::{
     client, send, wait_until, Backend, CountingUpstream, InProcessGateway, StoreServer, TestConfig,
     TestEnv,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 on_both_backends!(
     an_unsolicited_101_keeps_the_key_claimed,
-    a_client_that_reads_nothing_is_closed,
+    a_client_that_stops_reading_is_closed_within_the_idle_timeout,
 );
 
 const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
@@ -38,7 +38,7 @@ async fn closed(gateway: &InProcessGateway, reason: &str) -> u64 {
 }
 
 /// Read (and drop) whatever the gateway sends until it closes the connection; how long that took.
-async fn time_until_closed(mut stream: TcpStream, limit: Duration) -> Duration {
+async fn time_until_closed(mut stream: impl AsyncRead + Unpin, limit: Duration) -> Duration {
     let started = Instant::now();
     let mut buf = [0u8; 4096];
     loop {
@@ -88,6 +88,28 @@ mod frames {
         bytes.extend(frame(SETTINGS, 0, 0, &[]));
         bytes
     }
+
+    /// Read frames (acknowledging SETTINGS and PING) until one ends a stream: an answer.
+    pub(crate) async fn read_an_answer(stream: &mut tokio::net::TcpStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let mut head = [0u8; 9];
+            stream.read_exact(&mut head).await.unwrap();
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            stream.read_exact(&mut payload).await.unwrap();
+            let (kind, flags) = (head[3], head[4]);
+            let ack = match kind {
+                SETTINGS if flags & 0x1 == 0 => frame(SETTINGS, 0x1, 0, &[]),
+                PING if flags & 0x1 == 0 => frame(PING, 0x1, 0, &payload),
+                _ => vec![],
+            };
+            stream.write_all(&ack).await.unwrap();
+            if (kind == DATA || kind == HEADERS) && flags & END_STREAM != 0 {
+                return;
+            }
+        }
+    }
 }
 
 #[tokio::test]
@@ -135,6 +157,49 @@ async fn silent_connections_are_closed_within_the_header_timeout() {
     }
     assert_eq!(closed(&gateway, "header_timeout").await, 5);
     assert_eq!(upstream.calls(), 0);
+}
+
+/// An HTTP/2 header block whose frames say END_HEADERS but whose payload trickles, a byte every
+/// 200 ms, is no head until its last byte: cut at `client_header_timeout`, on a new connection
+/// and on one that has been answered before.
+#[tokio::test]
+async fn a_trickled_http2_header_block_gets_the_header_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let gateway = InProcessGateway::start(&timeouts().upstream(&upstream.url())).await;
+    // Long enough to trickle past the idle timeout: 80 bytes, 16 s.
+    let block = frames::get(&format!("/v1/p?{}", "x".repeat(60)), "gw");
+    let headers = |stream: u32| {
+        let flags = frames::END_HEADERS | frames::END_STREAM;
+        frames::frame(frames::HEADERS, flags, stream, &block)
+    };
+    for answered_before in [false, true] {
+        let mut stream = TcpStream::connect(gateway.addr).await.unwrap();
+        stream.write_all(&frames::hello()).await.unwrap();
+        let mut id = 1;
+        if answered_before {
+            stream.write_all(&headers(id)).await.unwrap();
+            frames::read_an_answer(&mut stream).await;
+            id += 2;
+        }
+        let (read, mut write) = stream.into_split();
+        let frame = headers(id);
+        let trickle = tokio::spawn(async move {
+            write.write_all(&frame[..10]).await?;
+            for b in &frame[10..] {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                write.write_all(std::slice::from_ref(b)).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        });
+        let took = time_until_closed(read, IDLE_TIMEOUT * 2).await;
+        assert!(
+            took >= HEADER_TIMEOUT - Duration::from_millis(100) && took < HEADER_TIMEOUT * 5 / 2,
+            "answered before: {answered_before}: closed after {took:?}"
+        );
+        trickle.abort();
+    }
+    assert_eq!(closed(&gateway, "header_timeout").await, 2);
+    assert_eq!(upstream.calls(), 1);
 }
 
 #[tokio::test]
@@ -282,19 +347,46 @@ async fn the_connection_cap_holds_silent_connections_back_while_a_client_is_serv
     drop(silent);
 }
 
-async fn a_client_that_reads_nothing_is_closed(b: Backend) {
-    // A keyed answer of 32 MiB, recorded whole, that the client never reads: more than the
-    // socket buffers hold, so the gateway's writes stop.
+async fn a_client_that_stops_reading_is_closed_within_the_idle_timeout(b: Backend) {
+    // A keyed answer of 32 MiB, recorded whole, that the client takes slowly and then stops
+    // taking: more than the socket buffers hold, so the gateway's writes stop.
     let env = TestEnv::start(b, timeouts().set("defaults.max_body", "64MiB")).await;
     let request = "POST /big?bytes=33554432 HTTP/1.1\r\nhost: gw\r\nidempotency-key: never-read\r\ncontent-length: 1\r\n\r\nx";
     let mut stream = TcpStream::connect(env.gateway.addr).await.unwrap();
+    let connected = Instant::now();
     stream.write_all(request.as_bytes()).await.unwrap();
+    // It takes 64 KiB every 10 ms (so that the gateway's socket buffer drains and its writes
+    // go on), and stops a second after a whole number of idle timeouts since it connected (and
+    // after the answer's first byte): the worst moment for a watchdog that would look only
+    // once every idle timeout, which would close it nearly two idle timeouts later.
+    stream.peek(&mut [0u8; 1]).await.unwrap();
+    let first_byte = Instant::now();
+    let mut stop = connected + IDLE_TIMEOUT + Duration::from_secs(1);
+    while stop < Instant::now() + Duration::from_millis(500) {
+        stop += IDLE_TIMEOUT;
+    }
+    let mut buf = vec![0u8; 64 << 10];
+    while Instant::now() < stop {
+        assert!(stream.read(&mut buf).await.unwrap() > 0, "the answer ended");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped = Instant::now();
+    // The gateway's last write came between the answer's first byte and the stop (how long
+    // before it, the time its socket buffer takes to drain by half says): closed no sooner
+    // than the idle timeout after the first, and within it and its slack (one second, and half
+    // as much again for a loaded machine) after the second.
     wait_until(
         IDLE_TIMEOUT * 3,
-        "the gateway closes a connection whose client reads nothing",
+        "the gateway closes a connection whose client stopped reading",
         async || closed(&env.gateway, "stalled").await == 1,
     )
     .await;
+    let (since_first, since_stop) = (first_byte.elapsed(), stopped.elapsed());
+    assert!(
+        since_first >= IDLE_TIMEOUT - Duration::from_millis(100)
+            && since_stop < IDLE_TIMEOUT + Duration::from_millis(1500),
+        "HTTP/1.1: closed {since_stop:?} after the client stopped reading"
+    );
     drop(stream);
     // Over HTTP/2, a client whose stream window stays 0: the answer's head comes, no DATA can.
     let tcp = TcpStream::connect(env.gateway.addr).await.unwrap();
@@ -312,11 +404,17 @@ async fn a_client_that_reads_nothing_is_closed(b: Backend) {
     body.send_data(Bytes::from_static(b"x"), true).unwrap();
     let resp = resp.await.unwrap();
     assert_eq!(resp.status(), 201);
+    // The answer's head came; its first DATA waits on the window from then.
     let started = Instant::now();
     let _ = tokio::time::timeout(IDLE_TIMEOUT * 3, conn)
         .await
         .expect("the gateway closed the connection");
-    assert!(started.elapsed() >= IDLE_TIMEOUT - Duration::from_millis(200));
+    let took = started.elapsed();
+    assert!(
+        took >= IDLE_TIMEOUT - Duration::from_millis(200)
+            && took < IDLE_TIMEOUT + Duration::from_millis(1500),
+        "HTTP/2: closed {took:?} after the answer's head"
+    );
     assert_eq!(closed(&env.gateway, "stalled").await, 2);
     // Both answers were recorded all the same: their retries are replays.
     for (path, key, len) in [
@@ -328,6 +426,37 @@ async fn a_client_that_reads_nothing_is_closed(b: Backend) {
         assert_eq!(again.body.len(), len);
     }
     assert_eq!(env.upstream.calls(), 2);
+}
+
+/// A client that stops sending the body it announced, a second after a whole number of idle
+/// timeouts since it connected: closed one idle timeout after its last byte, not at the next of
+/// looks an idle timeout apart (which would be nearly two idle timeouts later).
+#[tokio::test]
+async fn a_client_that_stops_sending_its_body_is_closed_within_the_idle_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let config = timeouts()
+        .upstream(&upstream.url())
+        .set("client_min_body_rate", "off");
+    let gateway = InProcessGateway::start(&config).await;
+    let stream = TcpStream::connect(gateway.addr).await.unwrap();
+    let connected = Instant::now();
+    let (read, mut write) = stream.into_split();
+    let head = "POST /v1/p HTTP/1.1\r\nhost: gw\r\nidempotency-key: half-sent\r\ncontent-length: 100\r\n\r\n";
+    write.write_all(head.as_bytes()).await.unwrap();
+    let stop = connected + IDLE_TIMEOUT + Duration::from_secs(1);
+    while Instant::now() < stop {
+        write.write_all(b"x").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = time_until_closed(read, IDLE_TIMEOUT * 3).await;
+    assert!(
+        took >= IDLE_TIMEOUT - Duration::from_millis(200)
+            && took < IDLE_TIMEOUT + Duration::from_millis(1500),
+        "closed {took:?} after the last byte of the body"
+    );
+    assert_eq!(closed(&gateway, "stalled").await, 1);
+    assert_eq!(upstream.calls(), 0);
+    drop(write);
 }
 
 async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {
@@ -427,4 +556,137 @@ async fn host_must_name_the_authority_and_userinfo_is_refused() {
         assert!(String::from_utf8_lossy(&resp.body).contains("invalid-authority"));
     }
     assert_eq!(upstream.requests().len(), 2);
+}
+
+/// The client timeouts, with a least body rate of 100 B/s after a grace of 1 s.
+fn min_rate() -> TestConfig {
+    timeouts()
+        .set("client_min_body_rate", "100B/s")
+        .set("client_min_body_rate_grace", "1s")
+}
+
+/// Write `head`, then `body` in pieces of `piece` bytes, `every` apart; the write half is kept
+/// (and the trickle stopped) until the task is aborted.
+fn trickle(
+    mut write: tokio::net::tcp::OwnedWriteHalf,
+    head: String,
+    body: Vec<u8>,
+    (piece, every): (usize, Duration),
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    tokio::spawn(async move {
+        write.write_all(head.as_bytes()).await?;
+        for part in body.chunks(piece) {
+            write.write_all(part).await?;
+            tokio::time::sleep(every).await;
+        }
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}
+
+/// A keyed POST whose body trickles at 3 B/s, under 100 B/s: once the grace has passed, `408
+/// body-too-slow`, the connection closed after it, nothing forwarded, and the key free for the
+/// retry. A body at 200 B/s, slower than the idle timeout lets nothing move but above the rate,
+/// goes through.
+#[tokio::test]
+async fn a_body_below_the_min_rate_is_cut_with_408_one_above_it_goes_through() {
+    let upstream = CountingUpstream::start().await;
+    let gateway = InProcessGateway::start(&min_rate().upstream(&upstream.url())).await;
+    let post = |key: &str, len: usize| {
+        format!("POST /v1/p HTTP/1.1\r\nhost: gw\r\nidempotency-key: {key}\r\ncontent-length: {len}\r\n\r\n")
+    };
+    let stream = TcpStream::connect(gateway.addr).await.unwrap();
+    let (read, write) = stream.into_split();
+    let started = Instant::now();
+    let slow = trickle(
+        write,
+        post("trickled", 50),
+        vec![b'x'; 50],
+        (1, Duration::from_millis(300)),
+    );
+    let mut read = tokio::io::BufReader::new(read);
+    let mut head = String::new();
+    let mut line = String::new();
+    while read.read_line(&mut line).await.unwrap() > 2 {
+        head.push_str(&line);
+        line.clear();
+    }
+    let took = started.elapsed();
+    assert!(head.starts_with("HTTP/1.1 408 "), "{head}");
+    assert!(
+        head.contains("content-type: application/problem+json"),
+        "{head}"
+    );
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "answered after {took:?}"
+    );
+    let mut body = Vec::new();
+    tokio::time::timeout(Duration::from_secs(2), read.read_to_end(&mut body))
+        .await
+        .expect("the connection closed after the answer")
+        .unwrap();
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("urn:idemgate:problem:body-too-slow"),
+        "{body}"
+    );
+    slow.abort();
+    assert_eq!(upstream.calls(), 0);
+    // The key was never claimed: the retry runs.
+    let retry = send(
+        client()
+            .post(gateway.url("/v1/p"))
+            .header("idempotency-key", "trickled")
+            .body(vec![b'x'; 50]),
+    )
+    .await;
+    assert_eq!((retry.status, retry.replayed()), (201, false));
+    // 40 bytes every 200 ms: twice the rate, for three times the grace.
+    let (read, write) = TcpStream::connect(gateway.addr).await.unwrap().into_split();
+    let steady = trickle(
+        write,
+        post("steady", 600),
+        vec![b'y'; 600],
+        (40, Duration::from_millis(200)),
+    );
+    let mut read = tokio::io::BufReader::new(read);
+    let mut status = String::new();
+    read.read_line(&mut status).await.unwrap();
+    assert!(status.starts_with("HTTP/1.1 201 "), "{status}");
+    steady.abort();
+    assert_eq!(upstream.calls(), 2);
+    assert_eq!(
+        gateway
+            .metric("idemgate_client_bodies_too_slow_total")
+            .await,
+        1.0
+    );
+}
+
+/// A large upload at the client's full speed, to an upstream that reads nothing for 3 s and then
+/// all of it: the rate counts only the time the gateway waits on the client, so neither is cut
+/// (counting the upstream's 3 s would cut it at 32 MiB/s).
+#[tokio::test]
+async fn a_large_upload_and_an_upstream_that_reads_slowly_are_not_cut() {
+    let upstream = CountingUpstream::start().await;
+    let config = timeouts()
+        .upstream(&upstream.url())
+        .set("client_min_body_rate", "32MiB/s")
+        .set("client_min_body_rate_grace", "1s");
+    let gateway = InProcessGateway::start(&config).await;
+    let body = vec![b'z'; 64 << 20];
+    for path in ["/v1/upload", "/v1/upload?read_delay_ms=3000"] {
+        let seen = send(client().post(gateway.url(path)).body(body.clone())).await;
+        assert_eq!(seen.status, 201, "{path}: {seen:?}");
+        let json: serde_json::Value = serde_json::from_slice(&seen.body).unwrap();
+        assert_eq!(json["body_len"], 64 << 20, "{path}");
+    }
+    assert_eq!(
+        gateway
+            .metric("idemgate_client_bodies_too_slow_total")
+            .await,
+        0.0
+    );
 }

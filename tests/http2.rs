@@ -3,10 +3,12 @@
 
 use crate::common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{send, Backend, CountingUpstream, Seen, TestCa, TestConfig, TestEnv, Validity};
+use common::{
+    send, Backend, CountingUpstream, InProcessGateway, Seen, TestCa, TestConfig, TestEnv, Validity,
+};
 use http_body_util::{BodyExt, Full};
 
 on_both_backends!(
@@ -177,4 +179,74 @@ async fn concurrent_duplicates_on_one_http2_connection_run_once(b: Backend) {
     assert_eq!(created, 1, "exactly one stream ran the request");
     assert_eq!(env.upstream.calls(), 1);
     assert_eq!(env.upstream.connections(), 1);
+}
+
+/// Over HTTP/2, a body trickled below `client_min_body_rate` (3 B/s under 100 B/s) gets `408
+/// body-too-slow` on its stream once the grace has passed; the connection goes on, and its next
+/// stream is answered.
+#[tokio::test]
+async fn a_stream_whose_body_trickles_below_the_min_rate_gets_408_and_the_connection_goes_on() {
+    let upstream = CountingUpstream::start().await;
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .set("client_min_body_rate", "100B/s")
+        .set("client_min_body_rate_grace", "1s")
+        .set("admin.listen", "127.0.0.1:0");
+    let gateway = InProcessGateway::start(&config).await;
+    let tcp = tokio::net::TcpStream::connect(gateway.addr).await.unwrap();
+    let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let post = |key: &str| {
+        http::Request::post(format!("http://{}/v1/p", gateway.addr))
+            .header("idempotency-key", key)
+            .body(())
+            .unwrap()
+    };
+    let mut sender = h2.clone().ready().await.unwrap();
+    let (resp, mut body) = sender.send_request(post("trickled"), false).unwrap();
+    let started = Instant::now();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..50 {
+            if body.send_data(Bytes::from_static(b"x"), false).is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        std::future::pending::<()>().await;
+    });
+    let resp = resp.await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(resp.status(), 408);
+    assert_eq!(resp.headers()["content-type"], "application/problem+json");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "answered after {took:?}"
+    );
+    let mut answer = resp.into_body();
+    let mut problem = Vec::new();
+    while let Some(data) = answer.data().await {
+        problem.extend_from_slice(&data.unwrap());
+    }
+    let problem = String::from_utf8_lossy(&problem);
+    assert!(
+        problem.contains("urn:idemgate:problem:body-too-slow"),
+        "{problem}"
+    );
+    // The stream was reset: the client's next DATA frame is refused.
+    tokio::time::timeout(Duration::from_secs(2), trickle)
+        .await
+        .expect("the stream was reset")
+        .unwrap();
+    // The connection goes on.
+    let mut sender = h2.ready().await.unwrap();
+    let (resp, _) = sender.send_request(post("after"), true).unwrap();
+    assert_eq!(resp.await.unwrap().status(), 201);
+    assert!(!conn.is_finished());
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(
+        gateway
+            .metric("idemgate_client_bodies_too_slow_total")
+            .await,
+        1.0
+    );
 }

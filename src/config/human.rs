@@ -1,6 +1,8 @@
-//! Values written as human strings: durations (`"30s"`) and sizes (`"64KiB"`).
+//! Values written as human strings: durations (`"30s"`), sizes (`"64KiB"`) and rates
+//! (`"240B/s"`).
 
 use std::fmt;
+use std::num::NonZeroU64;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -79,6 +81,66 @@ impl<'de> Deserialize<'de> for HumanSize {
             Raw::Str(s) => bytesize::ByteSize::from_str(s.trim())
                 .map(|b| HumanSize(b.as_u64()))
                 .map_err(|e| de::Error::custom(format!("{s:?} is not a size like \"1MiB\" ({e})"))),
+        }
+    }
+}
+
+/// A rate written as a size per second (`"240B/s"`, `"1MiB/s"`), or a number of bytes per
+/// second; `"off"` or `0`: none.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct HumanRate(pub Option<NonZeroU64>);
+
+impl fmt::Debug for HumanRate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(rate) => write!(f, "{:?}/s", HumanSize(rate.get())),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+impl FromStr for HumanRate {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let text = s.trim();
+        if text.eq_ignore_ascii_case("off") {
+            return Ok(HumanRate(None));
+        }
+        if let Ok(n) = text.parse::<u64>() {
+            return Ok(HumanRate(NonZeroU64::new(n)));
+        }
+        let like = "a rate like \"240B/s\" or \"off\"";
+        let size = text
+            .strip_suffix("/s")
+            .ok_or_else(|| format!("{s:?} is not {like}"))?;
+        let bytes = bytesize::ByteSize::from_str(size.trim())
+            .map_err(|e| format!("{s:?} is not {like} ({e})"))?
+            .as_u64();
+        // "0.5B/s" rounds to nothing: refused rather than read as "off".
+        match NonZeroU64::new(bytes) {
+            None if size.bytes().any(|b| (b'1'..=b'9').contains(&b)) => {
+                Err(format!("{s:?} is less than 1 byte a second"))
+            }
+            rate => Ok(HumanRate(rate)),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanRate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(HumanRate(NonZeroU64::new(n))),
+            // A refusal, so that the error names the field.
+            Raw::Str(s) => s
+                .parse()
+                .map_err(|reason| super::checked::refused("", reason)),
         }
     }
 }

@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +33,7 @@ pub use crate::error::ConfigError;
 pub use crate::idempotency::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
 };
-pub use human::{HumanDuration, HumanSize, MAX_DURATION};
+pub use human::{HumanDuration, HumanRate, HumanSize, MAX_DURATION};
 pub use store::{
     redact_url, Compression, MemorySettings, RedisSettings, SealMode, StoreConfig, Topology,
 };
@@ -89,6 +90,14 @@ pub const DEFAULT_CLIENT_HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a client connection may stay open with no request in progress, when not given.
 pub const DEFAULT_CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The least rate of a request body once its grace has passed, when not given: Kestrel's
+/// `MinRequestBodyDataRate`, 240 bytes a second.
+pub const DEFAULT_CLIENT_MIN_BODY_RATE: NonZeroU64 = NonZeroU64::new(240).unwrap();
+
+/// How long the gateway waits on a request body before its rate counts, when not given:
+/// Kestrel's 5 s.
+pub const DEFAULT_CLIENT_MIN_BODY_RATE_GRACE: Duration = Duration::from_secs(5);
+
 /// Open client connections per process, when not given.
 pub const DEFAULT_MAX_CLIENT_CONNECTIONS: usize = 10_000;
 
@@ -102,6 +111,8 @@ struct RawConfig {
     workers: Option<usize>,
     client_header_timeout: Option<Checked<checked::NonZero>>,
     client_idle_timeout: Option<Checked<checked::NonZero>>,
+    client_min_body_rate: Option<HumanRate>,
+    client_min_body_rate_grace: Option<Checked<checked::NonZero>>,
     max_client_connections: Option<Checked<checked::AtLeastOne>>,
     #[serde(default)]
     upstreams: BTreeMap<String, RawUpstream>,
@@ -189,6 +200,14 @@ pub struct Config {
     /// first); so is one on which the client takes none of its answer, or sends none of its
     /// body, for this long. Default [`DEFAULT_CLIENT_IDLE_TIMEOUT`].
     pub client_idle_timeout: Duration,
+    /// A request body must arrive at least this fast (bytes a second), on average over the
+    /// time the gateway waits on the client for it, once it has waited
+    /// `client_min_body_rate_grace`; a slower one is cut and its request answered `408`. None:
+    /// off. Default [`DEFAULT_CLIENT_MIN_BODY_RATE`].
+    pub client_min_body_rate: Option<NonZeroU64>,
+    /// The waiting on a request body before `client_min_body_rate` counts. Default
+    /// [`DEFAULT_CLIENT_MIN_BODY_RATE_GRACE`].
+    pub client_min_body_rate_grace: Duration,
     /// Open client connections per process; past it new ones wait in the kernel's backlog.
     /// Default [`DEFAULT_MAX_CLIENT_CONNECTIONS`].
     pub max_client_connections: usize,
@@ -335,6 +354,13 @@ impl Config {
         let or = |field: Option<Checked<_>>, default| field.map_or(default, Checked::into_inner);
         let client_header_timeout = or(raw.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
         let client_idle_timeout = or(raw.client_idle_timeout, DEFAULT_CLIENT_IDLE_TIMEOUT);
+        let client_min_body_rate = raw
+            .client_min_body_rate
+            .map_or(Some(DEFAULT_CLIENT_MIN_BODY_RATE), |r| r.0);
+        let client_min_body_rate_grace = or(
+            raw.client_min_body_rate_grace,
+            DEFAULT_CLIENT_MIN_BODY_RATE_GRACE,
+        );
         let max_client_connections = raw
             .max_client_connections
             .map_or(DEFAULT_MAX_CLIENT_CONNECTIONS, Checked::into_inner)
@@ -355,6 +381,8 @@ impl Config {
             workers,
             client_header_timeout,
             client_idle_timeout,
+            client_min_body_rate,
+            client_min_body_rate_grace,
             max_client_connections,
             admin,
             telemetry,
@@ -488,6 +516,81 @@ mod tests {
         assert_eq!(c.client_header_timeout, Duration::from_secs(5));
         assert_eq!(c.client_idle_timeout, Duration::from_secs(120));
         assert_eq!(c.max_client_connections, 300);
+    }
+
+    #[test]
+    fn the_min_body_rate_reads_as_a_size_a_second_or_off() {
+        let base = "upstream = \"http://127.0.0.1:9000\"\n";
+        let rate = |value: &str| {
+            let c = Config::from_toml(&format!("{base}client_min_body_rate = {value}"));
+            c.map(|c| c.client_min_body_rate.map(NonZeroU64::get))
+        };
+        let c = Config::from_toml(base).unwrap();
+        assert_eq!(c.client_min_body_rate, Some(DEFAULT_CLIENT_MIN_BODY_RATE));
+        assert_eq!(
+            c.client_min_body_rate_grace,
+            DEFAULT_CLIENT_MIN_BODY_RATE_GRACE
+        );
+        for (value, read) in [
+            ("\"off\"", None),
+            ("\"OFF\"", None),
+            ("0", None),
+            ("\"0\"", None),
+            ("\"0B/s\"", None),
+            ("1", Some(1)),
+            ("\"1B/s\"", Some(1)),
+            ("\"240B/s\"", Some(240)),
+            ("\" 240 B/s \"", Some(240)),
+            ("\"1.5KiB/s\"", Some(1536)),
+            ("\"1MiB/s\"", Some(1 << 20)),
+            ("\"16EiB/s\"", Some(u64::MAX)),
+            ("\"1000000EiB/s\"", Some(u64::MAX)),
+            (&i64::MAX.to_string(), Some(i64::MAX as u64)),
+        ] {
+            assert_eq!(rate(value).unwrap(), read, "{value}");
+        }
+        for (value, why) in [
+            ("\"0.5B/s\"", "less than 1 byte a second"),
+            ("\"240B\"", "not a rate like"),
+            ("\"240B/m\"", "not a rate like"),
+            ("\"fast\"", "not a rate like"),
+            ("\"-1B/s\"", "not a rate like"),
+            ("\"/s\"", "not a rate like"),
+        ] {
+            let e = rate(value).unwrap_err().to_string();
+            assert!(
+                e.contains("client_min_body_rate") && e.contains(why),
+                "{value}: {e}"
+            );
+        }
+        // Not a number of bytes, nor a string.
+        let e = rate("-1").unwrap_err().to_string();
+        assert!(e.contains("client_min_body_rate"), "{e}");
+        // The grace: more than 0, up to the longest duration.
+        let grace = |value: &str| {
+            Config::from_toml(&format!("{base}client_min_body_rate_grace = \"{value}\""))
+                .map(|c| c.client_min_body_rate_grace)
+        };
+        let e = grace("0s").unwrap_err().to_string();
+        assert!(e.contains("client_min_body_rate_grace"), "{e}");
+        assert_eq!(grace("1ms").unwrap(), Duration::from_millis(1));
+        assert_eq!(grace("5000000000000s").unwrap(), MAX_DURATION);
+    }
+
+    #[test]
+    fn the_min_body_rate_is_set_from_the_environment() {
+        for (value, read) in [
+            ("off", None),
+            ("0", None),
+            ("64KiB/s", NonZeroU64::new(65536)),
+        ] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env("IDEMGATE_UPSTREAM", "http://127.0.0.1:9000");
+                jail.set_env("IDEMGATE_CLIENT_MIN_BODY_RATE", value);
+                assert_eq!(Config::load(None).unwrap().client_min_body_rate, read);
+                Ok(())
+            });
+        }
     }
 
     #[test]
@@ -876,6 +979,14 @@ mod tests {
         assert_eq!(*c.defaults, Policy::default(), "[defaults] of example.toml");
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+        assert_eq!(c.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
+        assert_eq!(c.client_idle_timeout, DEFAULT_CLIENT_IDLE_TIMEOUT);
+        assert_eq!(c.client_min_body_rate, Some(DEFAULT_CLIENT_MIN_BODY_RATE));
+        assert_eq!(
+            c.client_min_body_rate_grace,
+            DEFAULT_CLIENT_MIN_BODY_RATE_GRACE
+        );
+        assert_eq!(c.max_client_connections, DEFAULT_MAX_CLIENT_CONNECTIONS);
         // The memory store's fields are shown commented out (so that the same file can switch
         // to Redis from the environment); each such line parses to the default.
         let memory = MemorySettings::default();

@@ -4,7 +4,9 @@
 //!
 //! - `watch.rs`: the watchdog of one connection (`client_header_timeout`,
 //!   `client_idle_timeout`) and the socket and body wrappers that report to it.
+//! - `rate.rs`: `client_min_body_rate`, the request body that arrives too slowly cut.
 
+mod rate;
 mod watch;
 
 use std::convert::Infallible;
@@ -24,6 +26,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 use tracing::{debug, error, warn};
@@ -33,6 +36,8 @@ use crate::headers::admit;
 use crate::idempotency::{grpc, Routes};
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
+pub(crate) use rate::MinBodyRate;
+use rate::Paced;
 pub(crate) use watch::Timeouts;
 use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
 
@@ -131,6 +136,8 @@ where
                     .expect("an IP is a header value"),
                 proto: proto.clone(),
                 conn: ConnState::new(),
+                body_rate: self.timeouts.body_rate,
+                metrics: self.metrics.clone(),
             };
             let connection = Connection {
                 http: http.clone(),
@@ -291,6 +298,9 @@ struct Gateway<S> {
     proto: HeaderValue,
     // What the connection's watchdog reads.
     conn: Arc<ConnState>,
+    // `client_min_body_rate`, which request bodies are held to.
+    body_rate: Option<MinBodyRate>,
+    metrics: Metrics,
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -340,25 +350,61 @@ where
                 resp.map(|b| in_progress.response_body(b))
             )));
         }
-        let mut req = req.map(|body| Body::new(self.conn.request_body(body)));
+        // A gRPC call may stream its messages as slowly as it likes (the idle timeout still
+        // holds it); an empty body has no rate.
+        let paced = (self.body_rate)
+            .filter(|_| !call && !http_body::Body::is_end_stream(req.body()))
+            .map(|rate| (rate, CancellationToken::new()));
+        let mut req = req.map(|body| {
+            let body = self.conn.request_body(body);
+            match &paced {
+                Some((rate, cut)) => Body::new(Paced::new(body, *rate, cut.clone())),
+                None => Body::new(body),
+            }
+        });
         self.forwarding_headers(req.headers_mut());
         let stack = self.stack.clone();
-        let (routes, uri) = (self.routes.clone(), req.uri().clone());
+        let (routes, uri, version) = (self.routes.clone(), req.uri().clone(), req.version());
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             // A defect answers this request with a 500 in the route's format (which tower-http's
             // CatchPanic cannot choose) rather than closing the connection with no answer.
             let called = std::panic::AssertUnwindSafe(stack.oneshot(req)).catch_unwind();
             let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
-            let resp = match called.await {
-                Ok(Ok(resp)) => resp.map(Body::new),
-                Ok(Err(e)) => GatewayError::from(&e).respond(format()),
-                Err(panic) => {
+            let resp = match paced {
+                None => Some(called.await),
+                Some((_, ref cut)) => tokio::select! {
+                    biased;
+                    () = cut.cancelled() => None,
+                    // A body cut while the stack turned its failure into an answer: the cut.
+                    resp = called => Some(resp).filter(|_| !cut.is_cancelled()),
+                },
+            };
+            let resp = match (resp, paced) {
+                (Some(Ok(Ok(resp))), _) => resp.map(Body::new),
+                (Some(Ok(Err(e))), _) => GatewayError::from(&e).respond(format()),
+                (Some(Err(panic)), _) => {
                     let panic = crate::error::panic_message(&*panic);
                     error!(%panic, path = uri.path(), "the gateway failed while handling a request; answered 500");
                     GatewayError::Internal.respond(format())
+                }
+                (None, rate) => {
+                    metrics.client_body_too_slow();
+                    let rate = rate.map_or(0, |(r, _)| r.bytes_per_second.get());
+                    too_slow(GatewayError::BodyTooSlow(rate).respond(format()), version)
                 }
             };
             Ok(resp.map(|b| in_progress.response_body(b)))
         })
     }
+}
+
+/// The answer to a request whose body was cut for its rate: over HTTP/1.1 the connection closes
+/// after it (the rest of the body will not be read); over HTTP/2 only the stream ends.
+fn too_slow(mut resp: Response<Body>, version: http::Version) -> Response<Body> {
+    if version < http::Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }

@@ -6,28 +6,39 @@
 //!   and SETTINGS included) this long after the accept.
 //! - `client_idle_timeout`: a connection with no request in progress is closed after this; one
 //!   whose client takes no answer bytes (window 0, a full socket buffer) or sends none of the
-//!   body it announced is closed once nothing has moved for this long.
+//!   body it announced is closed once nothing has moved for this long, counted from the last
+//!   move (or from when something began to wait on the client, if later).
 //!
-//! Every other task only updates atomics; the watchdog runs in the connection's own task.
+//! Every other task only updates atomics, and wakes the watchdog when it sleeps with no stall
+//! to watch and something begins to wait on the client; the watchdog runs in the connection's
+//! own task.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU32, AtomicU64,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
-/// The two timeouts of client connections.
+use super::rate::MinBodyRate;
+
+/// The client timeouts of a listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Timeouts {
     pub(crate) header: Duration,
     pub(crate) idle: Duration,
+    // `client_min_body_rate` and its grace; none: off.
+    pub(crate) body_rate: Option<MinBodyRate>,
 }
 
 /// Why the watchdog ended a connection, as `idemgate_client_connections_closed_total{reason}`
@@ -57,13 +68,18 @@ pub(crate) struct ConnState {
     head_since: AtomicU64,
     // When the last request in progress ended.
     idle_since: AtomicU64,
-    // Bumped whenever a request starts or gets its answer, and whenever the client takes part
-    // of an answer or sends part of a body: a stall is a whole check interval without a bump.
+    // When something last moved (a request started or got its answer, the client took part of
+    // an answer or sent part of a body) or began to wait on the client: a stall is
+    // `client_idle_timeout` past it with something still waiting on the client.
     progress: AtomicU64,
     // Bodies waiting on the client: an answer it has not taken, a request body it has not sent.
     waiting: AtomicU32,
     // The last write to the client's socket could not proceed.
     write_blocked: AtomicBool,
+    // The watchdog sleeps without a stall deadline (requests in progress, nothing waiting on
+    // the client): whatever starts one, or ends the last request, wakes it through `waker`.
+    parked: AtomicBool,
+    waker: AtomicWaker,
 }
 
 impl ConnState {
@@ -74,24 +90,32 @@ impl ConnState {
             open: AtomicU32::new(0),
             head_since: AtomicU64::new(1),
             idle_since: AtomicU64::new(1),
-            progress: AtomicU64::new(0),
+            progress: AtomicU64::new(1),
             waiting: AtomicU32::new(0),
             write_blocked: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
         })
     }
 
     fn now(&self) -> u64 {
-        self.accepted.elapsed().as_millis() as u64 + 1
+        u64::try_from(self.accepted.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
     }
 
     fn at(&self, ms: u64) -> Instant {
-        self.accepted + Duration::from_millis(ms.saturating_sub(1))
+        let after = Duration::from_millis(ms.saturating_sub(1));
+        // Past what the clock can say: as good as never (tokio caps its timers anyway).
+        self.accepted
+            .checked_add(after)
+            .unwrap_or_else(|| Instant::now() + FAR)
     }
 
     /// A request reached the service: its head is complete. It is in progress until the
     /// returned guard (or the response body it goes into) is dropped.
     pub(crate) fn request_started(self: &Arc<Self>) -> InProgress {
-        self.open.fetch_add(1, Relaxed);
+        self.open.fetch_add(1, SeqCst);
         self.head_since.store(UNSET, Relaxed);
         self.moved();
         InProgress(self.clone())
@@ -99,8 +123,9 @@ impl ConnState {
 
     /// A request's response was sent whole, or given up.
     fn request_ended(&self) {
-        if self.open.fetch_sub(1, Relaxed) == 1 {
+        if self.open.fetch_sub(1, SeqCst) == 1 {
             self.idle_since.store(self.now(), Relaxed);
+            self.unpark();
         }
     }
 
@@ -124,7 +149,20 @@ impl ConnState {
     }
 
     fn moved(&self) {
-        self.progress.fetch_add(1, Relaxed);
+        self.progress.fetch_max(self.now(), Relaxed);
+    }
+
+    /// Something began to wait on the client: its stall is counted from now, and a parked
+    /// watchdog must look.
+    fn began_waiting(&self) {
+        self.moved();
+        self.unpark();
+    }
+
+    fn unpark(&self) {
+        if self.parked.swap(false, SeqCst) {
+            self.waker.wake();
+        }
     }
 
     /// A request body, which waits on the client whenever it has nothing to give.
@@ -139,6 +177,9 @@ impl ConnState {
     }
 }
 
+/// A deadline past any the watchdog could have (a century).
+const FAR: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 /// A request in progress on its connection: ends when dropped.
 pub(crate) struct InProgress(Arc<ConnState>);
 
@@ -147,8 +188,8 @@ impl InProgress {
     /// dropped, and waits on the client from the moment it has something to give.
     pub(crate) fn response_body<B>(self, body: B) -> Watched<B> {
         // Something now waits on the client: the stall clock starts from here.
-        self.0.moved();
-        self.0.waiting.fetch_add(1, Relaxed);
+        self.0.waiting.fetch_add(1, SeqCst);
+        self.0.began_waiting();
         Watched {
             body,
             conn: self.0.clone(),
@@ -169,71 +210,64 @@ impl Drop for InProgress {
 /// the connection in the same task, so that it sees what the connection's last poll changed.
 pub(crate) struct Watchdog {
     conn: Arc<ConnState>,
-    timeouts: Timeouts,
+    // `client_header_timeout` and `client_idle_timeout`, in ms.
+    header: u64,
+    idle: u64,
     sleep: Pin<Box<Sleep>>,
-    // When to look again whether bytes still move while a request is in progress.
-    check_at: u64,
-    // The progress count seen at the last look.
-    seen: u64,
 }
 
 impl Watchdog {
     pub(crate) fn new(conn: Arc<ConnState>, timeouts: Timeouts) -> Self {
-        let check_at = conn.now() + timeouts.idle.as_millis() as u64;
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         Watchdog {
-            sleep: Box::pin(tokio::time::sleep_until(conn.at(check_at))),
+            sleep: Box::pin(tokio::time::sleep_until(conn.at(1))),
             conn,
-            timeouts,
-            check_at,
-            seen: 0,
+            header: ms(timeouts.header),
+            idle: ms(timeouts.idle),
         }
     }
 
-    /// The earliest moment a timeout could end the connection, as things stand.
-    fn next(&self) -> u64 {
+    /// Whether the connection has outlived a timeout at `now`; if not, when to look again
+    /// (none: when woken).
+    fn look(&self, now: u64) -> Result<Option<u64>, Expired> {
         let conn = &self.conn;
+        // Parked until found otherwise, before anything is read: a change made after a read
+        // below then finds it parked, and wakes it.
+        conn.parked.store(true, SeqCst);
+        let mut next = None;
         let head = conn.head_since.load(Relaxed);
-        let open = conn.open.load(Relaxed);
         if head != UNSET {
-            let header = head + self.timeouts.header.as_millis() as u64;
-            return if open > 0 {
-                header.min(self.check_at)
+            let at = head.saturating_add(self.header);
+            if at <= now {
+                return Err(Expired::Header);
+            }
+            next = Some(at);
+        }
+        let (open, blocked) = (conn.open.load(SeqCst), conn.write_blocked.load(SeqCst));
+        if open == 0 && !blocked {
+            // Nothing in progress: the idle timeout (unless a head is arriving), which only
+            // the connection's own task can change.
+            conn.parked.store(false, Relaxed);
+            if head != UNSET {
+                return Ok(next);
+            }
+            let at = conn.idle_since.load(Relaxed).saturating_add(self.idle);
+            return if at <= now {
+                Err(Expired::Idle)
             } else {
-                header
+                Ok(Some(at))
             };
         }
-        if open == 0 && !conn.write_blocked.load(Relaxed) {
-            return conn.idle_since.load(Relaxed) + self.timeouts.idle.as_millis() as u64;
+        if !blocked && conn.waiting.load(SeqCst) == 0 {
+            // Requests in progress, waiting on the gateway (the upstream) only: parked.
+            return Ok(next);
         }
-        self.check_at
-    }
-
-    /// Whether the connection has outlived a timeout at `now`; otherwise the next look at
-    /// whether bytes still move is scheduled.
-    fn expired(&mut self, now: u64) -> Option<Expired> {
-        let conn = &self.conn;
-        let head = conn.head_since.load(Relaxed);
-        if head != UNSET && head + self.timeouts.header.as_millis() as u64 <= now {
-            return Some(Expired::Header);
+        conn.parked.store(false, Relaxed);
+        let at = conn.progress.load(Relaxed).saturating_add(self.idle);
+        if at <= now {
+            return Err(Expired::Stalled);
         }
-        let (open, blocked) = (conn.open.load(Relaxed), conn.write_blocked.load(Relaxed));
-        if head == UNSET
-            && open == 0
-            && !blocked
-            && conn.idle_since.load(Relaxed) + self.timeouts.idle.as_millis() as u64 <= now
-        {
-            return Some(Expired::Idle);
-        }
-        if self.check_at <= now {
-            let progress = conn.progress.load(Relaxed);
-            let stalled = blocked || conn.waiting.load(Relaxed) > 0;
-            if stalled && progress == self.seen {
-                return Some(Expired::Stalled);
-            }
-            self.seen = progress;
-            self.check_at = now + self.timeouts.idle.as_millis() as u64;
-        }
-        None
+        Ok(Some(next.map_or(at, |n| n.min(at))))
     }
 }
 
@@ -241,17 +275,18 @@ impl Future for Watchdog {
     type Output = Expired;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Expired> {
+        self.conn.waker.register(cx.waker());
         loop {
-            let next = self.conn.at(self.next());
+            let next = match self.look(self.conn.now()) {
+                Err(expired) => return Poll::Ready(expired),
+                Ok(None) => return Poll::Pending,
+                Ok(Some(next)) => self.conn.at(next),
+            };
             if self.sleep.deadline() != next {
                 self.sleep.as_mut().reset(next);
             }
             if self.sleep.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
-            }
-            let now = self.conn.now();
-            if let Some(expired) = self.expired(now) {
-                return Poll::Ready(expired);
             }
         }
     }
@@ -280,9 +315,10 @@ impl<B> Watched<B> {
         if self.waiting != waiting {
             self.waiting = waiting;
             if waiting {
-                self.conn.waiting.fetch_add(1, Relaxed);
+                self.conn.waiting.fetch_add(1, SeqCst);
+                self.conn.began_waiting();
             } else {
-                self.conn.waiting.fetch_sub(1, Relaxed);
+                self.conn.waiting.fetch_sub(1, SeqCst);
             }
         }
     }
@@ -334,21 +370,29 @@ where
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Where a connection's byte stream stands, as far as the watchdog needs: which protocol, and
-/// for HTTP/2, whether a header block (HEADERS or PUSH_PROMISE and its CONTINUATIONs) is open.
+/// for HTTP/2, whether the last byte of a header block (HEADERS or PUSH_PROMISE and its
+/// CONTINUATIONs, payloads included) is still to come.
 #[derive(Debug)]
 enum Stream {
     /// The first bytes, matched against the HTTP/2 preface so far.
     Detecting(usize),
     Http1,
     /// HTTP/2 frames: the frame header read so far, the payload bytes left to skip, and
-    /// whether a header block awaits its END_HEADERS.
+    /// whether the frame being skipped ends a header block (END_HEADERS): the block is whole
+    /// once that payload has arrived.
     Http2 {
         head: [u8; 9],
         have: usize,
         skip: usize,
-        block_open: bool,
+        ends_block: bool,
     },
 }
+
+/// The HTTP/2 frame types and flag that open and end a header block.
+const HEADERS: u8 = 0x1;
+const PUSH_PROMISE: u8 = 0x5;
+const CONTINUATION: u8 = 0x9;
+const END_HEADERS: u8 = 0x4;
 
 impl Stream {
     /// Read `bytes`, telling `conn` when a request head starts arriving and when an HTTP/2
@@ -369,7 +413,7 @@ impl Stream {
                             head: [0; 9],
                             have: 0,
                             skip: 0,
-                            block_open: false,
+                            ends_block: false,
                         };
                     }
                 }
@@ -381,38 +425,35 @@ impl Stream {
                     head,
                     have,
                     skip,
-                    block_open,
+                    ends_block,
                 } => {
                     if *skip > 0 {
                         let n = (*skip).min(bytes.len());
                         *skip -= n;
                         bytes = &bytes[n..];
+                        if *skip == 0 && std::mem::take(ends_block) {
+                            conn.head_complete();
+                        }
                         continue;
                     }
                     let n = (9 - *have).min(bytes.len());
                     head[*have..*have + n].copy_from_slice(&bytes[..n]);
                     *have += n;
                     bytes = &bytes[n..];
+                    // A header block's clock starts with its frame's type, not its last byte.
+                    if *have > 3 && matches!(head[3], HEADERS | PUSH_PROMISE) {
+                        conn.head_arriving_h2();
+                    }
                     if *have < 9 {
                         continue;
                     }
                     *have = 0;
                     *skip = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
-                    const HEADERS: u8 = 0x1;
-                    const PUSH_PROMISE: u8 = 0x5;
-                    const CONTINUATION: u8 = 0x9;
-                    const END_HEADERS: u8 = 0x4;
-                    let (kind, end) = (head[3], head[4] & END_HEADERS != 0);
-                    match kind {
-                        HEADERS | PUSH_PROMISE | CONTINUATION if end => {
-                            *block_open = false;
-                            conn.head_complete();
-                        }
-                        HEADERS | PUSH_PROMISE => {
-                            *block_open = true;
-                            conn.head_arriving_h2();
-                        }
-                        _ => {}
+                    let ends = matches!(head[3], HEADERS | PUSH_PROMISE | CONTINUATION)
+                        && head[4] & END_HEADERS != 0;
+                    match (ends, *skip) {
+                        (true, 0) => conn.head_complete(),
+                        (ends, _) => *ends_block = ends,
                     }
                 }
             }
@@ -455,21 +496,30 @@ impl<T: AsyncRead + Unpin> AsyncRead for WatchedIo<T> {
 }
 
 impl<T: AsyncWrite + Unpin> WatchedIo<T> {
-    fn wrote<R>(&self, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        match &polled {
-            Poll::Pending => self.conn.write_blocked.store(true, Relaxed),
-            Poll::Ready(_) => {
-                if self.conn.write_blocked.load(Relaxed) {
-                    self.conn.write_blocked.store(false, Relaxed);
-                }
-                // HTTP/1.1 writes only answers; HTTP/2 also writes control frames (a PING's
-                // answer), which say nothing of whether the client takes its answers.
-                if !matches!(self.stream, Stream::Http2 { .. }) {
-                    self.conn.moved();
-                }
+    /// A write: bytes the socket took are progress (over HTTP/1.1, whose writes are answers;
+    /// HTTP/2 also writes control frames, a PING's answer, which say nothing of whether the
+    /// client takes its answers).
+    fn wrote(&self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        self.blocked(polled.is_pending());
+        if let Poll::Ready(Ok(1..)) = polled {
+            if !matches!(self.stream, Stream::Http2 { .. }) {
+                self.conn.moved();
             }
         }
         polled
+    }
+
+    /// Whether the socket could not take what was written or flushed. A flush that finds
+    /// nothing to send is no progress: the connection flushes whenever it is polled, the
+    /// watchdog's own wake-up included.
+    fn blocked(&self, pending: bool) {
+        if pending {
+            if !self.conn.write_blocked.swap(true, SeqCst) {
+                self.conn.began_waiting();
+            }
+        } else if self.conn.write_blocked.load(Relaxed) {
+            self.conn.write_blocked.store(false, Relaxed);
+        }
     }
 }
 
@@ -498,7 +548,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WatchedIo<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let polled = Pin::new(&mut self.io).poll_flush(cx);
-        self.wrote(polled)
+        self.blocked(polled.is_pending());
+        polled
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -529,6 +580,7 @@ mod tests {
     const TIMEOUTS: Timeouts = Timeouts {
         header: Duration::from_secs(1),
         idle: Duration::from_secs(3),
+        body_rate: None,
     };
 
     /// When the watchdog of `conn` fires, and why, counted from now (time paused).
@@ -548,21 +600,21 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_stall_is_a_whole_idle_timeout_without_progress() {
+    async fn a_stall_is_one_idle_timeout_after_the_last_move() {
         let conn = ConnState::new();
         let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
         let request = conn.request_started();
-        // The answer comes just before the first look, and the client never takes it.
+        // The answer comes late, and the client takes a part of it now and then, then stops.
         tokio::time::sleep(TIMEOUTS.idle - Duration::from_millis(100)).await;
-        let answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+        let answer = request.response_body(http_body_util::Full::new(Bytes::from("x")));
+        for _ in 0..4 {
+            let wait = tokio::time::timeout(TIMEOUTS.idle * 9 / 10, &mut watchdog).await;
+            assert!(wait.is_err(), "closed while the client took its answer");
+            answer.conn.moved();
+        }
         let waited = Instant::now();
-        let expired = (&mut watchdog).await;
-        assert_eq!(expired, Expired::Stalled);
-        let stalled_for = waited.elapsed();
-        assert!(
-            stalled_for >= TIMEOUTS.idle && stalled_for <= TIMEOUTS.idle * 2,
-            "{stalled_for:?}"
-        );
+        assert_eq!((&mut watchdog).await, Expired::Stalled);
+        assert_eq!(waited.elapsed(), TIMEOUTS.idle);
         drop(answer);
     }
 
@@ -574,6 +626,46 @@ mod tests {
         let slow = tokio::time::timeout(TIMEOUTS.idle * 10, fires(&conn)).await;
         assert!(slow.is_err(), "closed while the upstream worked: {slow:?}");
         drop(request);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_begun_in_another_task_wakes_the_watchdog() {
+        let conn = ConnState::new();
+        let request = conn.request_started();
+        let late = TIMEOUTS.idle * 10;
+        // After a slow upstream, the answer is handed over in another task (an HTTP/2 stream's),
+        // and the client never takes it: the stall counts from then.
+        let answering = tokio::spawn(async move {
+            tokio::time::sleep(late).await;
+            let answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+            tokio::time::sleep(late).await;
+            drop(answer);
+        });
+        assert_eq!(fires(&conn).await, (Expired::Stalled, late + TIMEOUTS.idle));
+        // A request body the client stops sending, read in the proxy's task.
+        let conn = ConnState::new();
+        let request = conn.request_started();
+        let reading = tokio::spawn({
+            let conn = conn.clone();
+            async move {
+                tokio::time::sleep(late).await;
+                let never = futures_util::stream::pending::<Result<Frame<Bytes>, io::Error>>();
+                let mut body = conn.request_body(http_body_util::StreamBody::new(never));
+                let _ = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+                drop(request);
+            }
+        });
+        assert_eq!(fires(&conn).await, (Expired::Stalled, late + TIMEOUTS.idle));
+        // The last request ending in another task starts the idle timeout.
+        let conn = ConnState::new();
+        let request = conn.request_started();
+        tokio::spawn(async move {
+            tokio::time::sleep(late).await;
+            drop(request);
+        });
+        assert_eq!(fires(&conn).await, (Expired::Idle, late + TIMEOUTS.idle));
+        answering.abort();
+        reading.abort();
     }
 
     #[test]
@@ -593,6 +685,48 @@ mod tests {
         assert_eq!(conn.head_since.load(Relaxed), UNSET, "the block completed");
         stream.feed(&frame(0x0, 0x1, 100), &conn); // DATA: no head
         assert_eq!(conn.head_since.load(Relaxed), UNSET);
+    }
+
+    #[test]
+    fn an_http2_header_block_is_whole_with_its_last_payload_byte() {
+        let conn = ConnState::new();
+        let _request = conn.request_started();
+        let mut stream = Stream::Detecting(0);
+        let mut hello = H2_PREFACE.to_vec();
+        hello.extend(frame(0x4, 0, 0)); // SETTINGS
+        stream.feed(&hello, &conn);
+        // HEADERS with END_HEADERS, its payload trickled: open until its last byte.
+        let headers = frame(0x1, 0x4, 10);
+        for (i, b) in headers.iter().enumerate() {
+            stream.feed(std::slice::from_ref(b), &conn);
+            let open = conn.head_since.load(Relaxed) != UNSET;
+            assert_eq!(open, (3..headers.len() - 1).contains(&i), "after byte {i}");
+        }
+        // An empty one is whole with its frame header.
+        stream.feed(&frame(0x1, 0x5, 0), &conn);
+        assert_eq!(conn.head_since.load(Relaxed), UNSET);
+        // A CONTINUATION with END_HEADERS, trickled likewise.
+        stream.feed(&frame(0x1, 0, 2), &conn);
+        let continuation = frame(0x9, 0x4, 4);
+        stream.feed(&continuation[..continuation.len() - 1], &conn);
+        assert_ne!(conn.head_since.load(Relaxed), UNSET);
+        stream.feed(&continuation[continuation.len() - 1..], &conn);
+        assert_eq!(conn.head_since.load(Relaxed), UNSET);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_written_are_progress_a_flush_alone_is_not() {
+        use tokio::io::AsyncWriteExt;
+        let conn = ConnState::new();
+        let (socket, _client) = tokio::io::duplex(64);
+        let mut io = WatchedIo::new(socket, conn.clone());
+        io.stream = Stream::Http1;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = conn.progress.load(Relaxed);
+        io.flush().await.unwrap();
+        assert_eq!(conn.progress.load(Relaxed), before);
+        io.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+        assert!(conn.progress.load(Relaxed) > before);
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over;
 //!   `testkit::Replicated` kills a primary as a failover run does and times each step.
 //! - [`upstream`]: [`CountingUpstream`], an HTTP upstream that counts its calls and answers by
-//!   query string (`?status=503`, `?delay_ms=400`, `/echo`, `/big?bytes=N`).
+//!   query string (`?status=503`, `?delay_ms=400`, `?read_delay_ms=N`, `/echo`, `/big?bytes=N`).
 //! - [`gateway`]: [`InProcessGateway`], the gateway on a socket of this process;
 //!   [`GatewayBinary`], the `idemgate` binary as a child process (for `kill9()` and SIGTERM);
 //!   [`TestEnv`], the three together.

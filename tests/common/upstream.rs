@@ -18,7 +18,8 @@ use tokio::net::TcpListener;
 use super::wait_until;
 
 /// An HTTP upstream that counts its executions. Behaviour per request, by query string:
-/// `status=NNN` answers that status, `delay_ms=N` sleeps first, `control=V` adds
+/// `status=NNN` answers that status, `delay_ms=N` sleeps first, `read_delay_ms=N` sleeps before
+/// reading the body (the gateway's writes back up meanwhile), `control=V` adds
 /// `Idempotency-Control: V` (`no-store`, `max-age=N`) to the answer; path `/echo` answers the request
 /// body as-is; path `/big` answers `bytes=N` bytes. Every other path answers a JSON description
 /// of the request with the execution number, so two executions never answer the same bytes.
@@ -138,6 +139,7 @@ impl CountingUpstream {
 struct Knobs {
     status: Option<u16>,
     delay_ms: Option<u64>,
+    read_delay_ms: Option<u64>,
     bytes: Option<usize>,
     control: Option<String>,
     events: Option<usize>,
@@ -157,6 +159,9 @@ async fn handle(
     let (parts, body) = req.into_parts();
     *state.last_headers.lock().unwrap() = Some(parts.headers.clone());
     *state.last_version.lock().unwrap() = Some(parts.version);
+    if let Some(ms) = knobs.read_delay_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let body: Bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
