@@ -1147,25 +1147,42 @@ async fn a_big_table_of_schema_1_is_migrated_once_while_it_is_served() {
     assert!(replay.replayed(), "{replay:?}");
 }
 
-/// A concurrent build of the new index cancelled halfway (its statement timed out) leaves it
-/// invalid: the next start drops it and builds it again, and only then is the table at
-/// version 2.
+/// A concurrent build of the new index cancelled halfway leaves it invalid: the next start
+/// drops it and builds it again, and only then is the table at version 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_index_an_interrupted_build_left_invalid_is_built_again() {
     let server = PostgresServer::start().await;
-    schema_1_table(&server, 300_000).await;
-    let person = session(&server).await;
-    person
-        .batch_execute("SET statement_timeout = '20ms'")
+    schema_1_table(&server, 10_000).await;
+    // A writer's open transaction: the build, its index made (invalid), waits for it to end.
+    let writer = session(&server).await;
+    writer
+        .batch_execute("BEGIN; UPDATE idemgate_records SET token = token WHERE false")
         .await
         .unwrap();
-    let cancelled = person
-        .batch_execute(
-            "CREATE INDEX CONCURRENTLY idemgate_records_expiring ON idemgate_records (expires_at) \
-             WHERE expires_at <> 'infinity'",
-        )
-        .await;
-    assert!(cancelled.is_err(), "the build was not interrupted");
+    let person = session(&server).await;
+    let build = tokio::spawn(async move {
+        person
+            .batch_execute(
+                "CREATE INDEX CONCURRENTLY idemgate_records_expiring ON idemgate_records \
+                 (expires_at) WHERE expires_at <> 'infinity'",
+            )
+            .await
+    });
+    wait_until(
+        Duration::from_secs(10),
+        "the build made its index and waits",
+        async || expiry_indexes(&server).contains("idemgate_records_expiring:false"),
+    )
+    .await;
+    server.psql(
+        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+         WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND backend_type = 'client backend'",
+    );
+    assert!(
+        build.await.unwrap().is_err(),
+        "the build was not interrupted"
+    );
+    writer.batch_execute("ROLLBACK").await.unwrap();
     let left = expiry_indexes(&server);
     assert!(
         left.contains("idemgate_records_expiring:false"),
