@@ -253,14 +253,19 @@ async fn inspect<S: Inspect>(
     };
     let with_body = query.get("body").is_some_and(|v| v == "1" || v == "true");
     let entry = &found.entry;
-    let mut out = json!({
-        "store_key": scoped.store_name(),
-        "fingerprint": hex(&entry.fingerprint.0),
-        "written_at": rfc3339_ms(entry.written_ms),
-        "expires_in_ms": found.expires_in.map(|d| d.as_millis() as u64),
-        "stored_bytes": found.stored_bytes,
-    });
-    let fields = out.as_object_mut().expect("an object");
+    let mut fields = serde_json::Map::new();
+    for (name, value) in [
+        ("store_key", Value::from(scoped.store_name())),
+        ("fingerprint", hex(&entry.fingerprint.0).into()),
+        ("written_at", rfc3339_ms(entry.written_ms).into()),
+        (
+            "expires_in_ms",
+            found.expires_in.map(|d| d.as_millis() as u64).into(),
+        ),
+        ("stored_bytes", found.stored_bytes.into()),
+    ] {
+        fields.insert(name.into(), value);
+    }
     match &entry.state {
         EntryState::InFlight => {
             fields.insert("state".into(), "in_flight".into());
@@ -303,7 +308,7 @@ async fn inspect<S: Inspect>(
             }
         }
     }
-    Json(out).into_response()
+    Json(fields).into_response()
 }
 
 async fn evict<S: Inspect>(

@@ -59,6 +59,10 @@ pub(crate) fn trailers_only(
 
 /// `grpc-message`'s encoding: printable ASCII except `%` as it is, every other byte of the
 /// UTF-8 as `%XX`.
+#[expect(
+    clippy::expect_used,
+    reason = "only printable ASCII is pushed: every other byte is written as %XX"
+)]
 fn percent_encoded(message: &str) -> HeaderValue {
     let mut out = String::with_capacity(message.len());
     for b in message.bytes() {

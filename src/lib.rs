@@ -116,7 +116,9 @@
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
 //!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
 //!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
-//!   answer), [`metrics`] (`metrics.rs`), `tls.rs` (certificates, keys, rustls configurations).
+//!   answer), [`metrics`] (`metrics.rs`), `tls.rs` (certificates, keys, rustls configurations),
+//!   [`time`] (`time.rs`: every duration from outside bounded, every deadline, expiry and date
+//!   made without overflow or panic).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the
 //!   record decoder, the configuration, JSON), built with the `fuzzing` feature and in tests,
 //!   which replay the fuzz corpus through them.

@@ -176,7 +176,8 @@ impl Drop for Unanswered<'_> {
         let at = self.decided.load(std::sync::atomic::Ordering::Relaxed) as usize;
         let outcome = at
             .checked_sub(1)
-            .map_or("undecided", |at| Outcome::ALL[at].as_str());
+            .and_then(|at| Outcome::ALL.get(at))
+            .map_or("undecided", |o| o.as_str());
         self.metrics
             .inner
             .disconnects
@@ -811,8 +812,9 @@ impl Metrics {
     /// The OpenMetrics text exposition of every family.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.inner.registry)
-            .expect("writing to a String");
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.inner.registry) {
+            tracing::error!(error = %e, "the metrics could not be encoded whole");
+        }
         out
     }
 }

@@ -92,14 +92,24 @@ pub(crate) fn check_client_pair(
     presenting(RootCertStore::empty(), (cert_file, key_file)).map(drop)
 }
 
+/// `builder` speaking TLS 1.2 and 1.3 (rustls's safe defaults).
+#[expect(
+    clippy::expect_used,
+    reason = "the ring provider supports both of rustls's default protocol versions"
+)]
+fn versions<S: rustls::ConfigSide>(
+    builder: rustls::ConfigBuilder<S, rustls::WantsVersions>,
+) -> rustls::ConfigBuilder<S, rustls::WantsVerifier> {
+    builder
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+}
+
 /// A client trusting `roots`, before its client certificate is decided.
 fn client_builder(
     roots: RootCertStore,
 ) -> rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert> {
-    ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots)
+    versions(ClientConfig::builder_with_provider(provider())).with_root_certificates(roots)
 }
 
 /// A client trusting `roots` and presenting `(cert_file, key_file)`: `("client_cert_file" |
@@ -124,9 +134,7 @@ pub(crate) fn server_config(
 ) -> Result<ServerConfig, (&'static str, String)> {
     let chain = certs(cert_file).map_err(|e| ("cert_file", e))?;
     let key = key(key_file).map_err(|e| ("key_file", e))?;
-    let mut config = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
+    let mut config = versions(ServerConfig::builder_with_provider(provider()))
         .with_no_client_auth()
         .with_single_cert(chain, key)
         .map_err(|e| ("key_file", pairing(e)))?;

@@ -3,6 +3,15 @@
 //! [`common`]. One binary links the gateway once, shares one PostgreSQL template and one
 //! Python venv per SDK, and lets the test threads run any area's tests side by side.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    clippy::unreachable,
+    reason = "test code: a failed unwrap or assertion is how a test fails"
+)]
+
 #[macro_use]
 mod common;
 

@@ -107,8 +107,10 @@ fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
 /// Every backend's name, quoted, as a list a person reads.
 fn backend_names() -> String {
     let names: Vec<_> = BACKENDS.iter().map(|b| format!("\"{}\"", b.name)).collect();
-    let (last, rest) = names.split_last().expect("backends");
-    format!("{} or {last}", rest.join(", "))
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => names.concat(),
+    }
 }
 
 /// `backend = "memory"`.

@@ -134,7 +134,14 @@ fn upstream(
         client_cert_file: r.client_cert_file.as_deref(),
         client_key_file: r.client_key_file.as_deref(),
     };
-    let tls = client_tls(at, https, files, alpn)?;
+    let server_name = r.server_name.map(Checked::into_inner);
+    let tls = match client_tls(at, https, files, alpn)? {
+        Some(config) => Some((
+            config,
+            tls_name(&url, server_name.as_deref(), &field("url"))?,
+        )),
+        None => None,
+    };
     let connect_timeout = r
         .connect_timeout
         .map_or(DEFAULT_CONNECT_TIMEOUT, Checked::into_inner);
@@ -150,12 +157,29 @@ fn upstream(
             ca_file: r.ca_file,
             client_cert_file: r.client_cert_file,
             client_key_file: r.client_key_file,
-            server_name: r.server_name.map(Checked::into_inner),
+            server_name,
             connect_timeout,
             max_connections,
             tls,
         },
     ))
+}
+
+/// The name an https upstream's certificate must carry (`server_name`, else the host of `url`),
+/// or an error at `url_field` when the host cannot be one.
+fn tls_name(
+    url: &Uri,
+    server_name: Option<&str>,
+    url_field: &str,
+) -> Result<rustls::pki_types::ServerName<'static>, ConfigError> {
+    url.authority()
+        .and_then(|authority| crate::proxy::tls_name(authority, server_name))
+        .ok_or_else(|| {
+            invalid(
+                url_field,
+                "its host is neither a DNS name nor an IP address, which a certificate names: give server_name",
+            )
+        })
 }
 
 /// The TLS files of a client, as written: the CAs it trusts (the system's when `None`), and the
@@ -235,4 +259,48 @@ pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, C
         key_file,
         config: Arc::new(config),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+    use crate::idempotency::{IdempotencyLayer, Routes};
+    use crate::metrics::Metrics;
+    use crate::MemoryStore;
+
+    #[test]
+    fn an_https_host_a_certificate_cannot_name_needs_server_name() {
+        for host in ["-bad-", "a..b"] {
+            let refused = Config::from_toml(&format!("upstream = \"https://{host}:8443\""));
+            let refused = refused.unwrap_err().to_string();
+            assert!(
+                refused.contains("upstream") && refused.contains("server_name"),
+                "{refused}"
+            );
+            let named = format!(
+                "[upstreams.default]\nurl = \"https://{host}:8443\"\nserver_name = \"api.example\""
+            );
+            let c = Config::from_toml(&named).unwrap();
+            crate::proxy::Proxy::new(c.upstreams.values(), &Metrics::new());
+        }
+        for url in ["https://[::1]:8443", "https://10.0.0.5", "http://-bad-:80"] {
+            let c = Config::from_toml(&format!("upstream = \"{url}\"")).unwrap();
+            crate::proxy::Proxy::new(c.upstreams.values(), &Metrics::new());
+        }
+    }
+
+    #[test]
+    fn the_largest_counts_are_taken() {
+        let max = i64::MAX;
+        let c = Config::from_toml(&format!(
+            "max_client_connections = {max}\n[upstreams.default]\nurl = \"http://127.0.0.1:1\"\n\
+             max_connections = {max}\n[defaults]\nmax_waiters = {max}\n"
+        ))
+        .unwrap();
+        let metrics = Metrics::new();
+        crate::listener::ConnectionCap::new(c.max_client_connections, metrics.clone());
+        crate::proxy::Proxy::new(c.upstreams.values(), &metrics);
+        let routes = Routes::from_config(&c.defaults, c.route_policies());
+        IdempotencyLayer::with_routes(MemoryStore::new(), routes).with_metrics(metrics);
+    }
 }

@@ -67,10 +67,10 @@ pub(crate) async fn collect_capped(mut body: Body, cap: u64) -> Result<Collected
 }
 
 /// `chunks`, `total` bytes in all, in one buffer (copied only when there are several).
-pub(crate) fn joined(mut chunks: Vec<Bytes>, total: u64) -> Bytes {
-    match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().expect("one chunk"),
+pub(crate) fn joined(chunks: Vec<Bytes>, total: u64) -> Bytes {
+    match chunks.as_slice() {
+        [] => Bytes::new(),
+        [one] => one.clone(),
         _ => {
             let mut buf = BytesMut::with_capacity(total as usize);
             chunks.iter().for_each(|c| buf.extend_from_slice(c));

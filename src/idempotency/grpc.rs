@@ -38,8 +38,8 @@ pub(crate) fn is_call(version: Version, headers: &HeaderMap) -> bool {
         && headers.get(header::CONTENT_TYPE).is_some_and(|ct| {
             let ct = ct.as_bytes();
             const GRPC: &[u8] = b"application/grpc";
-            ct.len() >= GRPC.len()
-                && ct[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+            ct.get(..GRPC.len())
+                .is_some_and(|start| start.eq_ignore_ascii_case(GRPC))
                 && matches!(ct.get(GRPC.len()), None | Some(b'+' | b';'))
         })
 }
@@ -56,8 +56,9 @@ pub(crate) fn error_format(is_call: bool, format: ErrorFormat) -> ErrorFormat {
 
 /// The length a message's prefix declares, when `buf` holds a whole prefix.
 fn declared_len(buf: &[u8]) -> Option<u64> {
-    let prefix = buf.get(..PREFIX_LEN)?;
-    Some(u32::from_be_bytes(prefix[1..].try_into().expect("4 bytes")).into())
+    // A compression flag, then the length.
+    let len: [u8; 4] = buf.get(1..PREFIX_LEN)?.try_into().ok()?;
+    Some(u32::from_be_bytes(len).into())
 }
 
 /// A gRPC call's request body, as the unary rule reads it.
@@ -100,8 +101,8 @@ pub(super) async fn collect_call(mut body: Body, cap: u64) -> Result<Call, axum:
         };
         match frame?.into_data() {
             Ok(data) => {
-                let missing = PREFIX_LEN.saturating_sub(prefix.len()).min(data.len());
-                prefix.extend_from_slice(&data[..missing]);
+                let missing = PREFIX_LEN.saturating_sub(prefix.len());
+                prefix.extend(data.iter().take(missing));
                 total += data.len() as u64;
                 read.push(data);
             }

@@ -116,6 +116,10 @@ impl IdempotencyKey {
     /// field's pointer and canonical value; `None` when a field is missing.
     pub(crate) fn derived(doc: &Json<'_>, fields: &[Pointer], secret: &KeySecret) -> Option<Self> {
         use hmac::{Hmac, KeyInit, Mac};
+        #[expect(
+            clippy::expect_used,
+            reason = "HMAC takes a key of any length (RFC 2104: a long one is hashed first)"
+        )]
         let mut mac =
             Hmac::<Sha256>::new_from_slice(secret.expose()).expect("HMAC takes any key length");
         for field in fields {
@@ -134,8 +138,8 @@ impl IdempotencyKey {
     /// Validate one header value.
     pub fn parse(raw: &[u8], max_len: usize) -> Result<Self, GatewayError> {
         let raw = trim(raw);
-        let key = if raw.len() >= 2 && raw[0] == b'"' && raw[raw.len() - 1] == b'"' {
-            unquote(&raw[1..raw.len() - 1])?
+        let key = if let [b'"', inner @ .., b'"'] = raw {
+            unquote(inner)?
         } else if raw.contains(&b',') {
             // Two field lines combined by an intermediary (RFC 9110 5.3) look like this.
             return Err(GatewayError::InvalidKey(
@@ -165,8 +169,9 @@ impl IdempotencyKey {
                 "the Idempotency-Key may hold only visible ASCII characters (found byte 0x{bad:02x})"
             )));
         }
+        // Visible ASCII: each byte is its character.
         Ok(IdempotencyKey(
-            String::from_utf8(key).expect("visible ASCII is UTF-8"),
+            key.iter().copied().map(char::from).collect(),
         ))
     }
 
@@ -215,7 +220,7 @@ impl IdempotencyKey {
 
     /// A short, non-reversible tag of the key for logs (never log the raw key).
     pub fn short_hash(&self) -> String {
-        let d = Sha256::digest(self.0.as_bytes());
+        let d: [u8; 32] = Sha256::digest(self.0.as_bytes()).into();
         hex(&d[..6])
     }
 }
@@ -253,9 +258,9 @@ fn cookies<'h>(headers: &'h HeaderMap, name: &'h str) -> impl Iterator<Item = &'
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
         .filter_map(move |pair| {
-            let pair = trim(pair);
-            let eq = pair.iter().position(|&b| b == b'=')?;
-            (trim(&pair[..eq]) == name.as_bytes()).then(|| trim(&pair[eq + 1..]))
+            let mut halves = trim(pair).splitn(2, |&b| b == b'=');
+            let (cookie, value) = (halves.next()?, halves.next()?);
+            (trim(cookie) == name.as_bytes()).then(|| trim(value))
         })
 }
 
@@ -266,6 +271,10 @@ pub(crate) fn write_field(h: &mut Sha256, bytes: &[u8]) {
 }
 
 /// Lower-case hex of `bytes`.
+#[expect(
+    clippy::indexing_slicing,
+    reason = "a nibble (0 to 15) indexes 16 digits"
+)]
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
@@ -367,6 +376,32 @@ mod tests {
         assert!(key("a b").is_err());
         assert!(key("\"a\\nb\"").is_err());
         assert!(IdempotencyKey::parse("é".as_bytes(), 16).is_err());
+    }
+
+    #[test]
+    fn the_shortest_and_oddest_header_values_are_read_without_fault() {
+        // A lone quote is a bare key of one character; two are an empty quoted key.
+        assert_eq!(key("\"").unwrap().as_str(), "\"");
+        assert_eq!(key(" \"a\" ").unwrap().as_str(), "a");
+        assert!(key("\"\\\"").is_err(), "an escape cut by the closing quote");
+        assert!(key(" \t ").is_err());
+        assert_eq!(key("~").unwrap().as_str(), "~");
+        let k = key("k").unwrap();
+        assert_eq!(k.short_hash().len(), 12);
+    }
+
+    #[test]
+    fn cookies_without_a_value_or_a_name_are_read_as_they_are() {
+        let mut h = HeaderMap::new();
+        h.append(
+            http::header::COOKIE,
+            HeaderValue::from_static("=; a; ;b==x; =c; d=;"),
+        );
+        let values = |name| cookies(&h, name).collect::<Vec<_>>();
+        assert_eq!(values("b"), vec![&b"=x"[..]]);
+        assert_eq!(values(""), vec![&b""[..], &b"c"[..]]);
+        assert_eq!(values("d"), vec![&b""[..]]);
+        assert!(values("a").is_empty(), "a pair without '=' names nothing");
     }
 
     #[test]

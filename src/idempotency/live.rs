@@ -70,10 +70,21 @@ impl TapeState {
         let end = self.base + self.chunks.len();
         let slowest = self.readers.iter().flatten().min().copied().unwrap_or(end);
         while self.base < slowest {
-            let chunk = self.chunks.pop_front().expect("below the end");
+            let Some(chunk) = self.chunks.pop_front() else {
+                break;
+            };
             self.held -= chunk.len() as u64;
             self.base += 1;
         }
+    }
+
+    /// The next chunk for the reader in `slot`, moving it past that chunk; `None` when it has
+    /// read all the tape holds so far.
+    fn advance(&mut self, slot: usize) -> Option<Bytes> {
+        let at = self.readers.get_mut(slot)?.as_mut()?;
+        let chunk = self.chunks.get(at.checked_sub(self.base)?)?.clone();
+        *at += 1;
+        Some(chunk)
     }
 }
 
@@ -225,21 +236,25 @@ impl Tape {
             Some(_) => sse::resume_at(&self.head, &st.whole(), last_event_id),
             None => 0,
         };
-        let from = st.base;
-        st.readers.push(Some(from));
-        Some(Reader {
+        Some(self.place(&mut st, skip))
+    }
+
+    /// A reader from where the tape starts, skipping `skip` bytes.
+    fn place(self: &Arc<Self>, st: &mut TapeState, skip: usize) -> Reader {
+        st.readers.push(Some(st.base));
+        Reader {
             tape: self.clone(),
             slot: st.readers.len() - 1,
             skip,
             trailed: false,
             _permit: None,
-        })
+        }
     }
 
-    /// The reader of the client whose request is being answered.
+    /// The reader of the client whose request is being answered, from the first byte (a new
+    /// tape holds the whole answer).
     pub(super) fn first_reader(self: &Arc<Self>) -> Reader {
-        self.reader(None)
-            .expect("a new tape holds the whole answer")
+        self.place(&mut self.state(), 0)
     }
 }
 
@@ -263,10 +278,7 @@ impl Reader {
             grown.as_mut().enable();
             {
                 let mut st = self.tape.state();
-                let at = st.readers[self.slot].expect("a live reader has a place");
-                if at < st.base + st.chunks.len() {
-                    let mut chunk = st.chunks[at - st.base].clone();
-                    st.readers[self.slot] = Some(at + 1);
+                if let Some(mut chunk) = st.advance(self.slot) {
                     drop(st);
                     self.tape.read.notify_waiters();
                     if self.skip > 0 {
@@ -310,7 +322,9 @@ impl Reader {
 
 impl Drop for Reader {
     fn drop(&mut self) {
-        self.tape.state().readers[self.slot] = None;
+        if let Some(place) = self.tape.state().readers.get_mut(self.slot) {
+            *place = None;
+        }
         self.tape.read.notify_waiters();
     }
 }

@@ -336,7 +336,8 @@ pub(crate) mod check {
     /// `mismatch_status`.
     pub(crate) fn mismatch_status(status: u16) -> Result<StatusCode, String> {
         match status {
-            409 | 422 => Ok(StatusCode::from_u16(status).expect("409 and 422 are valid")),
+            409 => Ok(StatusCode::CONFLICT),
+            422 => Ok(StatusCode::UNPROCESSABLE_ENTITY),
             _ => Err("must be 409 or 422".into()),
         }
     }

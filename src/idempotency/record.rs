@@ -148,13 +148,8 @@ impl StoredResponse {
 /// The fields of `map` in order, each value of a repeated name after the first one.
 fn in_order(map: http::HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
     let mut fields = Vec::with_capacity(map.len());
-    // HeaderMap's owned iterator names each header once, then its further values.
-    let mut name = None;
-    for (n, v) in map {
-        if let Some(n) = n {
-            name = Some(n);
-        }
-        fields.push((name.clone().expect("the first value has a name"), v));
+    for name in map.keys() {
+        fields.extend(map.get_all(name).iter().map(|v| (name.clone(), v.clone())));
     }
     fields
 }
@@ -164,7 +159,8 @@ fn detached(fields: &[(HeaderName, HeaderValue)]) -> Vec<(HeaderName, HeaderValu
     fields
         .iter()
         .map(|(n, v)| {
-            let v = HeaderValue::from_bytes(v.as_bytes()).expect("was a valid value");
+            // A value that was valid is again; should one not be, it is kept as it is.
+            let v = HeaderValue::from_bytes(v.as_bytes()).unwrap_or_else(|_| v.clone());
             (n.clone(), v)
         })
         .collect()

@@ -62,6 +62,10 @@ impl Routes {
 
     /// The routes of a validated configuration: its defaults, and its routes' policies in file
     /// order, each named after its path pattern (its `route`).
+    #[expect(
+        clippy::expect_used,
+        reason = "the config built this same table from these paths while it was validated"
+    )]
     pub fn from_config<'a>(
         defaults: &Policy,
         routes: impl IntoIterator<Item = &'a Policy>,
@@ -77,10 +81,11 @@ impl Routes {
 
     /// The policy requests to `path` get.
     pub fn policy_for(&self, path: &str) -> &Arc<Policy> {
-        match self.matcher.at(path) {
-            Ok(m) => &self.policies[*m.value],
-            Err(_) => &self.defaults,
-        }
+        self.matcher
+            .at(path)
+            .ok()
+            .and_then(|m| self.policies.get(*m.value))
+            .unwrap_or(&self.defaults)
     }
 }
 
@@ -115,7 +120,10 @@ impl RouteState {
             scope_headers,
             policy: policy.clone(),
             metrics: metrics.route(&policy.route),
-            waiters: Arc::new(Semaphore::new(policy.max_waiters)),
+            // Past tokio's bound, as good as no bound.
+            waiters: Arc::new(Semaphore::new(
+                policy.max_waiters.min(Semaphore::MAX_PERMITS),
+            )),
         })
     }
 }
@@ -136,10 +144,12 @@ impl RouteTable {
 
     /// The route requests to `path` take.
     pub(crate) fn route_for(&self, path: &str) -> &Arc<RouteState> {
-        match self.routes.matcher.at(path) {
-            Ok(m) => &self.states[*m.value],
-            Err(_) => &self.defaults,
-        }
+        self.routes
+            .matcher
+            .at(path)
+            .ok()
+            .and_then(|m| self.states.get(*m.value))
+            .unwrap_or(&self.defaults)
     }
 
     /// The routes, without their state.

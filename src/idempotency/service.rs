@@ -749,7 +749,7 @@ impl<St: Store> Shared<St> {
         let started = Instant::now();
         // The inner service gets the same deadline: when it says "not sent" at that very
         // moment (it waited for a connection), its answer wins over the timeout.
-        let deadline = started + policy.upstream_timeout;
+        let deadline = crate::time::after(started, policy.upstream_timeout);
         req.extensions_mut().insert(Deadline(deadline));
         let called = tokio::select! {
             biased;

@@ -47,13 +47,11 @@ pub(super) fn after_event(body: &[u8], id: &[u8]) -> Option<usize> {
             }
             event_id = None;
         } else {
-            let (field, value) = match line.iter().position(|&b| b == b':') {
-                Some(colon) => {
-                    let value = &line[colon + 1..];
-                    (&line[..colon], value.strip_prefix(b" ").unwrap_or(value))
-                }
-                None => (line, &b""[..]),
-            };
+            let mut halves = line.splitn(2, |&b| b == b':');
+            let field = halves.next().unwrap_or(line);
+            let value = halves
+                .next()
+                .map_or(&b""[..], |v| v.strip_prefix(b" ").unwrap_or(v));
             if field == b"id" {
                 event_id = Some(value);
             }
@@ -66,19 +64,16 @@ pub(super) fn after_event(body: &[u8], id: &[u8]) -> Option<usize> {
 /// The line starting at `at` (without its end: CRLF, LF or CR) and where the next one starts;
 /// `None` for a last line with no end yet.
 fn line_at(body: &[u8], at: usize) -> Option<(&[u8], usize)> {
-    let rest = &body[at..];
+    let rest = body.get(at..)?;
     let end = rest.iter().position(|&b| b == b'\n' || b == b'\r')?;
-    let next = if rest[end] == b'\r' {
-        match rest.get(end + 1) {
-            Some(b'\n') => end + 2,
-            Some(_) => end + 1,
-            // A CR at the very end may be the first half of a CRLF not read yet.
-            None => return None,
-        }
-    } else {
-        end + 1
+    let (line, ending) = rest.split_at_checked(end)?;
+    let next = match ending {
+        [b'\r', b'\n', ..] => end + 2,
+        // A CR at the very end may be the first half of a CRLF not read yet.
+        [b'\r'] => return None,
+        _ => end + 1,
     };
-    Some((&rest[..end], at + next))
+    Some((line, at + next))
 }
 
 #[cfg(test)]
@@ -106,6 +101,25 @@ mod tests {
             "CR at the end"
         );
         assert_eq!(after_event(b"id: 1\ndata: x\n\r\n", b"1"), Some(16));
+    }
+
+    #[test]
+    fn lines_of_any_shape_are_read_without_fault() {
+        assert_eq!(after_event(b"", b"1"), None);
+        assert_eq!(after_event(b"\r", b""), None, "a lone CR may start a CRLF");
+        assert_eq!(after_event(b"\n", b""), None, "an event without an id");
+        assert_eq!(
+            after_event(b"id\n\n", b""),
+            Some(4),
+            "a field without a colon"
+        );
+        assert_eq!(after_event(b"id:\r\n\r\n", b""), Some(7));
+        assert_eq!(after_event(b":\n\n", b""), None, "a comment is no id field");
+        assert_eq!(
+            after_event(b"id:  x\n\n", b" x"),
+            Some(8),
+            "only one space goes"
+        );
     }
 
     #[test]

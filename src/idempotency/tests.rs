@@ -400,6 +400,31 @@ async fn waiting_duplicates_get_the_replay_within_their_bounds() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn durations_set_in_code_past_any_deadline_are_bounded() {
+    let mut policy = Policy::builder()
+        .on_in_flight(OnInFlight::Wait)
+        .build()
+        .unwrap();
+    // Set on the fields, past what the builder and the config clamp to.
+    policy.upstream_timeout = Duration::MAX;
+    policy.wait_timeout = Duration::MAX;
+    let s = Setup {
+        layer: IdempotencyLayer::new(MemoryStore::new(), policy),
+        calls: Arc::new(AtomicUsize::new(0)),
+    };
+    let first = tokio::spawn(s.service().oneshot(keyed("/slow?ms=2000", "k", "a")));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let waited = s.post("/slow?ms=2000", "k", "a").await.unwrap();
+    assert!(waited.replayed);
+    let first = Seen::of(first.await.unwrap().unwrap()).await;
+    assert_eq!(
+        (first.status, first.body),
+        (StatusCode::CREATED, waited.body)
+    );
+    assert_eq!(s.calls(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_caller_that_goes_away_does_not_cancel_the_claimed_call() {
     let s = Setup::new(|p| p.upstream_timeout(Duration::from_secs(60)));
     let caller = tokio::spawn(s.service().oneshot(keyed("/slow?ms=1000", "k", "a")));

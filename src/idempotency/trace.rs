@@ -24,7 +24,7 @@ pub(crate) fn parse(value: &[u8]) -> Option<SpanContext> {
     let valid_length = match version {
         "00" => v.len() == 55,
         "ff" => false,
-        _ => v.len() == 55 || (v.len() > 55 && v.as_bytes()[55] == b'-'),
+        _ => v.len() == 55 || v.as_bytes().get(55) == Some(&b'-'),
     };
     let lower_hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
     if !valid_length || !lower_hex(version) || &v[2..3] != "-" || &v[35..36] != "-" {

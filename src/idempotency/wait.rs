@@ -88,7 +88,7 @@ impl Waiting {
         let permit = route.waiters.clone().try_acquire_owned().ok()?;
         Some(Waiting {
             _permit: permit,
-            deadline: Instant::now() + route.policy.wait_timeout,
+            deadline: crate::time::after(Instant::now(), route.policy.wait_timeout),
             delay: Duration::from_millis(5),
             watch: None,
         })

@@ -13,7 +13,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -58,13 +58,18 @@ pub(crate) struct ConnectionCap {
 impl ConnectionCap {
     pub(crate) fn new(max: usize, metrics: Metrics) -> Arc<Self> {
         Arc::new(ConnectionCap {
-            permits: Arc::new(Semaphore::new(max)),
+            // Past tokio's bound, as good as no bound.
+            permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
             waiting: Mutex::new((0, None)),
             metrics,
         })
     }
 
     /// A permit for one more connection, once the open ones are below the cap.
+    #[expect(
+        clippy::expect_used,
+        reason = "the cap's semaphore is never closed: acquiring fails only on a closed one"
+    )]
     async fn permit(&self) -> OwnedSemaphorePermit {
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
             return permit;
@@ -78,7 +83,7 @@ impl ConnectionCap {
     /// One more (`1`) or one fewer (`-1`) worker waiting at the cap: time is counted from the
     /// first one waiting to the last one done.
     fn at_cap(&self, change: isize) {
-        let mut waiting = self.waiting.lock().expect("never poisoned");
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         waiting.0 = waiting.0.saturating_add_signed(change);
         match (waiting.0, waiting.1) {
             (0, Some(since)) => {
@@ -89,6 +94,15 @@ impl ConnectionCap {
             _ => {}
         }
     }
+}
+
+/// A client's IP address as a header value (`X-Forwarded-For`).
+#[expect(
+    clippy::expect_used,
+    reason = "an IP address is written with digits, hex letters, dots and colons"
+)]
+fn ip_value(peer: SocketAddr) -> HeaderValue {
+    HeaderValue::from_str(&peer.ip().to_string()).expect("an IP is a header value")
 }
 
 /// What every connection of one worker is served with.
@@ -132,8 +146,7 @@ where
             let gateway = Gateway {
                 stack: self.stack.clone(),
                 routes: self.routes.clone(),
-                peer: HeaderValue::from_str(&peer.ip().to_string())
-                    .expect("an IP is a header value"),
+                peer: ip_value(peer),
                 proto: proto.clone(),
                 conn: ConnState::new(),
                 body_rate: self.timeouts.body_rate,

@@ -401,14 +401,16 @@ impl Stream {
         while !bytes.is_empty() {
             match self {
                 Stream::Detecting(matched) => {
-                    let n = (H2_PREFACE.len() - *matched).min(bytes.len());
-                    if bytes[..n] != H2_PREFACE[*matched..*matched + n] {
+                    // The bytes agree with the rest of the preface when one starts the other.
+                    let rest = H2_PREFACE.get(*matched..).unwrap_or_default();
+                    if !(rest.starts_with(bytes) || bytes.starts_with(rest)) {
                         *self = Stream::Http1;
                         continue;
                     }
+                    let n = rest.len().min(bytes.len());
                     *matched += n;
-                    bytes = &bytes[n..];
-                    if *matched == H2_PREFACE.len() {
+                    bytes = bytes.get(n..).unwrap_or_default();
+                    if *matched >= H2_PREFACE.len() {
                         *self = Stream::Http2 {
                             head: [0; 9],
                             have: 0,
@@ -430,16 +432,18 @@ impl Stream {
                     if *skip > 0 {
                         let n = (*skip).min(bytes.len());
                         *skip -= n;
-                        bytes = &bytes[n..];
+                        bytes = bytes.get(n..).unwrap_or_default();
                         if *skip == 0 && std::mem::take(ends_block) {
                             conn.head_complete();
                         }
                         continue;
                     }
-                    let n = (9 - *have).min(bytes.len());
-                    head[*have..*have + n].copy_from_slice(&bytes[..n]);
+                    let n = head.len().saturating_sub(*have).min(bytes.len());
+                    for (slot, &b) in head.iter_mut().skip(*have).zip(bytes) {
+                        *slot = b;
+                    }
                     *have += n;
-                    bytes = &bytes[n..];
+                    bytes = bytes.get(n..).unwrap_or_default();
                     // A header block's clock starts with its frame's type, not its last byte.
                     if *have > 3 && matches!(head[3], HEADERS | PUSH_PROMISE) {
                         conn.head_arriving_h2();
@@ -487,9 +491,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for WatchedIo<T> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
+        let fresh = buf.filled().get(before..).unwrap_or_default();
+        if !fresh.is_empty() {
             let this = &mut *self;
-            this.stream.feed(&buf.filled()[before..], &this.conn);
+            this.stream.feed(fresh, &this.conn);
         }
         polled
     }
@@ -666,6 +671,35 @@ mod tests {
         assert_eq!(fires(&conn).await, (Expired::Idle, late + TIMEOUTS.idle));
         answering.abort();
         reading.abort();
+    }
+
+    #[test]
+    fn a_stream_is_read_alike_however_its_reads_are_cut() {
+        let mut h2 = H2_PREFACE.to_vec();
+        h2.extend(frame(0x4, 0, 6)); // SETTINGS
+        h2.extend(frame(0x1, 0, 10)); // HEADERS without END_HEADERS
+        let mut h1 = H2_PREFACE[..10].to_vec();
+        h1.extend(b"X / HTTP/1.1\r\n");
+        for cut in 0..=h2.len() {
+            let conn = ConnState::new();
+            let _request = conn.request_started();
+            let mut stream = Stream::Detecting(0);
+            stream.feed(&h2[..cut], &conn);
+            stream.feed(&h2[cut..], &conn);
+            assert!(matches!(stream, Stream::Http2 { .. }), "cut at {cut}");
+            assert_ne!(
+                conn.head_since.load(Relaxed),
+                UNSET,
+                "a block is open, cut at {cut}"
+            );
+        }
+        for cut in 0..=h1.len() {
+            let mut stream = Stream::Detecting(0);
+            let conn = ConnState::new();
+            stream.feed(&h1[..cut], &conn);
+            stream.feed(&h1[cut..], &conn);
+            assert!(matches!(stream, Stream::Http1), "cut at {cut}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use http::uri::Authority;
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -101,30 +102,36 @@ pub(crate) enum ConnectError {
     Tls(io::Error),
 }
 
+/// The host of `authority` as a connection names it: an IPv6 literal without its brackets.
+fn host(authority: &Authority) -> &str {
+    authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+}
+
+/// The name an https upstream's certificate must carry: `server_name` when given, else the
+/// host of `authority`; `None` when that is neither a DNS name nor an IP address.
+pub(crate) fn tls_name(
+    authority: &Authority,
+    server_name: Option<&str>,
+) -> Option<ServerName<'static>> {
+    let name = server_name.unwrap_or(host(authority)).to_string();
+    ServerName::try_from(name).ok()
+}
+
 impl Connector {
     pub(crate) fn new(
-        url: &http::Uri,
-        tls: Option<Arc<rustls::ClientConfig>>,
-        server_name: Option<&str>,
+        authority: &Authority,
+        tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
         timeout: Duration,
         http2: bool,
     ) -> Self {
-        let authority = url.authority().expect("validated by config");
-        let https = url.scheme_str() == Some("https");
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
-        let tls = tls.map(|config| {
-            let name = server_name.unwrap_or(&host).to_string();
-            let name = ServerName::try_from(name).expect("validated by config");
-            (TlsConnector::from(config), name)
-        });
+        let https = tls.is_some();
         Connector {
             port: authority.port_u16().unwrap_or(if https { 443 } else { 80 }),
-            host,
-            tls,
+            host: host(authority).to_string(),
+            tls: tls.map(|(config, name)| (TlsConnector::from(config), name)),
             timeout,
             http2,
         }

@@ -11,6 +11,7 @@
 //! - `connect.rs`: TCP and TLS connections, and which failures mean "not sent".
 
 mod connect;
+pub(crate) use connect::tls_name;
 mod settings;
 mod upstream;
 
@@ -155,13 +156,16 @@ impl Proxy {
         };
         let deadline = match req.extensions().get::<Deadline>() {
             Some(d) => d.0,
-            None => tokio::time::Instant::now() + timeout,
+            None => crate::time::after(tokio::time::Instant::now(), timeout),
         };
-        let upstream = self
-            .upstreams
-            .iter()
-            .find(|u| &**u.name() == name)
-            .expect("routes name upstreams that exist (checked with the config)");
+        // The config checks that routes name upstreams that exist; a policy made in code may not.
+        let Some(upstream) = self.upstreams.iter().find(|u| &**u.name() == name) else {
+            return Err(ProxyError::not_sent(
+                name.into(),
+                false,
+                format!("no upstream named {name:?}"),
+            ));
+        };
         let result = match tokio::time::timeout_at(deadline, upstream.forward(req, deadline)).await
         {
             Ok(result) => result,
@@ -205,5 +209,29 @@ impl tower::Service<Request<Body>> for Proxy {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         Box::pin(self.clone().call(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tower::ServiceExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_policy_naming_no_upstream_is_refused_as_not_sent() {
+        let proxy = Proxy::new(std::iter::empty(), &Metrics::new());
+        let err = proxy
+            .oneshot(Request::new(Body::empty()))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ProxyError::NotSent { tls: false, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("no upstream named \"default\""),
+            "{err}"
+        );
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Uri;
+use rustls::pki_types::ServerName;
 
 /// How long opening a connection to an upstream may take, when not given.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -33,8 +34,9 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     /// The most connections one worker opens to it; more requests wait for one.
     pub max_connections: usize,
-    /// For https: the client configuration built from the fields above.
-    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
+    /// For https: the client configuration built from the fields above, and the name the
+    /// upstream's certificate must carry (`server_name`, else the URL's host).
+    pub(crate) tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
 }
 
 impl fmt::Debug for UpstreamConfig {

@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,7 @@ struct Pool {
 
 impl Pool {
     fn take(&self) -> Option<H1> {
-        let mut idle = self.idle.lock().expect("pool lock");
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some((conn, since)) = idle.pop_back() {
             if since.elapsed() < IDLE_TIMEOUT {
                 return Some(conn);
@@ -76,7 +76,7 @@ impl Pool {
             return;
         }
         let now = Instant::now();
-        let mut idle = self.idle.lock().expect("pool lock");
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         // Close the longest idle one when it has timed out (or to make room).
         if idle
             .front()
@@ -177,6 +177,19 @@ impl Drop for UpstreamBody {
     }
 }
 
+/// The target of a request to `uri` at an upstream whose path prefix is `prefix`, in origin
+/// form (`/path?query`); an error when it would be longer than a URI may be.
+fn origin_form(prefix: &str, uri: &Uri) -> Result<PathAndQuery, http::uri::InvalidUri> {
+    let pq = uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    if prefix.is_empty() {
+        return Ok(pq);
+    }
+    format!("{prefix}{}", pq.as_str()).parse()
+}
+
 /// What a connection failure means for the request: not sent, and whether TLS was at fault.
 fn refused(name: &Arc<str>, e: ConnectError) -> ProxyError {
     let tls = matches!(e, ConnectError::Tls(_));
@@ -185,6 +198,11 @@ fn refused(name: &Arc<str>, e: ConnectError) -> ProxyError {
 
 impl Upstream {
     /// The upstream `config`, counting into `metrics`.
+    #[expect(
+        clippy::expect_used,
+        reason = "the config refuses an upstream URL without a host, and an authority's \
+                  characters are all valid in a header value"
+    )]
     pub(crate) fn new(config: &UpstreamConfig, metrics: &Metrics) -> Self {
         let authority = config
             .url
@@ -194,14 +212,16 @@ impl Upstream {
         Upstream {
             name: config.name.as_str().into(),
             connector: Connector::new(
-                &config.url,
+                &authority,
                 config.tls.clone(),
-                config.server_name.as_deref(),
                 config.connect_timeout,
                 config.http2,
             ),
             pool: Pool::default(),
-            permits: Arc::new(Semaphore::new(config.max_connections)),
+            // Past tokio's bound, as good as no bound.
+            permits: Arc::new(Semaphore::new(
+                config.max_connections.min(Semaphore::MAX_PERMITS),
+            )),
             h2: config.http2.then(|| tokio::sync::Mutex::new(None)),
             scheme: if config.is_https() {
                 Scheme::HTTPS
@@ -214,6 +234,11 @@ impl Upstream {
             prefix: config.url.path().trim_end_matches('/').to_string(),
             counters: metrics.upstream_counters(&config.name),
         }
+    }
+
+    /// The request could not be sent for `cause`, nothing of it having left.
+    fn not_sent(&self, cause: impl Into<super::BoxError>) -> ProxyError {
+        ProxyError::not_sent(self.name.clone(), false, cause)
     }
 
     /// The upstream's name, as logs and metrics give it.
@@ -280,7 +305,7 @@ impl Upstream {
                 }
                 tokio::select! {
                     permit = self.permits.clone().acquire_owned() => {
-                        break permit.expect("the semaphore is never closed");
+                        break permit.map_err(|e| self.not_sent(e))?;
                     }
                     () = returned => {}
                 }
@@ -320,19 +345,7 @@ impl Upstream {
         mut req: Request<Body>,
         deadline: tokio::time::Instant,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
-        // Origin form (`/path?query`), under the upstream's path prefix.
-        let pq = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let pq = if self.prefix.is_empty() {
-            pq
-        } else {
-            format!("{}{}", self.prefix, pq.as_str())
-                .parse()
-                .expect("prefix + valid path")
-        };
+        let pq = origin_form(&self.prefix, req.uri()).map_err(|e| self.not_sent(e))?;
         // The client's authority: an HTTP/2 request's :authority (or an absolute-form target),
         // else its Host header; when both are there they agree (the listener admits no other).
         let client_host = match req.uri().authority() {
@@ -360,7 +373,7 @@ impl Upstream {
                     .authority(self.authority.clone())
                     .path_and_query(pq)
                     .build()
-                    .expect("scheme, authority and path are valid");
+                    .map_err(|e| self.not_sent(e))?;
                 req.headers_mut().remove(header::HOST);
                 // Over HTTP/1.1 `TE` would ask for trailers of that one connection's chunked
                 // coding, which nobody downstream needs from it; HTTP/2 (gRPC) needs it.
@@ -400,7 +413,7 @@ impl Upstream {
                         .clone()
                         .acquire_owned()
                         .await
-                        .expect("the semaphore is never closed");
+                        .map_err(|e| self.not_sent(e))?;
                     conn = self.open_h1(permit).await?;
                     match conn.sender.send_request(req).await {
                         Ok(resp) => resp,
@@ -482,5 +495,22 @@ impl Upstream {
                 cause: e.into(),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_target_goes_under_the_prefix_within_a_uri_s_length() {
+        let uri: Uri = "/v1/charges?x=1".parse().unwrap();
+        assert_eq!(origin_form("", &uri).unwrap(), "/v1/charges?x=1");
+        assert_eq!(origin_form("/api", &uri).unwrap(), "/api/v1/charges?x=1");
+        // The longest path a client may send, which the prefix makes too long for a URI.
+        let longest = format!("/{}", "a".repeat(usize::from(u16::MAX) - 2));
+        let uri: Uri = longest.parse().unwrap();
+        assert_eq!(origin_form("", &uri).unwrap().as_str(), longest);
+        assert!(origin_form("/api", &uri).is_err());
     }
 }

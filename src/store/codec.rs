@@ -291,10 +291,13 @@ fn fields_len(fields: &[(HeaderName, HeaderValue)]) -> usize {
         .sum()
 }
 
-/// A u16 count, then per field: u16 name length, name, u32 value length, value.
+/// A u16 count, then per field: u16 name length, name, u32 value length, value. A header name
+/// is at most 65535 bytes (the `http` crate's bound); past 65535 fields, far more than an HTTP
+/// client takes (hyper: 100), only the first 65535 are kept, so that the count stays true.
 fn put_fields(out: &mut BytesMut, fields: &[(HeaderName, HeaderValue)]) {
-    out.put_u16(fields.len() as u16);
-    for (n, v) in fields {
+    let count = u16::try_from(fields.len()).unwrap_or(u16::MAX);
+    out.put_u16(count);
+    for (n, v) in fields.iter().take(usize::from(count)) {
         out.put_u16(n.as_str().len() as u16);
         out.put_slice(n.as_str().as_bytes());
         out.put_u32(v.len() as u32);
@@ -331,33 +334,42 @@ fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
     }
 }
 
+/// The `N` bytes of `raw` from `at` on.
+fn fixed<const N: usize>(raw: &[u8], at: usize) -> Result<[u8; N], DecodeError> {
+    raw.get(at..)
+        .and_then(<[u8]>::first_chunk::<N>)
+        .copied()
+        .ok_or(DecodeError("too short"))
+}
+
 /// Decode bytes read from the store. The body is a zero-copy slice of `raw`.
 pub(crate) fn decode(raw: Bytes) -> Result<(Entry, Token), DecodeError> {
     // Version 1 (the first release) is still read: no written-at time, no traceparent.
-    let (header_len, v1) = match raw.first() {
-        Some(1) => (WRITTEN_AT, true),
-        Some(2 | 3) => (HEADER_LEN, false),
+    let (version, header_len, v1) = match raw.first() {
+        Some(&v @ 1) => (v, WRITTEN_AT, true),
+        Some(&v @ (2 | 3)) => (v, HEADER_LEN, false),
         Some(_) => return Err(DecodeError("unknown version")),
         None => return Err(DecodeError("too short")),
     };
     if raw.len() < header_len {
         return Err(DecodeError("too short"));
     }
-    let fingerprint = Fingerprint(raw[2..34].try_into().expect("32 bytes"));
-    let token = Token(raw[TOKEN_AT..WRITTEN_AT].try_into().expect("16 bytes"));
+    let fingerprint = Fingerprint(fixed(&raw, 2)?);
+    let token = Token(fixed(&raw, TOKEN_AT)?);
     let written_ms = if v1 {
         0
     } else {
-        u64::from_be_bytes(raw[WRITTEN_AT..HEADER_LEN].try_into().expect("8 bytes"))
+        u64::from_be_bytes(fixed(&raw, WRITTEN_AT)?)
     };
-    let state = match raw[STATE_AT] {
+    let [state] = fixed(&raw, STATE_AT)?;
+    let state = match state {
         IN_FLIGHT => EntryState::InFlight,
         NOT_REPLAYABLE => EntryState::NotReplayable,
         COMPLETED => {
-            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), raw[0])?))
+            EntryState::Completed(Arc::new(decode_response(raw.slice(header_len..), version)?))
         }
         COMPRESSED if !v1 => {
-            let mut r = decode_response(raw.slice(header_len..), raw[0])?;
+            let mut r = decode_response(raw.slice(header_len..), version)?;
             let (expanded, block) = lz4_flex::block::uncompressed_size(&r.body)
                 .map_err(|_| DecodeError("truncated compressed body"))?;
             if expanded > MAX_EXPANDED || expanded > block.len().saturating_mul(LZ4_MAX_RATIO) {
@@ -515,6 +527,28 @@ mod tests {
         let without = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp)));
         assert_eq!(with - without.len(), 2 + (6 + 11 + 1) + (6 + 7 + 1));
         assert_eq!(without[without.len() - 7], 1, "the key source alone");
+    }
+
+    #[test]
+    fn a_response_with_more_fields_than_a_count_holds_keeps_the_first_65535() {
+        let field = (HeaderName::from_static("x"), HeaderValue::from_static("y"));
+        let resp = StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![field; usize::from(u16::MAX) + 1],
+            body: Bytes::from_static(b"body"),
+            trailers: Vec::new(),
+            traceparent: None,
+            key_source: None,
+        };
+        let (fp, tok) = (Fingerprint([7; 32]), Token([1; 16]));
+        let raw = encode(&fp, &tok, &EntryState::Completed(Arc::new(resp)));
+        match decode(raw).unwrap().0.state {
+            EntryState::Completed(r) => {
+                assert_eq!(r.headers.len(), usize::from(u16::MAX));
+                assert_eq!(r.body, "body");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
     }
 
     #[test]
@@ -714,6 +748,27 @@ mod sealed {
     }
 
     const MARKER: &str = "card 4242-MARKER-4242 of Ada Lovelace";
+
+    #[test]
+    fn a_sealed_record_cut_anywhere_is_unreadable_when_opened() {
+        let key = ScopedKey([1; 32]);
+        let keys = seal(SealMode::On, K1);
+        let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
+        let raw = Codec::new(false, keys.clone())
+            .record(&key, &fp, &tok, &completed("{}"))
+            .into_bytes();
+        let open = |raw: Bytes| keys.open(&key, (codec::HEADER_LEN, codec::FORMAT_VERSION), raw);
+        assert!(open(raw.clone()).is_ok());
+        // Opened directly, without the length check of Seal::is_sealed first.
+        for len in 0..raw.len() {
+            assert!(open(raw.slice(..len)).is_err(), "cut at {len}");
+        }
+        // A key id length past the end.
+        let mut long_id = raw.to_vec();
+        long_id[codec::HEADER_LEN] = u8::MAX;
+        long_id.truncate(codec::HEADER_LEN + 40);
+        assert!(open(Bytes::from(long_id)).is_err());
+    }
 
     #[test]
     fn a_sealed_record_holds_no_clear_response_and_opens_for_its_key_only() {

@@ -326,8 +326,8 @@ fn init(db: &Database) -> Result<(), StoreError> {
 
 /// An entry's expiry and encoding.
 fn split(value: &[u8]) -> Option<(u64, Bytes)> {
-    let at = u64::from_be_bytes(value.get(..8)?.try_into().ok()?);
-    Some((at, Bytes::copy_from_slice(&value[8..])))
+    let (at, encoding) = value.split_first_chunk::<8>()?;
+    Some((u64::from_be_bytes(*at), Bytes::copy_from_slice(encoding)))
 }
 
 /// An index row: expiry then key, so rows sort by expiry.
@@ -689,9 +689,8 @@ impl<'txn> Tables<'txn> {
         index: &redb::Table<'txn, &'static [u8; 40], ()>,
     ) -> Result2<Option<(u64, ScopedKey)>> {
         Ok(index.first()?.map(|(row, _)| {
-            let row = row.value();
-            let at = u64::from_be_bytes(row[..8].try_into().expect("8 bytes"));
-            (at, ScopedKey(row[8..].try_into().expect("32 bytes")))
+            let [a, b, c, d, e, f, g, h, key @ ..] = *row.value();
+            (u64::from_be_bytes([a, b, c, d, e, f, g, h]), ScopedKey(key))
         }))
     }
 

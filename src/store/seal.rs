@@ -101,7 +101,8 @@ impl SealKeys {
                     secret.len()
                 )
             })?;
-            let key = UnboundKey::new(&AES_256_GCM, &secret).expect("a 32-byte key");
+            let key = UnboundKey::new(&AES_256_GCM, &secret)
+                .map_err(|_| format!("key {id:?} is not an AES-256 key"))?;
             keys.push(SealKey {
                 id: id.to_string(),
                 key: LessSafeKey::new(key),
@@ -181,6 +182,12 @@ impl Seal {
     /// The sealed form of `clear` (the parts of a clear encoding of a completed entry or a
     /// tombstone, its header of `header_len` bytes first) for the record of `key`; `None` when
     /// sealing is off.
+    #[expect(
+        clippy::indexing_slicing,
+        clippy::expect_used,
+        reason = "the parts are this build's own encoding, its first part the whole header at \
+                  least; a record (bounded by max_body) is far below AES-GCM's 64 GiB"
+    )]
     pub(crate) fn seal(
         &self,
         key: &ScopedKey,
@@ -225,7 +232,7 @@ impl Seal {
 
     /// Whether `raw` is a sealed entry (its header being `header_len` bytes).
     pub(crate) fn is_sealed(raw: &[u8], header_len: usize) -> bool {
-        raw.len() > header_len && raw[0] == SEALED_VERSION
+        raw.len() > header_len && raw.first() == Some(&SEALED_VERSION)
     }
 
     /// The clear encoding (version byte `clear_version`) of the sealed entry `raw` read for
@@ -236,34 +243,46 @@ impl Seal {
         (header_len, clear_version): (usize, u8),
         raw: Bytes,
     ) -> Result<Bytes, Unreadable> {
-        let id_len = raw[header_len] as usize;
-        let at = header_len + 1 + id_len;
+        let cut = Unreadable::Tampered { key_id: None };
+        let Some(&id_len) = raw.get(header_len) else {
+            return Err(cut);
+        };
+        let at = header_len + 1 + usize::from(id_len);
         if raw.len() < at + NONCE_LEN + TAG_LEN {
-            return Err(Unreadable::Tampered { key_id: None });
+            return Err(cut);
         }
-        let mut id = [0u8; u8::MAX as usize];
-        id[..id_len].copy_from_slice(&raw[header_len + 1..at]);
-        let id = &id[..id_len];
-        let key_id = || Some(String::from_utf8_lossy(id).into_owned());
-        let Some(k) = self.keys.as_ref().and_then(|keys| keys.find(id)) else {
+        let (Some(before_nonce), Some(id), Some(nonce)) = (
+            raw.get(..at),
+            raw.get(header_len + 1..at),
+            raw.get(at..).and_then(<[u8]>::first_chunk::<NONCE_LEN>),
+        ) else {
+            return Err(cut);
+        };
+        let (id, nonce) = (id.to_vec(), *nonce);
+        let key_id = || Some(String::from_utf8_lossy(&id).into_owned());
+        let Some(k) = self.keys.as_ref().and_then(|keys| keys.find(&id)) else {
             return Err(Unreadable::UnknownKey { key_id: key_id() });
         };
-        let aad = associated(key, &raw[..at]);
-        let nonce: [u8; NONCE_LEN] = raw[at..at + NONCE_LEN].try_into().expect("nonce");
+        let aad = associated(key, before_nonce);
         let mut clear = Vec::from(raw);
         let skip = at + NONCE_LEN - header_len;
-        let opened = k.key.open_within(
-            Nonce::assume_unique_for_key(nonce),
-            Aad::from(&aad[..]),
-            &mut clear[header_len..],
-            skip..,
-        );
+        let opened = match clear.get_mut(header_len..) {
+            Some(sealed) => k.key.open_within(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(&aad[..]),
+                sealed,
+                skip..,
+            ),
+            None => return Err(cut),
+        };
         let Ok(plain) = opened else {
             return Err(Unreadable::Tampered { key_id: key_id() });
         };
         let len = header_len + plain.len();
         clear.truncate(len);
-        clear[0] = clear_version;
+        if let Some(version) = clear.first_mut() {
+            *version = clear_version;
+        }
         Ok(Bytes::from(clear))
     }
 }

@@ -3,7 +3,7 @@
 //! and the store fires when the key is completed or released.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
 
@@ -19,7 +19,7 @@ pub(crate) struct Signals {
 impl Signals {
     /// One more waiter on `channel`: its receiver, and whether it is the channel's first.
     pub(crate) fn subscribe(&self, channel: &[u8]) -> (watch::Receiver<()>, bool) {
-        let mut waiting = self.waiting.lock().unwrap();
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = waiting
             .entry(channel.to_vec())
             .or_insert_with(|| (watch::Sender::new(()), 0));
@@ -29,7 +29,7 @@ impl Signals {
 
     /// One waiter fewer on `channel`: whether it was the last.
     pub(crate) fn unsubscribe(&self, channel: &[u8]) -> bool {
-        let mut waiting = self.waiting.lock().unwrap();
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         match waiting.get_mut(channel) {
             Some(entry) if entry.1 > 1 => {
                 entry.1 -= 1;
@@ -45,7 +45,12 @@ impl Signals {
 
     /// Wake every waiter on `channel`, if any.
     pub(crate) fn wake(&self, channel: &[u8]) {
-        if let Some((tx, _)) = self.waiting.lock().unwrap().get(channel) {
+        if let Some((tx, _)) = self
+            .waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(channel)
+        {
             tx.send_replace(());
         }
     }

@@ -40,6 +40,10 @@ impl<'a> Number<'a> {
     }
 
     /// The value of a number the parser accepted.
+    #[expect(
+        clippy::indexing_slicing,
+        reason = "dot and e are the parser's offsets in this number's text: 0 < dot <= e <= len"
+    )]
     fn decimal(&self) -> Decimal<'a> {
         let t = self.text.as_bytes();
         let (dot, e) = (self.dot as usize, self.e as usize);
@@ -101,6 +105,10 @@ fn parse_exponent(text: &[u8]) -> i64 {
 }
 
 /// `n` in decimal, written at the end of `buf`.
+#[expect(
+    clippy::indexing_slicing,
+    reason = "an i64 takes at most 19 digits and a sign, and the buffer holds 24"
+)]
 fn itoa(n: i64, buf: &mut [u8; 24]) -> &[u8] {
     let mut at = buf.len();
     let mut m = n.unsigned_abs();
@@ -126,8 +134,7 @@ fn itoa(n: i64, buf: &mut [u8; 24]) -> &[u8] {
 pub(crate) fn hash_canonical(doc: &Json<'_>, ignore: &[Pointer], h: &mut impl Update) {
     let mut sink = Sink {
         h,
-        buf: [0; SINK_BYTES],
-        n: 0,
+        buf: Vec::with_capacity(SINK_BYTES),
     };
     assert!(
         ignore.len() <= MAX_IGNORED,
@@ -153,57 +160,45 @@ const SINK_BYTES: usize = 512;
 /// large as the buffer goes to the hasher directly.
 struct Sink<'h, H: Update> {
     h: &'h mut H,
-    buf: [u8; SINK_BYTES],
-    n: usize,
+    // At most SINK_BYTES.
+    buf: Vec<u8>,
 }
 
 impl<H: Update> Sink<'_, H> {
     #[inline]
     fn put(&mut self, bytes: &[u8]) {
-        if bytes.len() > SINK_BYTES - self.n {
+        if bytes.len() > SINK_BYTES.saturating_sub(self.buf.len()) {
             self.flush();
             if bytes.len() >= SINK_BYTES {
                 self.h.update(bytes);
                 return;
             }
         }
-        self.buf[self.n..self.n + bytes.len()].copy_from_slice(bytes);
-        self.n += bytes.len();
+        self.buf.extend_from_slice(bytes);
     }
 
     #[inline]
     fn byte(&mut self, b: u8) {
-        if self.n == SINK_BYTES {
+        if self.buf.len() >= SINK_BYTES {
             self.flush();
         }
-        self.buf[self.n] = b;
-        self.n += 1;
+        self.buf.push(b);
     }
 
+    /// `n` in LEB128: seven bits a byte, low ones first, the high bit set on all but the last.
     #[inline]
     fn len(&mut self, mut n: usize) {
-        if n < 0x80 {
-            return self.byte(n as u8);
-        }
-        let mut out = [0u8; 10];
-        let mut i = 0;
-        loop {
-            let low = (n & 0x7f) as u8;
+        while n >= 0x80 {
+            self.byte((n & 0x7f) as u8 | 0x80);
             n >>= 7;
-            if n == 0 {
-                out[i] = low;
-                break;
-            }
-            out[i] = low | 0x80;
-            i += 1;
         }
-        self.put(&out[..=i]);
+        self.byte(n as u8);
     }
 
     fn flush(&mut self) {
-        if self.n > 0 {
-            self.h.update(&self.buf[..self.n]);
-            self.n = 0;
+        if !self.buf.is_empty() {
+            self.h.update(&self.buf);
+            self.buf.clear();
         }
     }
 }
@@ -220,7 +215,9 @@ fn step(ignore: &[Pointer], live: u64, depth: usize, step: Step<'_>) -> (u64, bo
     while rest != 0 {
         let i = rest.trailing_zeros() as usize;
         rest &= rest - 1;
-        let tokens = &ignore[i].tokens;
+        let Some(Pointer { tokens, .. }) = ignore.get(i) else {
+            continue;
+        };
         let hit = match (tokens.get(depth), step) {
             (Some(t), Step::Key(k)) => t == k,
             (Some(t), Step::Index(n)) => t == "*" || array_index(t) == Some(n),

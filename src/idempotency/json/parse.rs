@@ -65,6 +65,10 @@ impl<'a> Str<'a> {
             return Cow::Borrowed(self.raw);
         }
         let mut out = String::with_capacity(self.raw.len());
+        #[expect(
+            clippy::expect_used,
+            reason = "a Str is made only by the parser, once unescape took its raw text"
+        )]
         unescape(self.raw, 0, &mut |s| out.push_str(s)).expect("validated when parsed");
         Cow::Owned(out)
     }
@@ -76,6 +80,10 @@ impl<'a> Str<'a> {
 
     pub(super) fn write(&self, out: &mut impl FnMut(&[u8])) {
         if self.escaped {
+            #[expect(
+                clippy::expect_used,
+                reason = "a Str is made only by the parser, once unescape took its raw text"
+            )]
             unescape(self.raw, 0, &mut |s| out(s.as_bytes())).expect("validated when parsed");
         } else {
             out(self.raw.as_bytes());
@@ -89,8 +97,8 @@ fn unescape(raw: &str, at: usize, emit: &mut impl FnMut(&str)) -> Result<(), Jso
     let b = raw.as_bytes();
     let mut i = 0;
     let mut run = 0;
-    while i < b.len() {
-        if b[i] != b'\\' {
+    while let Some(&c) = b.get(i) {
+        if c != b'\\' {
             i += 1;
             continue;
         }
@@ -142,7 +150,7 @@ fn unicode_escape(b: &[u8], i: usize, at: usize) -> Result<(char, usize), JsonEr
         Ok(n)
     };
     let first = hex(i + 2)?;
-    if (0xD800..0xDC00).contains(&first) {
+    let (code, used) = if (0xD800..0xDC00).contains(&first) {
         if b.get(i + 6) != Some(&b'\\') || b.get(i + 7) != Some(&b'u') {
             return err(format!("unpaired surrogate at byte {}", at + i));
         }
@@ -150,11 +158,12 @@ fn unicode_escape(b: &[u8], i: usize, at: usize) -> Result<(char, usize), JsonEr
         if !(0xDC00..0xE000).contains(&second) {
             return err(format!("unpaired surrogate at byte {}", at + i));
         }
-        let c = 0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00);
-        return Ok((char::from_u32(c).expect("a valid pair"), 12));
-    }
-    match char::from_u32(first) {
-        Some(c) => Ok((c, 6)),
+        (0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00), 12)
+    } else {
+        (first, 6)
+    };
+    match char::from_u32(code) {
+        Some(c) => Ok((c, used)),
         None => err(format!("unpaired surrogate at byte {}", at + i)),
     }
 }
@@ -186,8 +195,8 @@ fn plain_run(b: &[u8], mut i: usize) -> usize {
     const HIGHS: u64 = 0x8080_8080_8080_8080;
     // A high bit set in each byte of `v` that is zero (and maybe in bytes above one that is).
     let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGHS;
-    while let Some(chunk) = b.get(i..i + 8) {
-        let x = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+    while let Some(chunk) = b.get(i..).and_then(<[u8]>::first_chunk::<8>) {
+        let x = u64::from_le_bytes(*chunk);
         let special = zero(x ^ (ONES * u64::from(b'"')))
             | zero(x ^ (ONES * u64::from(b'\\')))
             | (x.wrapping_sub(ONES * 0x20) & !x & HIGHS);
@@ -311,11 +320,12 @@ impl<'a> Parser<'a> {
         }
         let mut members: Vec<_> = self.members.drain(base..).collect();
         members.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
-            return err(format!(
-                "the member {:?} appears twice in one object",
-                w[0].0
-            ));
+        let twice = members.windows(2).find_map(|w| match w {
+            [(a, _), (b, _)] if a == b => Some(a),
+            _ => None,
+        });
+        if let Some(name) = twice {
+            return err(format!("the member {name:?} appears twice in one object"));
         }
         Ok(Json::Object(members))
     }

@@ -74,7 +74,8 @@ impl Pointer {
                 Json::Object(members) => members
                     .binary_search_by(|(k, _)| k.as_ref().cmp(token.as_str()))
                     .ok()
-                    .map(|i| &members[i].1)?,
+                    .and_then(|i| members.get(i))
+                    .map(|(_, value)| value)?,
                 Json::Array(items) => items.get(array_index(token)?)?,
                 _ => return None,
             };

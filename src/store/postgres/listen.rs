@@ -12,6 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::OptionFuture;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_postgres::{AsyncMessage, Client, Connection};
 
@@ -113,7 +114,7 @@ impl Session<'_> {
                     Some(Err(e)) => return super::describe(&e),
                     None => return "the connection closed".into(),
                 },
-                done = async { pending.as_mut().expect("pending").await }, if pending.is_some() => {
+                Some(done) = OptionFuture::from(pending.as_mut()), if pending.is_some() => {
                     pending = None;
                     if let Err(why) = done {
                         return why;
@@ -142,8 +143,8 @@ impl Session<'_> {
         if hex.len() != 64 {
             return;
         }
-        for (i, byte) in key.iter_mut().enumerate() {
-            match std::str::from_utf8(&hex[2 * i..2 * i + 2])
+        for (byte, pair) in key.iter_mut().zip(hex.chunks_exact(2)) {
+            match std::str::from_utf8(pair)
                 .ok()
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
             {

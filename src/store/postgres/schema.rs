@@ -309,7 +309,8 @@ pub(super) async fn migrate(
         }
     };
     if let Migrated::From(from) = migrated {
-        for step in &MIGRATIONS[(from - 1) as usize..] {
+        // Versions run from 1: the steps from the one found on.
+        for step in MIGRATIONS.iter().skip((from as usize).saturating_sub(1)) {
             let index = format!("{table}_{}", step.index);
             if within(wait, invalid(client, &index)).await? {
                 tracing::info!(

@@ -139,6 +139,10 @@ impl WaitPool {
     }
 
     /// A connection no other write is using; the next in turn when all are taken.
+    #[expect(
+        clippy::indexing_slicing,
+        reason = "the pool holds WAIT_CONNECTIONS connections, indexed modulo their number"
+    )]
     async fn get(&self) -> tokio::sync::MutexGuard<'_, Conn> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let n = self.conns.len();
@@ -475,6 +479,7 @@ impl RedisStore {
         // The entry is written straight into the command, sized up front: one copy of the body.
         let mut set = redis::Cmd::with_capacity(5, entry.len() + staged.len() + 16);
         set.arg("SET").arg(&staged);
+        #[expect(clippy::expect_used, reason = "the command's buffer is in memory")]
         {
             let mut w = set.writer_for_next_arg();
             w.write_all(&entry.head).expect("writing to memory");

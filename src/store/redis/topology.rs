@@ -9,7 +9,7 @@
 //! - Sentinel: a `ConnectionManager` to the primary the sentinels name; when it stops answering
 //!   or says it is a replica (READONLY), the sentinels are asked again and the new primary used.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -282,8 +282,13 @@ impl SentinelConn {
             .iter()
             .map(|u| u.as_str().into_connection_info())
             .collect::<RedisResult<Vec<_>>>()?;
-        let first = infos[0].redis_settings().clone();
-        let tls = urls[0].starts_with("rediss://");
+        let Some(first) = infos.first().map(|i| i.redis_settings().clone()) else {
+            return Err(RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "no sentinel to ask",
+            )));
+        };
+        let tls = urls.first().is_some_and(|u| u.starts_with("rediss://"));
         if tls {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
@@ -336,7 +341,13 @@ impl SentinelConn {
 
     /// The primary's connection, asking the sentinels when there is none yet.
     async fn current(&self) -> RedisResult<(u64, ConnectionManager)> {
-        if let Some(c) = self.0.current.lock().unwrap().clone() {
+        if let Some(c) = self
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
             return Ok(c);
         }
         self.switch(None).await
@@ -346,19 +357,28 @@ impl SentinelConn {
     /// switched away from generation `seen`, or asked a moment ago.
     async fn switch(&self, seen: Option<u64>) -> RedisResult<(u64, ConnectionManager)> {
         let mut sentinel = self.0.sentinel.lock().await;
-        let current = self.0.current.lock().unwrap().clone();
+        let current = self
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         if let Some((generation, conn)) = &current {
             let recent = self
                 .0
                 .last_asked
                 .lock()
-                .unwrap()
+                .unwrap_or_else(PoisonError::into_inner)
                 .is_some_and(|t| t.elapsed() < REASK_EVERY);
             if Some(*generation) != seen || recent {
                 return Ok((*generation, conn.clone()));
             }
         }
-        *self.0.last_asked.lock().unwrap() = Some(Instant::now());
+        *self
+            .0
+            .last_asked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
         let client = tokio::time::timeout(self.0.timeout, sentinel.async_get_client())
             .await
             .map_err(|_| {
@@ -370,8 +390,17 @@ impl SentinelConn {
         drop(sentinel);
         let conn = ConnectionManager::new_lazy_with_config(client, self.0.config.clone())?;
         let generation = current.map_or(0, |(g, _)| g + 1);
-        *self.0.current.lock().unwrap() = Some((generation, conn.clone()));
-        let channels = self.0.channels.lock().unwrap().clone();
+        *self
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some((generation, conn.clone()));
+        let channels = self
+            .0
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         if !channels.is_empty() {
             let mut c = conn.clone();
             tokio::spawn(async move {
@@ -404,13 +433,21 @@ impl SentinelConn {
     }
 
     async fn subscribe(&self, channel: &str) -> RedisResult<()> {
-        self.0.channels.lock().unwrap().push(channel.to_string());
+        self.0
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(channel.to_string());
         let (_, mut conn) = self.current().await?;
         conn.subscribe(channel).await
     }
 
     async fn unsubscribe(&self, channel: &str) -> RedisResult<()> {
-        self.0.channels.lock().unwrap().retain(|c| c != channel);
+        self.0
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|c| c != channel);
         let (_, mut conn) = self.current().await?;
         conn.unsubscribe(channel).await
     }
