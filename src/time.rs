@@ -21,7 +21,8 @@ pub enum Ttl {
     /// Kept this long (at most [`MAX_DURATION`]: a longer one is used as that).
     For(Duration),
     /// Never expires (`"forever"`): only the durable stores keep such records, and only an
-    /// admin eviction removes one. A store that cannot keeps it for [`MAX_DURATION`].
+    /// admin eviction removes one. Redis, which the gateway never asks to, keeps one for
+    /// [`MAX_DURATION`].
     Forever,
 }
 

@@ -891,6 +891,25 @@ async fn cluster_a_failover_longer_than_the_rest_of_the_lease_still_records_the_
     println!("failover took {took:?} (lease 1s)");
     // The promoted primary acknowledges nothing until it has a replica again.
     cluster.restart(killed).await;
+    // The completion, sent again meanwhile, lands on the promoted primary (a retry that came
+    // first would have run again: the window the docs name, counted as unrecorded).
+    let admin = gateways.all[0].admin.expect("an admin listener");
+    wait_until(
+        Duration::from_secs(30),
+        "the late answer recorded",
+        async || {
+            let view = gateways
+                .client
+                .get(format!("http://{admin}/keys/fo"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await;
+            let Ok(view) = view else { return false };
+            let view: serde_json::Value = view.json().await.unwrap_or_default();
+            view["state"] == "completed"
+        },
+    )
+    .await;
     let log = Mutex::new(Storm::default());
     let retry = until_2xx(&gateways, 0, "fo", &log).await;
     assert!(retry.replayed(), "{retry:?}");

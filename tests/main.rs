@@ -33,6 +33,7 @@ mod policy;
 mod postgres;
 mod sealing;
 mod store;
+mod store_model;
 mod streams;
 mod telemetry;
 mod upstreams;

@@ -536,19 +536,20 @@ async fn a_completion_after_the_lease_is_recorded_unless_a_newer_claim_came<S: S
 async fn renew_extends_only_own_lease<S: Store>(s: S) {
     let (k, fp) = (ScopedKey([5; 32]), Fingerprint([6; 32]));
     let t = Token::random();
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_millis(1200);
     assert!(matches!(
         s.claim(&Claimant::new(k, fp, t), ClaimTerms::lease(lease))
             .await
             .unwrap(),
         Claim::Claimed
     ));
-    for _ in 0..4 {
-        // Renewing at half the lease, twice past where it would have ended: the scenario.
-        tokio::time::sleep(Duration::from_millis(150)).await;
+    for _ in 0..5 {
+        // Renewing at a quarter of the lease (a loaded machine's sleep may overrun by far),
+        // past where it would have ended: the scenario.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(s.renew(&Claimant::new(k, fp, t), lease).await.unwrap());
     }
-    // 600 ms after a 300 ms lease, still ours thanks to renewal.
+    // 1.5 s after a 1.2 s lease, still ours thanks to renewal.
     let other = s
         .claim(
             &Claimant::new(k, fp, Token::random()),

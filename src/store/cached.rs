@@ -141,24 +141,26 @@ impl LocalCache {
         })
     }
 
+    /// Keep `response`, which the store said at `asked` (or later) lives `lives` more: reckoned
+    /// from `asked`, so that the cache never says it lives longer than it does.
     fn put(
         &self,
         key: &ScopedKey,
         fingerprint: &Fingerprint,
         response: &Arc<StoredResponse>,
-        lives: Option<Duration>,
+        (asked, lives): (Instant, Option<Duration>),
     ) {
         if !self.enabled {
             return;
         }
-        let now = Instant::now();
+        let kept = lives.unwrap_or(self.max_age).min(self.max_age);
         self.cache.insert(
             *key,
             Cached {
                 fingerprint: *fingerprint,
                 response: response.clone(),
-                expires_at: now + lives.unwrap_or(self.max_age).min(self.max_age),
-                record_expires_at: lives.map(|lives| now + lives),
+                expires_at: crate::time::after(asked, kept),
+                record_expires_at: lives.map(|lives| crate::time::after(asked, lives)),
             },
         );
     }
@@ -187,14 +189,16 @@ impl<S: Store> CachedStore<S> {
         &self.cache
     }
 
-    /// `claim`, after keeping the record it replays for the next replays.
-    fn cached(&self, key: &ScopedKey, fingerprint: &Fingerprint, claim: Claim) -> Claim {
+    /// `claim`, asked of the store at `asked`, after keeping the record it replays for the next
+    /// replays.
+    fn cached(&self, who: &Claimant, asked: Instant, claim: Claim) -> Claim {
         if let Claim::Replay(Replay {
             response,
             expires_in,
         }) = &claim
         {
-            self.cache.put(key, fingerprint, response, *expires_in);
+            let lives = (asked, *expires_in);
+            self.cache.put(&who.key, &who.fingerprint, response, lives);
         }
         claim
     }
@@ -207,8 +211,9 @@ impl<S: Store> Store for CachedStore<S> {
         if let Some(replay) = self.cache.get(&who.key, &who.fingerprint) {
             return Ok(Claim::Replay(replay));
         }
+        let asked = Instant::now();
         let claim = self.inner.claim(who, terms).await?;
-        Ok(self.cached(&who.key, &who.fingerprint, claim))
+        Ok(self.cached(who, asked, claim))
     }
 
     async fn complete(
@@ -362,7 +367,7 @@ mod tests {
                 &ScopedKey([i; 32]),
                 &Fingerprint([0; 32]),
                 &big,
-                Some(Duration::from_secs(60)),
+                (Instant::now(), Some(Duration::from_secs(60))),
             );
         }
         assert!(cache.cache.weight() <= 10_000);

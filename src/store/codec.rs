@@ -156,7 +156,15 @@ pub(crate) fn encode_tombstone(
     state: &EntryState,
 ) -> Option<(Bytes, std::time::Duration)> {
     let (entry, lives) = keep.tombstone_of(fingerprint, state)?;
-    Some((encode(fingerprint, &Token([0; 16]), &entry.state), lives))
+    // Written when its expiry was reckoned: the two say the record's ttl exactly.
+    let encoded = encode_written(
+        fingerprint,
+        &Token([0; 16]),
+        &entry.state,
+        false,
+        entry.written_ms,
+    );
+    Some((encoded.into_bytes(), lives))
 }
 
 /// Encode an entry (with its token) for the store, bodies as they are.
@@ -207,6 +215,17 @@ pub(crate) fn encode_parts<'a>(
     state: &'a EntryState,
     compress: bool,
 ) -> Encoded<'a> {
+    encode_written(fingerprint, token, state, compress, now_ms())
+}
+
+/// [`encode_parts`] of an entry written at `written_ms`.
+fn encode_written<'a>(
+    fingerprint: &Fingerprint,
+    token: &Token,
+    state: &'a EntryState,
+    compress: bool,
+    written_ms: u64,
+) -> Encoded<'a> {
     use std::borrow::Cow;
     let compressed = match state {
         EntryState::Completed(r)
@@ -251,7 +270,7 @@ pub(crate) fn encode_parts<'a>(
     out.put_u8(tag);
     out.put_slice(&fingerprint.0);
     out.put_slice(&token.0);
-    out.put_u64(now_ms());
+    out.put_u64(written_ms);
     if let Some(r) = resp {
         out.put_u16(r.status.as_u16());
         put_fields(&mut out, &r.headers);

@@ -153,6 +153,8 @@ enum Write {
         who: Claimant,
         value: Bytes,
         ttl: Ttl,
+        // Whether the route keeps tombstones: a live one then keeps a late completion out.
+        refuses: bool,
         // The tombstone the record leaves, and how long it lives.
         tombstone: Option<(Bytes, Duration)>,
     },
@@ -557,6 +559,7 @@ impl<'txn> Tables<'txn> {
                 who,
                 value,
                 ttl,
+                refuses,
                 tombstone,
             } => {
                 let key = &who.key;
@@ -567,7 +570,7 @@ impl<'txn> Tables<'txn> {
                     Some(_) => true,
                     // Our lease ran out and nobody claimed the key since; a live tombstone
                     // means another record was there.
-                    None => tombstone.is_none() || self.live(&key.tombstone(), now)?.is_none(),
+                    None => !refuses || self.live(&key.tombstone(), now)?.is_none(),
                 };
                 if written {
                     self.put(key, expiry(now, *ttl), value)?;
@@ -595,8 +598,12 @@ impl<'txn> Tables<'txn> {
                 Done::Yes(ours)
             }
             Write::Evict(key) => {
-                let record = self.remove(key)?;
-                Done::Yes(self.remove(&key.tombstone())? || record)
+                // A lapsed entry not purged yet goes too, but was as good as absent.
+                let record = self.live(key, now)?.is_some();
+                let tombstone = self.live(&key.tombstone(), now)?.is_some();
+                self.remove(key)?;
+                self.remove(&key.tombstone())?;
+                Done::Yes(record || tombstone)
             }
             Write::EvictAll => Done::Count(self.remove_all()?),
             Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
@@ -829,6 +836,7 @@ impl Store for EmbeddedStore {
             who: *who,
             value,
             ttl: keep.ttl,
+            refuses: keep.tombstone.is_some(),
             tombstone,
         })
         .await

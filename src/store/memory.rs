@@ -2,9 +2,12 @@
 //!
 //! Bounded twice: by `max_entries` and by `max_bytes` of stored responses. Past either bound the
 //! completed records closest to expiry are evicted, one by one as room is needed (an index by
-//! expiry finds them, so no operation scans the map); in-flight claims never are. When only
-//! claims remain, a new claim is refused ([`StoreError::Full`]) rather than the map growing
-//! without bound.
+//! expiry finds them, so no operation scans the map); in-flight claims and records kept forever
+//! never are. When only those remain, a new claim is refused ([`StoreError::Full`]) rather than
+//! the map growing without bound.
+//!
+//! A record kept forever (`Ttl::Forever`: the library may ask it, the configuration refuses it
+//! for this store, which a restart empties) has no expiry: it stays until an operator evicts it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -51,16 +54,20 @@ struct Shared {
     max_bytes: u64,
 }
 
+/// Slots by expiry.
+type Index = BTreeSet<(Instant, ScopedKey)>;
+
 #[derive(Debug, Default)]
 struct Table {
     map: HashMap<ScopedKey, Slot>,
     // Sum of the slots' weights, kept in step with `map`.
     bytes: u64,
-    // The slots by expiry, claims and completed records apart (each slot in one of the two, kept
-    // in step with `map`): purging pops the fronts, making room pops the records' front, so no
-    // operation scans the map under the lock that every worker shares.
-    claims: BTreeSet<(Instant, ScopedKey)>,
-    records: BTreeSet<(Instant, ScopedKey)>,
+    // The slots by expiry, claims and completed records apart (each slot that expires in one of
+    // the two, kept in step with `map`; a record kept forever in neither): purging pops the
+    // fronts, making room pops the records' front, so no operation scans the map under the lock
+    // that every worker shares.
+    claims: Index,
+    records: Index,
     // Where records evicted for room are counted.
     evictions: Evictions,
 }
@@ -71,8 +78,9 @@ struct Slot {
     token: Token,
     // The entry as the state machine sees it.
     entry: Entry,
-    // When the slot stops existing (lease end for a claim, TTL end for a completed record).
-    expires_at: Instant,
+    // When the slot stops existing (lease end for a claim, TTL end for a completed record);
+    // `None` for a record kept forever, which only an eviction removes.
+    expires_at: Option<Instant>,
 }
 
 /// What an entry costs besides its response: its map bucket and its place in the expiry index
@@ -80,6 +88,16 @@ struct Slot {
 const SLOT_OVERHEAD: u64 = 224;
 
 impl Slot {
+    /// Whether the slot is live at `now`: not past its lease or ttl.
+    fn live(&self, now: Instant) -> bool {
+        self.expires_at.is_none_or(|at| at > now)
+    }
+
+    /// How long it has left after `now` (`None`: kept forever).
+    fn left(&self, now: Instant) -> Option<Duration> {
+        self.expires_at.map(|at| at - now)
+    }
+
     /// What the slot costs, roughly: a fixed overhead plus the stored response.
     fn weight(&self) -> u64 {
         let response = match &self.entry.state {
@@ -97,39 +115,44 @@ impl Slot {
 }
 
 impl Table {
-    fn index(&mut self, state: &EntryState) -> &mut BTreeSet<(Instant, ScopedKey)> {
-        match state {
-            EntryState::InFlight => &mut self.claims,
-            _ => &mut self.records,
+    /// The index a slot is in, with its row; none for a record kept forever.
+    fn index(&mut self, key: ScopedKey, slot: &Slot) -> Option<(&mut Index, (Instant, ScopedKey))> {
+        let row = (slot.expires_at?, key);
+        match slot.entry.state {
+            EntryState::InFlight => Some((&mut self.claims, row)),
+            _ => Some((&mut self.records, row)),
         }
     }
 
     fn insert(&mut self, key: ScopedKey, slot: Slot) {
         self.remove(&key);
         self.bytes += slot.weight();
-        self.index(&slot.entry.state).insert((slot.expires_at, key));
+        if let Some((index, row)) = self.index(key, &slot) {
+            index.insert(row);
+        }
         self.map.insert(key, slot);
     }
 
     fn remove(&mut self, key: &ScopedKey) -> Option<Slot> {
         let slot = self.map.remove(key)?;
         self.bytes -= slot.weight();
-        self.index(&slot.entry.state)
-            .remove(&(slot.expires_at, *key));
+        if let Some((index, row)) = self.index(*key, &slot) {
+            index.remove(&row);
+        }
         Some(slot)
     }
 
     /// Move a slot's expiry (a renewed lease), in the index too.
     fn extend(&mut self, key: &ScopedKey, expires_at: Instant) {
         if let Some(mut slot) = self.remove(key) {
-            slot.expires_at = expires_at;
+            slot.expires_at = Some(expires_at);
             self.insert(*key, slot);
         }
     }
 
     /// The live slot of `key`: not past its lease or ttl.
     fn live(&self, key: &ScopedKey, now: Instant) -> Option<&Slot> {
-        self.map.get(key).filter(|s| s.expires_at > now)
+        self.map.get(key).filter(|s| s.live(now))
     }
 
     /// Whether `key` is a live in-flight claim made with `token`.
@@ -153,7 +176,8 @@ impl Table {
     }
 
     /// Bring the table under both bounds (leaving room for one more entry when `adding`):
-    /// expired slots first, then the completed records closest to expiry.
+    /// expired slots first, then the completed records closest to expiry (never a claim or a
+    /// record kept forever). A claim is refused when the table stays over a bound.
     fn make_room(
         &mut self,
         max_entries: usize,
@@ -188,11 +212,17 @@ impl Table {
                 "memory store at its bounds; evicted completed records"
             );
         }
-        if adding && self.map.len() >= max_entries {
+        if adding && over(self) {
             return Err(StoreError::Full);
         }
         Ok(())
     }
+}
+
+/// When an entry written at `now` for `d` ends: `d` in whole milliseconds, at least one, as
+/// every other store reckons it (so a zero lease or ttl lives a millisecond here too).
+fn until(now: Instant, d: Duration) -> Instant {
+    time::after(now, Duration::from_millis(time::millis(d)))
 }
 
 impl Default for MemoryStore {
@@ -266,12 +296,12 @@ impl MemoryStore {
         self.lock().remove(key).is_some()
     }
 
-    /// The live entry of `key` and how long it has left.
-    pub fn get(&self, key: &ScopedKey) -> Option<(Entry, Duration)> {
+    /// The live entry of `key` and how long it has left (`None`: kept forever).
+    pub fn get(&self, key: &ScopedKey) -> Option<(Entry, Option<Duration>)> {
         let now = Instant::now();
         let t = self.lock();
-        let slot = t.map.get(key).filter(|s| s.expires_at > now)?;
-        Some((slot.entry.clone(), slot.expires_at - now))
+        let slot = t.live(key, now)?;
+        Some((slot.entry.clone(), slot.left(now)))
     }
 
     /// Number of slots, live or not yet purged.
@@ -308,20 +338,22 @@ impl super::Inspect for MemoryStore {
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
         let now = Instant::now();
         let t = self.lock();
-        let live = |at: &ScopedKey| t.map.get(at).filter(|s| s.expires_at > now);
-        Ok(live(key)
-            .or_else(|| live(&key.tombstone()))
+        Ok(t.live(key, now)
+            .or_else(|| t.live(&key.tombstone(), now))
             .map(|s| super::Inspected {
                 entry: s.entry.clone(),
-                expires_in: Some(s.expires_at - now),
+                expires_in: s.left(now),
                 stored_bytes: s.weight() as usize,
             }))
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let now = Instant::now();
         let mut t = self.lock();
-        let record = t.remove(key).is_some();
-        Ok(t.remove(&key.tombstone()).is_some() || record)
+        // A lapsed slot not purged yet goes too, but was as good as absent.
+        let live = |slot: Option<Slot>| slot.is_some_and(|s| s.live(now));
+        let record = live(t.remove(key));
+        Ok(live(t.remove(&key.tombstone())) || record)
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {
@@ -337,7 +369,7 @@ impl Store for MemoryStore {
         for at in std::iter::once(&who.key).chain(tombstone.as_ref()) {
             if let Some(slot) = t.live(at, now) {
                 let mut entry = slot.entry.clone();
-                entry.expires_in = Some(slot.expires_at - now);
+                entry.expires_in = slot.left(now);
                 return Ok(Claim::decide(
                     entry,
                     &slot.token,
@@ -357,7 +389,7 @@ impl Store for MemoryStore {
                     expires_in: None,
                     written_ms: now_ms(),
                 },
-                expires_at: time::after(now, terms.lease),
+                expires_at: Some(until(now, terms.lease)),
             },
         );
         Ok(Claim::Claimed)
@@ -399,12 +431,12 @@ impl Store for MemoryStore {
                 expires_in: None,
                 written_ms: now_ms(),
             },
-            expires_at: time::after(now, keep.ttl.clamped()),
+            expires_at: keep.ttl.finite().map(|ttl| until(now, ttl)),
         };
         t.insert(who.key, slot);
         if let Some((entry, lives)) = tombstone {
             let token = Token([0; 16]);
-            let expires_at = time::after(now, lives);
+            let expires_at = Some(until(now, lives));
             t.insert(
                 who.key.tombstone(),
                 Slot {
@@ -432,7 +464,7 @@ impl Store for MemoryStore {
         let mut t = self.lock();
         let ours = t.claimed_by(&who.key, &who.token, now);
         if ours {
-            t.extend(&who.key, time::after(now, lease));
+            t.extend(&who.key, until(now, lease));
         }
         Ok(ours)
     }
@@ -637,14 +669,15 @@ mod tests {
                 store.purge_expired();
             }
             let t = store.lock();
+            let forever = t.map.values().filter(|s| s.expires_at.is_none()).count();
             assert_eq!(
                 t.map.len(),
-                t.claims.len() + t.records.len(),
+                t.claims.len() + t.records.len() + forever,
                 "after step {i}"
             );
             assert!(t.map.len() <= 50);
             for (at, k) in t.claims.iter().chain(t.records.iter()) {
-                assert_eq!(t.map[k].expires_at, *at, "after step {i}");
+                assert_eq!(t.map[k].expires_at, Some(*at), "after step {i}");
             }
         }
     }

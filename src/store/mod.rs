@@ -313,7 +313,8 @@ pub trait Inspect: Store {
         key: &ScopedKey,
     ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send;
 
-    /// Delete `key` whatever its state, and its tombstone; whether either existed.
+    /// Delete `key` whatever its state, and its tombstone; whether either was live (a lapsed
+    /// one is as good as absent).
     fn evict(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Delete every record of this gateway (under the prefix); how many.

@@ -799,52 +799,31 @@ fn entry_of(
     Ok((entry, holder))
 }
 
-impl PostgresStore {
-    /// The live entry at `at` (a tombstone's address), if any.
-    async fn live(&self, at: &ScopedKey) -> Result<Option<Row>, StoreError> {
-        let s = self.handle();
-        let rows = s
-            .query(&self.shared.sql.inspect, &[&&at.0[..], &&at.0[..]])
-            .await?;
-        Ok(rows.into_iter().next())
-    }
-}
-
-impl PostgresStore {
-    /// Claim `key` for `lease` if it is free; otherwise decide from its row.
-    async fn claim_record(&self, who: &Claimant, lease: Duration) -> Result<Claim, StoreError> {
+impl Store for PostgresStore {
+    /// One statement: the key's live row decides; else, with [`AfterExpiry::Refuse`], its live
+    /// tombstone; else the key is taken.
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
         let (key, fingerprint, token) = (&who.key, &who.fingerprint, &who.token);
         let record = self.shared.codec.claim(fingerprint, token);
         let s = self.handle();
-        let params: [&(dyn ToSql + Sync); 4] =
-            [&&key.0[..], &&token.0[..], &&record[..], &millis(lease)];
+        let (lease, at) = (millis(terms.lease), key.tombstone());
+        let (k, t, r, a) = (&key.0[..], &token.0[..], &record[..], &at.0[..]);
+        // The tombstone's key ($5) only for the statement that reads it.
+        let params: [&(dyn ToSql + Sync); 5] = [&k, &t, &r, &lease, &a];
+        let (sql, params) = match terms.after_expiry {
+            AfterExpiry::Refuse => (&self.shared.sql.claim_unless_expired, &params[..]),
+            AfterExpiry::Run => (&self.shared.sql.claim, &params[..4]),
+        };
         // No row: another claimant won the key after this statement's snapshot was taken; the
         // next run sees its row. Each lost race means the key changed hands in between.
         for _ in 0..CLAIM_RUNS {
-            let rows = s.query(&self.shared.sql.claim, &params).await?;
+            let rows = s.query(sql, params).await?;
             if let Some(row) = rows.first() {
                 let (held, holder) = entry_of(&self.shared.codec, key, row)?;
                 return Ok(Claim::decide(held, &holder, fingerprint, token));
             }
         }
         Err(PostgresError::Contended.into())
-    }
-}
-
-impl Store for PostgresStore {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
-        // A live record wins over its tombstone: the claim decides first. A key it takes is
-        // then given back if its tombstone lives (others saw it in flight meanwhile).
-        let claim = self.claim_record(who, terms.lease).await?;
-        if terms.after_expiry != AfterExpiry::Refuse || !matches!(claim, Claim::Claimed) {
-            return Ok(claim);
-        }
-        let Some(row) = self.live(&who.key.tombstone()).await? else {
-            return Ok(claim);
-        };
-        self.release(who).await?;
-        let (held, holder) = entry_of(&self.shared.codec, &who.key, &row)?;
-        Ok(Claim::decide(held, &holder, &who.fingerprint, &who.token))
     }
 
     async fn complete(
@@ -863,9 +842,15 @@ impl Store for PostgresStore {
         let at = key.tombstone();
         let (k, t) = (&&key.0[..], &&who.token.0[..]);
         let rows = match codec.tombstone(key, keep, fingerprint, state) {
-            None => {
+            None if keep.tombstone.is_none() => {
                 let sql = &self.shared.sql.complete;
                 s.query(sql, &[k, t, &&record[..], &ttl]).await?
+            }
+            // A record kept forever leaves no tombstone, but a live one keeps it out.
+            None => {
+                let sql = &self.shared.sql.complete_unless_expired;
+                s.query(sql, &[k, t, &&record[..], &ttl, &&at.0[..]])
+                    .await?
             }
             Some((tombstone, lives)) => {
                 let (at, lives) = (&&at.0[..], millis(lives));

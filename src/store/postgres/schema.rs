@@ -69,7 +69,9 @@ const MARK: &str = "idemgate schema ";
 #[derive(Debug)]
 pub(super) struct Sql {
     pub(super) claim: String,
+    pub(super) claim_unless_expired: String,
     pub(super) complete: String,
+    pub(super) complete_unless_expired: String,
     pub(super) complete_with_tombstone: String,
     pub(super) release: String,
     pub(super) renew: String,
@@ -95,28 +97,48 @@ impl Sql {
         // snapshot and left alone (a replay writes nothing and takes no lock); otherwise insert,
         // or take over a row that has expired, deciding on its latest version under its lock.
         // When a concurrent claimant won after the snapshot, neither part returns a row: the
-        // caller runs the statement again, whose new snapshot sees the winner's row.
-        let claim = format!(
-            "WITH live AS (\
-                 SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
-                 WHERE key = $1 AND expires_at > now()\
-             ), taken AS (\
-                 INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-                 SELECT $1::bytea, $2::bytea, true, $3::bytea, now() + {lease} \
-                 WHERE NOT EXISTS (SELECT 1 FROM live) \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = true, \
-                 record = excluded.record, expires_at = excluded.expires_at \
-                 WHERE r.expires_at <= now() \
-                 RETURNING record, {LEFT_MS} AS left_ms\
-             ) \
-             SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live",
-            lease = ms(4),
-        );
+        // caller runs the statement again, whose new snapshot sees the winner's row. With
+        // `tombstone`, a free key whose tombstone (at $5) lives is not taken: the tombstone is
+        // returned instead.
+        let claim = |tombstone: bool| {
+            let (tomb, unmarked) = match tombstone {
+                true => (
+                    format!(
+                        ", tomb AS (\
+                             SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
+                             WHERE key = $5 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM live)\
+                         )"
+                    ),
+                    " AND NOT EXISTS (SELECT 1 FROM tomb)",
+                ),
+                false => (String::new(), ""),
+            };
+            let from_tomb = match tombstone {
+                true => " UNION ALL SELECT record, left_ms FROM tomb",
+                false => "",
+            };
+            format!(
+                "WITH live AS (\
+                     SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
+                     WHERE key = $1 AND expires_at > now()\
+                 ){tomb}, taken AS (\
+                     INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+                     SELECT $1::bytea, $2::bytea, true, $3::bytea, now() + {lease} \
+                     WHERE NOT EXISTS (SELECT 1 FROM live){unmarked} \
+                     ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = true, \
+                     record = excluded.record, expires_at = excluded.expires_at \
+                     WHERE r.expires_at <= now() \
+                     RETURNING record, {LEFT_MS} AS left_ms\
+                 ) \
+                 SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live{from_tomb}",
+                lease = ms(4),
+            )
+        };
         // The record, kept for `$4` milliseconds (NULL: forever): an update of our claim (its
         // lease running, or run out), or else an insert where no live row is (our lease ran
-        // out and nobody claimed the key since). With a tombstone at $5, neither writes where
-        // no live row is while that tombstone lives (another record was there). Our own
-        // completion already there is left as it is and counts as written.
+        // out and nobody claimed the key since). On a route that keeps tombstones (at $5),
+        // neither writes where no live row is while that tombstone lives (another record was
+        // there). Our own completion already there is left as it is and counts as written.
         let record = |tombstone: bool| {
             let unmarked =
                 format!("NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $5 AND expires_at > now())");
@@ -145,6 +167,7 @@ impl Sql {
              AND token = $2 AND NOT in_flight AND expires_at > now())"
         );
         let complete = format!("WITH {} {written}", record(false));
+        let complete_unless_expired = format!("WITH {} {written}", record(true));
         // The same, and the tombstone it leaves at $5 (record $6, kept $7 ms) once it is done.
         let complete_with_tombstone = format!(
             "WITH {}, tomb AS (\
@@ -160,8 +183,10 @@ impl Sql {
         let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";
         let channel = super::listen::channel(t);
         Sql {
-            claim,
+            claim: claim(false),
+            claim_unless_expired: claim(true),
             complete,
+            complete_unless_expired,
             complete_with_tombstone,
             release: format!("DELETE FROM \"{t}\" WHERE {ours}"),
             renew: format!(

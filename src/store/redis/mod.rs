@@ -24,7 +24,6 @@ use bytes::Bytes;
 use redis::Script;
 
 use super::codec;
-use crate::idempotency::policy::Ttl;
 
 mod events;
 mod topology;
@@ -464,7 +463,7 @@ impl RedisStore {
         key: &ScopedKey,
         token: &Token,
         entry: &codec::Encoded<'_>,
-        ttl: Ttl,
+        keep: Keep,
         tombstone: Option<(Bytes, Duration)>,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
@@ -493,13 +492,14 @@ impl RedisStore {
             .ignore()
             .cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(2 + usize::from(tombstone.is_some()))
+            .arg(2 + usize::from(keep.tombstone.is_some()))
             .arg(&record_key)
             .arg(&staged);
-        if tombstone.is_some() {
+        // On a route that keeps tombstones, a live one keeps a late completion out.
+        if keep.tombstone.is_some() {
             pipe.arg(Self::tombstone_key(&record_key));
         }
-        pipe.arg(&token.0[..]).arg(millis(ttl.clamped()));
+        pipe.arg(&token.0[..]).arg(millis(keep.ttl.clamped()));
         if let Some((tombstone, lives)) = &tombstone {
             pipe.arg(tombstone.as_ref()).arg(millis(*lives));
         }
@@ -682,7 +682,7 @@ impl Store for RedisStore {
         let tombstone = self.codec.tombstone(key, keep, &who.fingerprint, state);
         if parts.len() >= STAGE_FROM {
             return self
-                .complete_staged(key, token, &parts, keep.ttl, tombstone)
+                .complete_staged(key, token, &parts, keep, tombstone)
                 .await;
         }
         let entry = parts.into_bytes();
@@ -691,9 +691,10 @@ impl Store for RedisStore {
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(script.get_hash())
-            .arg(1 + usize::from(tombstone.is_some()))
+            .arg(1 + usize::from(keep.tombstone.is_some()))
             .arg(&redis_key);
-        if tombstone.is_some() {
+        // On a route that keeps tombstones, a live one keeps a late completion out.
+        if keep.tombstone.is_some() {
             pipe.arg(Self::tombstone_key(&redis_key));
         }
         pipe.arg(&token.0[..])

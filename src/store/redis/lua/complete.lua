@@ -2,7 +2,8 @@
 -- or on a key that holds nothing (our lease ran out, and nobody claimed the key since) unless
 -- the record's tombstone key holds another record's tombstone.
 -- KEYS[1] record key; ARGV[1] token (16 bytes); ARGV[2] encoded entry; ARGV[3] ttl in ms;
--- when the record leaves a tombstone: KEYS[2] its key, ARGV[4] the tombstone, ARGV[5] its ttl.
+-- on a route that keeps tombstones: KEYS[2] the tombstone's key; when the record leaves one:
+-- ARGV[4] the tombstone, ARGV[5] its ttl.
 -- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when written, or when our own completion is already there (a retried call whose
 -- first answer was lost); 0 when another claim or record holds the key. Publishes on the key's

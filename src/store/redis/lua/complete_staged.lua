@@ -3,7 +3,8 @@
 -- claim, or on a key that holds nothing (our lease ran out, and nobody claimed the key since)
 -- unless the record's tombstone key holds another record's tombstone.
 -- KEYS[1] record key; KEYS[2] staged entry; ARGV[1] token (16 bytes); ARGV[2] ttl in ms;
--- when the record leaves a tombstone: KEYS[3] its key, ARGV[3] the tombstone, ARGV[4] its ttl.
+-- on a route that keeps tombstones: KEYS[3] the tombstone's key; when the record leaves one:
+-- ARGV[3] the tombstone, ARGV[4] its ttl.
 -- The @...@ places are filled in from the record layout in record.rs when the script loads.
 -- Returns 1 when moved into place, or when our own completion is already there (a retried call
 -- whose first answer was lost); 0 when another claim or record holds the key. The staged entry
