@@ -318,6 +318,7 @@ struct PostgresTable {
     table: Option<Checked<TableName>>,
     pool_size: Option<Checked<checked::AtLeastOne>>,
     timeout: Option<Checked<NonZero>>,
+    migration_timeout: Option<Checked<NonZero>>,
     tls_ca_file: Option<Checked<ExistingFile>>,
     tls_cert_file: Option<Checked<ExistingFile>>,
     tls_key_file: Option<Checked<ExistingFile>>,
@@ -339,6 +340,9 @@ impl Table for PostgresTable {
         }
         if let Some(timeout) = self.timeout {
             settings.timeout = timeout.into_inner();
+        }
+        if let Some(timeout) = self.migration_timeout {
+            settings.migration_timeout = timeout.into_inner();
         }
         let tls = !settings.url.contains("sslmode=disable");
         if let Some(path) = self.tls_ca_file {
@@ -499,6 +503,46 @@ mod postgres_tests {
             (1 << 20, std::time::Duration::from_secs(5))
         );
         assert!(format!("{p:#?}").contains("local_cache_ttl: 5s"), "{p:#?}");
+    }
+
+    #[test]
+    fn postgres_migration_timeout_across_its_range() {
+        let read = |value: &str| {
+            let c =
+                Config::from_toml(&format!("{BASE}url = \"postgres://db/x\"\n{value}")).unwrap();
+            match c.store {
+                StoreConfig::Postgres(p) => p,
+                other => panic!("a PostgreSQL store, got {other:?}"),
+            }
+        };
+        let default = read("");
+        assert_eq!(
+            default.migration_timeout,
+            crate::store::postgres::DEFAULT_MIGRATION_TIMEOUT
+        );
+        assert!(
+            format!("{default:#?}").contains("migration_timeout: 1day"),
+            "{default:#?}"
+        );
+        assert_eq!(
+            read("migration_timeout = \"1ms\"").migration_timeout,
+            std::time::Duration::from_millis(1)
+        );
+        assert_eq!(
+            read("migration_timeout = \"1000000y\"").migration_timeout,
+            crate::time::MAX_DURATION
+        );
+        let zero = err("url = \"postgres://db/x\"\nmigration_timeout = \"0s\"");
+        assert!(zero.contains("store.migration_timeout"), "{zero}");
+        let under_redis = Config::from_toml(
+            "upstream = \"http://h:1\"\n[store]\nbackend = \"redis\"\nurl = \"redis://r\"\nmigration_timeout = \"1h\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            under_redis.contains("store.migration_timeout") && under_redis.contains("\"postgres\""),
+            "{under_redis}"
+        );
     }
 
     #[test]

@@ -8,8 +8,12 @@
 //! `UPDATE`/`DELETE ... WHERE key = $1 AND token = $2`. Expired rows are ignored by every
 //! statement and deleted in the background by a reaper, in bounded batches, every
 //! [`REAP_EVERY`]. Every operation (pool checkout, connecting when needed, the statement) is
-//! bounded by `timeout`. Admin evictions are notified to every process on the table
-//! (`listen.rs`), for the local caches in front.
+//! bounded by `timeout` as a whole, and the server gives up on the statement when the gateway
+//! does (`statement_timeout`, set on every connection whatever the URL says, and shortened for
+//! a statement that starts late), so that a statement the gateway gave up on does not commit
+//! later. Admin evictions are notified to every process
+//! on the table (`listen.rs`), for the local caches in front. A table of an older schema is
+//! served as it is while one process migrates it in the background (`schema.rs`).
 
 use std::fmt;
 use std::sync::Arc;
@@ -55,6 +59,26 @@ pub const DEFAULT_TABLE: &str = "idemgate_records";
 /// Connections each gateway keeps when no pool size is given.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
+/// How long one statement of a schema migration (an index built concurrently) may run when no
+/// `migration_timeout` is given.
+pub const DEFAULT_MIGRATION_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// How long a process waits before it looks again at a migration another process runs, or
+/// tries again after its own failed; doubled after each failure, up to
+/// [`MIGRATION_RETRY_MAX`].
+const MIGRATION_RETRY: Duration = Duration::from_secs(5);
+const MIGRATION_RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// How late a statement may start within its operation's timeout and run under the
+/// connection's own `statement_timeout` (the whole timeout): the server may then run it this
+/// much longer than the gateway waits, a moment the engine's take-back of a claim whose answer
+/// was lost covers. A statement that starts later has its bound set to the time left.
+const LATE_START: Duration = Duration::from_millis(50);
+
+/// PostgreSQL's longest `statement_timeout` (`INT_MAX` milliseconds, about 24.8 days): longer
+/// bounds count as this.
+const MAX_STATEMENT_TIMEOUT_MS: u64 = i32::MAX as u64;
+
 /// How to reach PostgreSQL and where to keep the records (`backend = "postgres"`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct PostgresSettings {
@@ -65,8 +89,11 @@ pub struct PostgresSettings {
     /// Most connections this gateway opens.
     pub pool_size: usize,
     /// How long one operation (checkout, connect, statement) may take before the store counts
-    /// as down for that request.
+    /// as down for that request; the server cancels the statement then too.
     pub timeout: Duration,
+    /// How long one statement of a schema migration may run (on a connection of its own, in
+    /// the background).
+    pub migration_timeout: Duration,
     /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
     /// CA(s) to trust instead of the system's.
     pub tls_ca_file: Option<String>,
@@ -92,6 +119,7 @@ impl PostgresSettings {
             table: DEFAULT_TABLE.to_string(),
             pool_size: DEFAULT_POOL_SIZE,
             timeout: super::settings::DEFAULT_TIMEOUT,
+            migration_timeout: DEFAULT_MIGRATION_TIMEOUT,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
@@ -118,6 +146,12 @@ impl PostgresSettings {
         self.timeout = timeout;
         self
     }
+
+    /// One statement of a schema migration runs at most `timeout`.
+    pub fn migration_timeout(mut self, timeout: Duration) -> Self {
+        self.migration_timeout = timeout;
+        self
+    }
 }
 
 impl fmt::Debug for PostgresSettings {
@@ -130,6 +164,10 @@ impl fmt::Debug for PostgresSettings {
             .field(
                 "timeout",
                 &format_args!("{}", humantime::format_duration(self.timeout)),
+            )
+            .field(
+                "migration_timeout",
+                &format_args!("{}", humantime::format_duration(self.migration_timeout)),
             )
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_cert_file", &self.tls_cert_file)
@@ -173,6 +211,12 @@ pub enum PostgresError {
         /// Its version.
         found: u32,
     },
+    /// A schema migration's statement got no answer within `store.migration_timeout`.
+    #[error("no answer within {0:?} (store.migration_timeout)")]
+    MigrationTimeout(Duration),
+    /// A schema migration found the table in a state it cannot finish from.
+    #[error("the migration cannot finish: {0}")]
+    Migration(String),
     /// The table exists and is not an idemgate records table.
     #[error("table {table:?} exists and is not an idemgate records table (no \"idemgate schema N\" comment): choose another store.table")]
     NotOurs {
@@ -238,9 +282,89 @@ struct Shared {
     codec: Codec,
     table: String,
     timeout: Duration,
-    // Set once the table is known to be there at our version; until then each operation checks
-    // first (a store opened while PostgreSQL was down).
+    // Set once the table is known to be there at a version this build serves; until then each
+    // operation checks first (a store opened while PostgreSQL was down).
     ready: tokio::sync::OnceCell<()>,
+    // The migration's connections: every statement bounded by `migration_timeout`.
+    migrator: Connector,
+    migration_timeout: Duration,
+    // The migration of a table found at an older version; stops with the store.
+    migration: std::sync::OnceLock<AbortOnDropHandle<()>>,
+    // The runtime the store was made on (the reaper's), for the migration's task.
+    runtime: Option<tokio::runtime::Handle>,
+}
+
+impl Shared {
+    /// Migrate the table from version `from` in the background, once per store.
+    fn migrate(&self, from: u32) {
+        self.migration.get_or_init(|| {
+            tracing::info!(
+                table = self.table,
+                from,
+                to = schema::VERSION,
+                "the PostgreSQL records table is at an older schema: serving it as it is while it is migrated in the background (indexes built concurrently, writers never blocked)"
+            );
+            let wait = self.migration_timeout.saturating_add(self.timeout);
+            let task = migration(self.migrator.clone(), self.table.clone(), wait);
+            let runtime = self
+                .runtime
+                .clone()
+                .unwrap_or_else(tokio::runtime::Handle::current);
+            AbortOnDropHandle::new(runtime.spawn(task))
+        });
+    }
+}
+
+/// Migrate `table` until it is at this build's version, looking again every
+/// [`MIGRATION_RETRY`] while another process migrates it, and trying again after a failure,
+/// each statement waited for at most `wait`. Each attempt has a connection of its own, closed
+/// with it: the session's advisory lock goes with it whatever happened.
+async fn migration(connector: Connector, table: String, wait: Duration) {
+    let (mut retry, mut told) = (MIGRATION_RETRY, false);
+    loop {
+        let started = Instant::now();
+        let attempt = async {
+            let client = connector.connect().await?;
+            schema::migrate(&client, &table, wait).await
+        };
+        match attempt.await {
+            Ok(schema::Migrated::From(from)) => {
+                let took = started.elapsed();
+                tracing::info!(
+                    table,
+                    from,
+                    to = schema::VERSION,
+                    ?took,
+                    "migrated the PostgreSQL records table"
+                );
+                return;
+            }
+            Ok(schema::Migrated::Already) => {
+                tracing::info!(
+                    table,
+                    "the PostgreSQL records table was migrated by another process"
+                );
+                return;
+            }
+            Ok(schema::Migrated::Elsewhere) => {
+                if !told {
+                    told = true;
+                    tracing::info!(table, "another process is migrating the PostgreSQL records table; serving it as it is meanwhile");
+                }
+                tokio::time::sleep(MIGRATION_RETRY).await;
+            }
+            // Not ours to migrate any more (a newer idemgate did, or the table was replaced).
+            Err(e @ (PostgresError::SchemaTooNew { .. } | PostgresError::NotOurs { .. })) => {
+                tracing::warn!(table, error = %e, "stopped migrating the PostgreSQL records table");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(table, error = %e, retry_in = ?retry, "could not migrate the PostgreSQL records table; serving it as it is meanwhile, and trying again (a statement past store.migration_timeout is cancelled, and an index it left invalid built again)");
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(MIGRATION_RETRY_MAX);
+            }
+        }
+    }
 }
 
 impl fmt::Debug for PostgresStore {
@@ -270,13 +394,22 @@ pub fn miss_statements(table: &str) -> [String; 2] {
     [sql.claim, sql.complete]
 }
 
-/// How to open a connection: the pool's, and the eviction listener's of its own.
+/// How to open a connection: the pool's, the eviction listener's and the migration's.
 #[derive(Clone)]
 struct Connector {
+    // The URL's settings, with the statement bound appended to its options.
     config: tokio_postgres::Config,
+    // The URL's own `options`, which the statement bound follows (and so wins over).
+    options: Option<String>,
     // None with sslmode=disable.
     tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
     timeout: Duration,
+}
+
+/// `bound` as PostgreSQL's `statement_timeout` in milliseconds: at least 1 (0 would turn it
+/// off), at most [`MAX_STATEMENT_TIMEOUT_MS`].
+fn statement_timeout_ms(bound: Duration) -> u64 {
+    crate::time::millis(bound).min(MAX_STATEMENT_TIMEOUT_MS)
 }
 
 impl Connector {
@@ -285,13 +418,7 @@ impl Connector {
         let mut config = connect_config(&settings.url)
             .map_err(|why| PostgresError::Config(format!("store.url: {why}")))?;
         config.connect_timeout(settings.timeout);
-        if config.get_options().is_none() {
-            // The server, too, gives up on a statement the gateway stopped waiting for.
-            config.options(format!(
-                "-c statement_timeout={}",
-                settings.timeout.as_millis()
-            ));
-        }
+        let options = config.get_options().map(str::to_string);
         if config.get_application_name().is_none() {
             config.application_name("idemgate");
         }
@@ -312,11 +439,49 @@ impl Connector {
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
             }
         };
+        // The server, too, gives up on a statement the gateway stopped waiting for.
         Ok(Connector {
             config,
+            options,
             tls,
             timeout: settings.timeout,
-        })
+        }
+        .bounding(settings.timeout))
+    }
+
+    /// These connections, with every statement cancelled by the server `bound` after it began
+    /// (unless set otherwise for one statement):
+    /// `-c statement_timeout` after the URL's own options, so that it wins over a
+    /// `statement_timeout` set there (or for the role or the database).
+    fn bounding(mut self, bound: Duration) -> Self {
+        let ours = format!("-c statement_timeout={}", statement_timeout_ms(bound));
+        let options = match &self.options {
+            Some(theirs) if !theirs.trim().is_empty() => format!("{theirs} {ours}"),
+            _ => ours,
+        };
+        self.config.options(options);
+        self
+    }
+
+    /// One connection apart from the pool, driven by a task of its own until the client is
+    /// dropped; connecting and logging in within `timeout`.
+    async fn connect(&self) -> Result<tokio_postgres::Client, PostgresError> {
+        let connected = async {
+            match &self.tls {
+                None => {
+                    let (client, conn) = self.config.connect(tokio_postgres::NoTls).await?;
+                    tokio::spawn(conn);
+                    Ok(client)
+                }
+                Some(tls) => {
+                    let (client, conn) = self.config.connect(tls.clone()).await?;
+                    tokio::spawn(conn);
+                    Ok(client)
+                }
+            }
+        };
+        let deadline = crate::time::after(Instant::now(), self.timeout);
+        bounded(deadline, self.timeout, connected).await
     }
 
     /// A pool of up to `size` connections; nothing is connected yet.
@@ -341,8 +506,9 @@ impl Connector {
 }
 
 impl PostgresStore {
-    /// Connect, create the table when it is missing (or check its version), and start the
-    /// reaper. Fails when PostgreSQL cannot be reached or refuses.
+    /// Connect, create the table when it is missing (or check its version, and start migrating
+    /// an older one in the background), and start the reaper. Fails when PostgreSQL cannot be
+    /// reached or refuses.
     pub async fn connect(settings: &PostgresSettings) -> Result<Self, StoreError> {
         let store = Self::lazy(settings)?;
         store.ready().await?;
@@ -354,7 +520,12 @@ impl PostgresStore {
     pub fn lazy(settings: &PostgresSettings) -> Result<Self, StoreError> {
         let connector = Connector::new(settings)?;
         let pool = connector.pool(settings.pool_size)?;
+        let runtime = tokio::runtime::Handle::try_current().ok();
         let shared = Arc::new(Shared {
+            migrator: connector.clone().bounding(settings.migration_timeout),
+            migration_timeout: settings.migration_timeout,
+            migration: std::sync::OnceLock::new(),
+            runtime: runtime.clone(),
             connector,
             pool_size: settings.pool_size,
             waiters: Arc::default(),
@@ -366,7 +537,7 @@ impl PostgresStore {
             ready: tokio::sync::OnceCell::new(),
         });
         let (weak, reaping) = (Arc::downgrade(&shared), pool.clone());
-        let reaper = tokio::runtime::Handle::try_current().ok().map(|rt| rt.spawn(async move {
+        let reaper = runtime.map(|rt| rt.spawn(async move {
             let mut tick = tokio::time::interval(REAP_EVERY);
             loop {
                 tick.tick().await;
@@ -456,17 +627,21 @@ impl Handle<'_> {
         shared
             .ready
             .get_or_try_init(|| async {
-                let deadline = Instant::now() + shared.timeout;
+                let deadline = crate::time::after(Instant::now(), shared.timeout);
                 let mut client = self.checkout(deadline).await?;
-                let migrated = schema::migrate(&mut client, &shared.table);
-                match tokio::time::timeout_at(deadline, migrated).await {
-                    Ok(done) => done,
+                let checked = schema::check(&mut client, &shared.table);
+                let found = match tokio::time::timeout_at(deadline, checked).await {
+                    Ok(found) => found?,
                     Err(_) => {
                         // Not handed back to the pool inside a transaction.
                         drop(deadpool_postgres::Object::take(client));
-                        Err(PostgresError::Timeout(shared.timeout))
+                        return Err(PostgresError::Timeout(shared.timeout));
                     }
+                };
+                if let schema::Found::Older(from) = found {
+                    shared.migrate(from);
                 }
+                Ok(())
             })
             .await?;
         Ok(())
@@ -513,9 +688,13 @@ impl Handle<'_> {
         }
     }
 
-    /// Run `statement` on a pooled connection (prepared once per connection), within the
-    /// timeout. A connection whose statement timed out is dropped, not handed to the next
-    /// caller behind a late answer.
+    /// Run `statement` on a pooled connection (prepared once per connection), the whole within
+    /// the timeout. The server gives up on the statement when the gateway does: the
+    /// connection's `statement_timeout` is the whole timeout, counted from the statement's
+    /// start, so a statement that starts late (after a wait for a connection) is preceded by
+    /// `SET statement_timeout` to the time left, and followed by one setting it back, in the
+    /// same round trip. A connection whose answer is late is dropped, not handed to the next
+    /// caller behind it.
     async fn run(
         &self,
         statement: &str,
@@ -523,21 +702,44 @@ impl Handle<'_> {
         rows: bool,
     ) -> Result<Answer, StoreError> {
         self.ready().await?;
-        let deadline = Instant::now() + self.shared.timeout;
+        let timeout = self.shared.timeout;
+        let deadline = crate::time::after(Instant::now(), timeout);
         let client = self.checkout(deadline).await?;
-        let run = async {
-            let prepared = client.prepare_cached(statement).await?;
-            Ok::<_, tokio_postgres::Error>(match rows {
+        let prepared = tokio::time::timeout_at(deadline, client.prepare_cached(statement)).await;
+        let prepared = match prepared {
+            Ok(prepared) => prepared.map_err(PostgresError::Db)?,
+            Err(_) => return Err(late(client, timeout)),
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let statement = async {
+            Ok(match rows {
                 true => Answer::Rows(client.query(&prepared, params).await?),
                 false => Answer::Count(client.execute(&prepared, params).await?),
             })
         };
-        match tokio::time::timeout_at(deadline, run).await {
-            Ok(answer) => Ok(answer.map_err(PostgresError::Db)?),
-            Err(_) => {
-                drop(deadpool_postgres::Object::take(client));
-                Err(PostgresError::Timeout(self.shared.timeout).into())
+        let answer = tokio::time::timeout_at(deadline, async {
+            if timeout.saturating_sub(left) <= LATE_START {
+                return (statement.await, true);
             }
+            let bound = |d| format!("SET statement_timeout = {}", statement_timeout_ms(d));
+            let (shortened, restored) = (bound(left), bound(timeout));
+            let (set, answer, reset) = tokio::join!(
+                client.batch_execute(&shortened),
+                statement,
+                client.batch_execute(&restored),
+            );
+            (answer, set.is_ok() && reset.is_ok())
+        })
+        .await;
+        match answer {
+            Ok((answer, bound_again)) => {
+                if !bound_again {
+                    // Its statement_timeout is not known: not handed to the next caller.
+                    drop(deadpool_postgres::Object::take(client));
+                }
+                Ok(answer.map_err(PostgresError::Db)?)
+            }
+            Err(_) => Err(late(client, timeout)),
         }
     }
 
@@ -551,6 +753,13 @@ impl Handle<'_> {
             }
         }
     }
+}
+
+/// The error of a statement not answered within `timeout` on `client`, which is closed rather
+/// than handed to the next caller behind the late answer.
+fn late(client: deadpool_postgres::Client, timeout: Duration) -> StoreError {
+    drop(deadpool_postgres::Object::take(client));
+    PostgresError::Timeout(timeout).into()
 }
 
 /// What a statement gave back.
@@ -722,5 +931,46 @@ impl Inspect for PostgresStore {
     async fn evict_all(&self) -> Result<u64, StoreError> {
         let rows = self.handle().query(&self.shared.sql.evict_all, &[]).await?;
         Ok(rows.first().map_or(0, |r| r.get::<_, i64>(0).max(0) as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::time::MAX_DURATION;
+
+    #[test]
+    fn every_connection_bounds_its_statements_after_the_urls_own_options() {
+        let url = "postgres://gw@db/pay?sslmode=disable&options=-c%20statement_timeout%3D0%20-c%20search_path%3Dpay";
+        let ours = Connector::new(&PostgresSettings::new(url).timeout(Duration::from_millis(250)))
+            .unwrap();
+        assert_eq!(
+            ours.config.get_options(),
+            Some("-c statement_timeout=0 -c search_path=pay -c statement_timeout=250")
+        );
+        // The migration's connections: the URL's options, then their own bound.
+        let migrating = ours.clone().bounding(Duration::from_secs(60));
+        assert_eq!(
+            migrating.config.get_options(),
+            Some("-c statement_timeout=0 -c search_path=pay -c statement_timeout=60000")
+        );
+        let plain = Connector::new(&PostgresSettings::new(
+            "postgres://gw@db/pay?sslmode=disable",
+        ))
+        .unwrap();
+        assert_eq!(
+            plain.config.get_options(),
+            Some("-c statement_timeout=2000")
+        );
+    }
+
+    #[test]
+    fn statement_timeouts_stay_within_what_postgresql_takes() {
+        // 0 would turn the bound off; past INT_MAX ms the server refuses the connection.
+        assert_eq!(statement_timeout_ms(Duration::from_nanos(1)), 1);
+        assert_eq!(statement_timeout_ms(Duration::from_millis(1)), 1);
+        assert_eq!(statement_timeout_ms(Duration::from_millis(1500)), 1500);
+        assert_eq!(statement_timeout_ms(MAX_DURATION), i32::MAX as u64);
+        assert_eq!(statement_timeout_ms(Duration::MAX), i32::MAX as u64);
     }
 }

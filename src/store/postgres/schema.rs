@@ -20,23 +20,46 @@
 //!
 //! Versions: 1 indexed every row's `expires_at`; 2 leaves out the rows kept forever, which the
 //! reaper never deletes (an audit table of millions of them would otherwise carry an index of
-//! millions of entries nobody reads). A table of version 1 is migrated at start.
+//! millions of entries nobody reads). A table of version 1 is served as it is (the statements
+//! do not depend on the index) while one gateway migrates it in the background ([`migrate`]).
 //!
 //! Time is the server's (`now()`), so gateways whose clocks disagree still agree on expiry.
 
+use std::time::Duration;
+
 use deadpool_postgres::Client;
+use tokio_postgres::GenericClient;
 
 use super::PostgresError;
 
 /// The schema version this build writes and reads.
 pub(crate) const VERSION: u32 = 2;
 
-/// The statements that bring a table of version N-1 to version N, in order from version 2; each
-/// runs in the start's transaction, under its advisory lock, with `{t}` the table's name.
-const MIGRATIONS: [&str; 1] = [
-    // 1 -> 2: the expiry index without the rows kept forever.
-    "CREATE INDEX \"{t}_expiring\" ON \"{t}\" (expires_at) WHERE expires_at <> 'infinity'; \
-     DROP INDEX IF EXISTS \"{t}_expires_at\";",
+/// The expiry index's name after the table's, and its definition: what the reaper reads;
+/// records kept forever (`'infinity'`) are not in it.
+const EXPIRING: &str = "expiring";
+const EXPIRING_ON: &str = "(expires_at) WHERE expires_at <> 'infinity'";
+
+/// What brings a table of version N-1 to version N: an index built concurrently (writers go
+/// on meanwhile), then statements run one at a time outside a transaction, with `{t}` the
+/// table's name.
+struct Migration {
+    /// The index's name after the table's (`{t}_expiring`).
+    index: &'static str,
+    /// What follows `ON "{t}"` in its `CREATE INDEX`.
+    on: &'static str,
+    /// Run once the index is valid.
+    then: &'static [&'static str],
+}
+
+/// The migrations in order from version 2.
+const MIGRATIONS: [Migration; 1] = [
+    // 1 -> 2: the expiry index without the rows kept forever, in place of the one of every row.
+    Migration {
+        index: EXPIRING,
+        on: EXPIRING_ON,
+        then: &["DROP INDEX CONCURRENTLY IF EXISTS \"{t}_expires_at\""],
+    },
 ];
 
 /// What the table's comment says before its version number.
@@ -197,42 +220,47 @@ impl Sql {
     }
 }
 
-/// Create the table (and its index) when it is missing; check its version when it is there.
-/// Gateways starting together take turns (an advisory lock for the transaction).
-pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), PostgresError> {
-    let tx = client.transaction().await?;
-    tx.execute(
-        "SELECT pg_advisory_xact_lock(hashtext('idemgate schema ' || $1::text))",
-        &[&table],
-    )
-    .await?;
-    let row = tx
+/// What the check of the table found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Found {
+    /// At this build's version (created just now, or already there).
+    Current,
+    /// At an older version this build serves as it is, until [`migrate`] brings it up.
+    Older(u32),
+}
+
+/// The table's existence and version, read without a lock.
+async fn version(client: &impl GenericClient, table: &str) -> Result<Option<u32>, PostgresError> {
+    let row = client
         .query_one(
             "SELECT to_regclass($1::text) IS NOT NULL, obj_description(to_regclass($1::text), 'pg_class')",
             &[&table],
         )
         .await?;
     let (exists, comment): (bool, Option<String>) = (row.get(0), row.get(1));
-    if exists {
-        let found = check_version(table, comment.as_deref())?;
-        if found < VERSION {
-            // Versions run from 1: the steps from the one found on.
-            for step in MIGRATIONS.iter().skip((found as usize).saturating_sub(1)) {
-                tx.batch_execute(&step.replace("{t}", table)).await?;
-            }
-            tx.batch_execute(&format!(
-                "COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}'"
-            ))
-            .await?;
-            tx.commit().await?;
-            tracing::info!(
-                table,
-                from = found,
-                to = VERSION,
-                "migrated the PostgreSQL records table"
-            );
-        }
-        return Ok(());
+    match exists {
+        true => check_version(table, comment.as_deref()).map(Some),
+        false => Ok(None),
+    }
+}
+
+/// Check the table's version, or create the table (with its index) when it is missing: short
+/// statements, run under the store's timeout on a pooled connection. A table of an older version
+/// is only reported: it is migrated apart ([`migrate`]), and served meanwhile. Gateways creating
+/// the table together take turns (an advisory lock for the creating transaction).
+pub(super) async fn check(client: &mut Client, table: &str) -> Result<Found, PostgresError> {
+    if let Some(found) = version(&***client, table).await? {
+        return Ok(found_at(found));
+    }
+    let tx = client.transaction().await?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('idemgate schema ' || $1::text))",
+        &[&table],
+    )
+    .await?;
+    // Made meanwhile by a gateway that held the lock before us.
+    if let Some(found) = version(&*tx, table).await? {
+        return Ok(found_at(found));
     }
     tx.batch_execute(&format!(
         "CREATE TABLE \"{table}\" (\
@@ -242,8 +270,7 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
              record bytea NOT NULL, \
              expires_at timestamptz NOT NULL\
          ) WITH (fillfactor = 80); \
-         CREATE INDEX \"{table}_expiring\" ON \"{table}\" (expires_at) \
-             WHERE expires_at <> 'infinity'; \
+         CREATE INDEX \"{table}_{EXPIRING}\" ON \"{table}\" {EXPIRING_ON}; \
          COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}';"
     ))
     .await?;
@@ -253,7 +280,121 @@ pub(super) async fn migrate(client: &mut Client, table: &str) -> Result<(), Post
         version = VERSION,
         "created the PostgreSQL records table"
     );
-    Ok(())
+    Ok(Found::Current)
+}
+
+/// What a table at `version` (one this build serves) is to it.
+fn found_at(version: u32) -> Found {
+    match version {
+        VERSION => Found::Current,
+        older => Found::Older(older),
+    }
+}
+
+/// What a call of [`migrate`] came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Migrated {
+    /// This process brought the table from `from` to [`VERSION`].
+    From(u32),
+    /// The table is at [`VERSION`] already (another process migrated it).
+    Already,
+    /// Another process holds the migration lock: it is migrating (or its last statement is
+    /// still running on the server after that process went away).
+    Elsewhere,
+}
+
+/// Bring the table to [`VERSION`] without blocking its writers, on a connection of its own
+/// outside any transaction (`CONCURRENTLY` cannot run in one), holding a session-level advisory
+/// lock so that one process at a time migrates a table; each statement waited for at most
+/// `wait`. The version comment changes last, once every index is built and valid: a migration
+/// interrupted anywhere is taken up again by the next call, an index left invalid by an
+/// interrupted concurrent build dropped and built again.
+pub(super) async fn migrate(
+    client: &tokio_postgres::Client,
+    table: &str,
+    wait: Duration,
+) -> Result<Migrated, PostgresError> {
+    let run = |sql: String| within(wait, async move { client.batch_execute(&sql).await });
+    let lock = "hashtext('idemgate migration ' || $1::text)";
+    let locked = within(wait, async {
+        let row = client
+            .query_one(&format!("SELECT pg_try_advisory_lock({lock})"), &[&table])
+            .await?;
+        Ok::<_, tokio_postgres::Error>(row.get::<_, bool>(0))
+    })
+    .await?;
+    let migrated = match within(wait, version(client, table)).await? {
+        Some(VERSION) => Migrated::Already,
+        _ if !locked => Migrated::Elsewhere,
+        Some(from) => Migrated::From(from),
+        None => {
+            return Err(PostgresError::Migration(format!(
+                "table {table:?} was dropped"
+            )))
+        }
+    };
+    if let Migrated::From(from) = migrated {
+        // Versions run from 1: the steps from the one found on.
+        for step in MIGRATIONS.iter().skip((from as usize).saturating_sub(1)) {
+            let index = format!("{table}_{}", step.index);
+            if within(wait, invalid(client, &index)).await? {
+                tracing::info!(
+                    table,
+                    index,
+                    "dropping the invalid index an interrupted build left, to build it again"
+                );
+                run(format!("DROP INDEX CONCURRENTLY IF EXISTS \"{index}\"")).await?;
+            }
+            run(format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{index}\" ON \"{table}\" {}",
+                step.on
+            ))
+            .await?;
+            // One of that name made by hand meanwhile: the version never changes over an index
+            // that is not valid.
+            if within(wait, invalid(client, &index)).await? {
+                return Err(PostgresError::Migration(format!(
+                    "index {index:?} is invalid after it was built"
+                )));
+            }
+            for sql in step.then {
+                run(sql.replace("{t}", table)).await?;
+            }
+        }
+        run(format!("COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}'")).await?;
+    }
+    if locked {
+        within(wait, async {
+            client
+                .execute(&format!("SELECT pg_advisory_unlock({lock})"), &[&table])
+                .await
+        })
+        .await?;
+    }
+    Ok(migrated)
+}
+
+/// `work` within `wait`, or [`PostgresError::MigrationTimeout`].
+async fn within<T, E: Into<PostgresError>>(
+    wait: Duration,
+    work: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, PostgresError> {
+    match tokio::time::timeout(wait, work).await {
+        Ok(done) => done.map_err(Into::into),
+        Err(_) => Err(PostgresError::MigrationTimeout(wait)),
+    }
+}
+
+/// Whether `index` exists and is invalid (`pg_index.indisvalid` false): what a concurrent build
+/// leaves when it is cancelled or fails, and what it is while it runs.
+async fn invalid(client: &tokio_postgres::Client, index: &str) -> Result<bool, PostgresError> {
+    let row = client
+        .query_opt(
+            "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1::text)",
+            &[&index],
+        )
+        .await?;
+    Ok(row.is_some_and(|r| r.get(0)))
 }
 
 /// The version of a table whose comment is `comment`, when this build can use it (as it is, or
