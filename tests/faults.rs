@@ -505,16 +505,16 @@ async fn evicting_or_volatile_redis_is_warned_about() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_redis_leaves_no_claim_behind() {
-    let env = TestEnv::start(
-        Backend::Redis,
-        TestConfig::new().set("store.timeout", "300ms"),
-    )
-    .await;
+    let env = TestEnv::start(Backend::Redis, TestConfig::new().set("store.timeout", "1s")).await;
     let redis = env.redis();
     redis.pause();
     for key in ["stall-a", "stall-b", "stall"] {
+        let started = Instant::now();
         let stalled = send(env.post_keyed("/v1/p", key).body("x")).await;
         assert_eq!(stalled.status, 503);
+        // Within the store's timeout, not twice it (a timeout is not sent again).
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1800), "{key}: {took:?}");
     }
     // Redis wakes up. A claim whose answer the gateway gave up on must not be left applied
     // (the gateway also takes such a claim back in the background, fenced by its token).

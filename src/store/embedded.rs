@@ -119,13 +119,20 @@ impl Slot {
 
     /// Close the file and open it again (redb recovers the last durable commit); when it will
     /// not open, the store stays closed until the next try.
+    /// The lock is held only to take the old database out and to put the new one in: opening a
+    /// file (recovering it) takes seconds, and requests on the worker threads, which read under
+    /// this lock, get a store error meanwhile instead of stalling every connection.
     fn reopen(&self) {
-        let mut db = self.db.write().unwrap_or_else(PoisonError::into_inner);
-        drop(db.take());
+        let old = self
+            .db
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(old);
         match open_file(&self.file).and_then(|reopened| init(&reopened).map(|()| reopened)) {
             Ok(reopened) => {
                 tracing::warn!(file = %self.file.display(), "embedded store reopened after a failed write");
-                *db = Some(reopened);
+                *self.db.write().unwrap_or_else(PoisonError::into_inner) = Some(reopened);
             }
             Err(e) => {
                 tracing::error!(error = %e, "embedded store: cannot reopen the file after a failed write; trying again with the next write");

@@ -516,10 +516,12 @@ impl RedisStore {
 /// Whether `e` means the connection broke (or, behind Sentinel, the node is no longer the
 /// primary), so that one retry on a fresh connection is worth it.
 fn reconnects(e: &redis::RedisError) -> bool {
-    e.is_connection_dropped()
-        || e.is_io_error()
-        || e.is_connection_refusal()
-        || e.code() == Some("READONLY")
+    // A timeout is not a broken connection: sent again, it would wait the timeout twice.
+    !e.is_timeout()
+        && (e.is_connection_dropped()
+            || e.is_io_error()
+            || e.is_connection_refusal()
+            || e.code() == Some("READONLY"))
 }
 
 /// Whether `e` says Redis could not be reached (rather than that it refused us: a wrong password,
