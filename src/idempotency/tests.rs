@@ -42,6 +42,14 @@ async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<
         "/refused" => Err(InnerError::Refused(NotSent::new("connection refused"))),
         "/reset" => Err(InnerError::Reset),
         "/panic" => panic!("a defect in the inner service"),
+        // Gives up at the deadline itself, as the proxy does with its own upstream_timeout.
+        "/gives-up" => {
+            let deadline = req.extensions().get::<super::Deadline>().map(|d| d.0);
+            if let Some(deadline) = deadline {
+                tokio::time::sleep_until(deadline).await;
+            }
+            Err(InnerError::Reset)
+        }
         "/big" => Ok(answer(201, "x".repeat(2048))),
         "/slow" => {
             let ms: u64 = query.trim_start_matches("ms=").parse().unwrap();
@@ -283,6 +291,64 @@ async fn a_timeout_answers_504_and_keeps_the_claim() {
     let retry = s.post("/slow?ms=5000", "k", "a").await.unwrap();
     assert_eq!(retry.problem(), "in-flight");
     assert_eq!(s.calls(), 1);
+}
+
+/// A call the inner service gave up on at the deadline (the proxy's own timeout) timed out:
+/// counted and logged as a timeout, not as a failure after sending.
+#[tokio::test(start_paused = true)]
+async fn a_call_given_up_at_its_deadline_is_logged_and_counted_as_a_timeout() {
+    let log = Log::default();
+    let _quiet = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_writer(log.clone())
+            .with_ansi(false)
+            .finish(),
+    );
+    let s = Setup::new(|p| p.upstream_timeout(Duration::from_secs(1)));
+    let first = s.service().oneshot(keyed("/gives-up", "k", "a")).await;
+    assert!(matches!(first, Err(InnerError::Reset)));
+    s.layer.tasks().close();
+    s.layer.tasks().wait().await;
+    let text = log.text();
+    assert!(text.contains("upstream timed out"), "{text}");
+    assert!(
+        !text.contains("failed after the request may have been sent"),
+        "{text}"
+    );
+    let metrics = s.layer.metrics().encode();
+    let timeout = "idemgate_calls_unsettled_total{route=\"defaults\",reason=\"timeout\"} 1\n";
+    assert!(metrics.contains(timeout), "{metrics}");
+}
+
+/// What the gateway logged, for a test to read.
+#[derive(Clone, Default)]
+struct Log(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Log {
+    fn text(&self) -> String {
+        let bytes = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut log = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        log.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Log {
+    type Writer = Log;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
 }
 
 #[tokio::test(start_paused = true)]
