@@ -28,10 +28,10 @@ use tower_http::trace::{
 use tracing::Level;
 
 use crate::error::Problem;
-use crate::idempotency::key::{hex, IdempotencyKey};
-use crate::idempotency::record::EntryState;
 use crate::idempotency::Routes;
 use crate::metrics::Metrics;
+use crate::record::key::{hex, IdempotencyKey};
+use crate::record::EntryState;
 use crate::store::{Inspect, StoreError};
 
 /// What the admin handlers share.
@@ -166,7 +166,7 @@ fn scoped<S>(
     s: &AdminState<S>,
     key: &str,
     query: &HashMap<String, String>,
-) -> Result<crate::idempotency::key::ScopedKey, Response> {
+) -> Result<crate::record::key::ScopedKey, Response> {
     let route = s
         .routes
         .policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
@@ -216,7 +216,7 @@ fn authorized_key<S>(
     headers: &HeaderMap,
     key: &str,
     query: &HashMap<String, String>,
-) -> Result<crate::idempotency::key::ScopedKey, Response> {
+) -> Result<crate::record::key::ScopedKey, Response> {
     authorize(s, headers)?;
     scoped(s, key, query)
 }

@@ -16,11 +16,11 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
 use crate::config::Config;
-use crate::idempotency::json::{self, hash_canonical, Json, Pointer};
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::key::{IdempotencyKey, KeySecret, IDEMPOTENCY_KEY};
-use crate::idempotency::record::EntryState;
 use crate::idempotency::Routes;
+use crate::record::json::{self, hash_canonical, Json, Pointer};
+use crate::record::key::ScopedKey;
+use crate::record::key::{IdempotencyKey, KeySecret, IDEMPOTENCY_KEY};
+use crate::record::EntryState;
 use crate::store::{codec, Seal, SealKeys, SealMode};
 
 // === key ===
@@ -415,9 +415,9 @@ mod tests {
     use http::StatusCode;
 
     use super::*;
-    use crate::idempotency::fingerprint::Fingerprint;
-    use crate::idempotency::key::KeySource;
-    use crate::idempotency::record::{StoredResponse, Token, Tombstone};
+    use crate::record::fingerprint::Fingerprint;
+    use crate::record::key::KeySource;
+    use crate::record::{StoredResponse, Token, Tombstone};
 
     /// A target's function.
     type Target = fn(&[u8]);

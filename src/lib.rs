@@ -46,10 +46,11 @@
 //! # Layout
 //!
 //! The one map of the source, floors from the top: the binary and its wiring; the
-//! configuration, the client side and the admin listener; the proxy and the store, each owning
-//! its settings; the engine, owning its policy; then the vocabulary every floor shares. Nothing
+//! configuration, the client side and the admin listener; the proxy; the engine; the store;
+//! the record vocabulary (key, fingerprint, policy, record) that the engine and the store
+//! share; and at the bottom the helpers every floor uses (errors, headers, time). Nothing
 //! imports what stands above it: the configuration reads TOML into the types of the floors
-//! below.
+//! below, and the store knows records, never the engine.
 //! Paths are under `src/`.
 //!
 //! - `main.rs`: the binary: the command line, logging, signals, `check-config`; `demo.rs`, the
@@ -101,18 +102,20 @@
 //!   `idempotency/sse.rs` (resuming an
 //!   event stream after `Last-Event-ID`), `idempotency/shared.rs` (what
 //!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
-//!   tells: [`NotSent`], `Deadline`), `idempotency/policy.rs` ([`Policy`] and its rules),
+//!   tells: [`NotSent`], `Deadline`),
 //!   `idempotency/routes.rs` ([`Routes`]), `idempotency/trace.rs` (W3C `traceparent`, and
-//!   what the engine's spans carry as OTel spans), `idempotency/key.rs`,
+//!   what the engine's spans carry as OTel spans),
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC
 //!   calls: the unary rule, recorded statuses, refusals as gRPC statuses),
-//!   `idempotency/fingerprint.rs`,
-//!   `idempotency/record.rs` (what a record holds), `idempotency/body.rs` (the capped body
-//!   collector), `idempotency/json/mod.rs` with `idempotency/json/parse.rs`,
-//!   `idempotency/json/canonical.rs` and `idempotency/json/pointer.rs` (strict JSON, its
-//!   canonical form, RFC 6901 pointers; `idempotency/json/differential.rs`: their property
-//!   tests against serde_json and an exact oracle), and `idempotency/tests.rs` (every branch of the
-//!   protocol without sockets).
+//!   `idempotency/body.rs` (the capped body collector), and `idempotency/tests.rs` (every
+//!   branch of the protocol without sockets).
+//! - [`record`]: the vocabulary of the engine and the store: `record/mod.rs` (what a record
+//!   holds: token, stored response, entry state), `record/key.rs` (the key, read, derived and
+//!   scoped), `record/fingerprint.rs`, `record/policy.rs` ([`Policy`] and its rules),
+//!   `record/json/mod.rs` with `record/json/parse.rs`, `record/json/canonical.rs` and
+//!   `record/json/pointer.rs` (strict JSON, its canonical form, RFC 6901 pointers;
+//!   `record/json/differential.rs`: their property tests against serde_json and an exact
+//!   oracle).
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
 //!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
 //!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
@@ -146,6 +149,7 @@ pub mod idempotency;
 mod listener;
 pub mod metrics;
 pub mod proxy;
+pub mod record;
 pub mod store;
 pub mod telemetry;
 pub mod time;

@@ -9,9 +9,10 @@ use std::time::Duration;
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::Deserialize;
 
-use super::human::{HumanDuration, HumanSize, HumanTtl};
+pub(super) use super::human::refused;
+use super::human::{HumanDuration, HumanSize, HumanTtl, REFUSED};
 use super::ConfigError;
-use crate::idempotency::policy::{check, Ttl};
+use crate::record::policy::{check, Ttl};
 
 /// A rule for one kind of value: what is read, what it becomes, and why it may be refused.
 pub(super) trait Rule {
@@ -124,16 +125,6 @@ macro_rules! rules {
     };
 }
 pub(super) use rules;
-
-/// Begins the message of a deserialisation error that is a refusal (never shown: the error
-/// becomes [`ConfigError::Invalid`]).
-const REFUSED: &str = "\u{1}refused:";
-
-/// A refusal of the value being read, or of its field `within` (`""`: the value itself), as a
-/// deserialisation error.
-pub(super) fn refused<E: de::Error>(within: &str, reason: impl std::fmt::Display) -> E {
-    E::custom(format_args!("{REFUSED}{within}\u{1}{reason}"))
-}
 
 /// The field within the value (`""`: the value itself) and the reason, if `message` is a
 /// refusal.

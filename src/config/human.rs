@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use crate::idempotency::policy::Ttl;
-pub use crate::idempotency::policy::MAX_DURATION;
+use crate::record::policy::Ttl;
+pub use crate::record::policy::MAX_DURATION;
 
 /// A duration written as a human string: `"250ms"`, `"30s"`, `"24h"`, `"7d"`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -138,9 +138,17 @@ impl<'de> Deserialize<'de> for HumanRate {
         match Raw::deserialize(d)? {
             Raw::Int(n) => Ok(HumanRate(NonZeroU64::new(n))),
             // A refusal, so that the error names the field.
-            Raw::Str(s) => s
-                .parse()
-                .map_err(|reason| super::checked::refused("", reason)),
+            Raw::Str(s) => s.parse().map_err(|reason| refused("", reason)),
         }
     }
+}
+
+/// Begins the message of a deserialisation error that is a refusal (never shown: the error
+/// becomes `ConfigError::Invalid`, in `checked.rs`).
+pub(super) const REFUSED: &str = "\u{1}refused:";
+
+/// A refusal of the value being read, or of its field `within` (`""`: the value itself), as a
+/// deserialisation error.
+pub(super) fn refused<E: de::Error>(within: &str, reason: impl std::fmt::Display) -> E {
+    E::custom(format_args!("{REFUSED}{within}\u{1}{reason}"))
 }

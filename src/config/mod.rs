@@ -30,7 +30,7 @@ pub mod telemetry;
 pub mod upstream;
 
 pub use crate::error::ConfigError;
-pub use crate::idempotency::policy::{
+pub use crate::record::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
 };
 pub use human::{HumanDuration, HumanRate, HumanSize, MAX_DURATION};
@@ -479,7 +479,7 @@ fn forwarded_to(
 #[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
-    use crate::idempotency::policy::Ttl;
+    use crate::record::policy::Ttl;
     use http::{Method, StatusCode};
 
     fn err(text: &str) -> String {

@@ -6,8 +6,8 @@ use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 
 use super::checked::{rules, Any, Checked, Lifetime, NonZero, NonZeroSize};
-use crate::idempotency::json::Pointer;
-use crate::idempotency::policy::{
+use crate::record::json::Pointer;
+use crate::record::policy::{
     check, AfterExpiry, ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy,
 };
 

@@ -4,11 +4,11 @@ use std::sync::Arc;
 
 use tokio_util::task::TaskTracker;
 
-use super::policy::Policy;
 use super::routes::{RouteTable, Routes};
 use super::service::Idempotency;
 use super::shared::Shared;
 use crate::metrics::Metrics;
+use crate::record::policy::Policy;
 use crate::store::Store;
 
 /// Makes the requests it sees idempotent: applied to a service, gives an [`Idempotency`] around

@@ -10,11 +10,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, error, warn};
 
-use super::key::{IdempotencyKey, KeySource};
-use super::policy::{ErrorFormat, Policy};
-use super::record::EntryState;
 use super::shared::Shared;
 use crate::metrics::{StoreOp, Unsettled};
+use crate::record::key::{IdempotencyKey, KeySource};
+use crate::record::policy::{ErrorFormat, Policy};
+use crate::record::EntryState;
 use crate::store::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError, Watch};
 
 /// A claim on a key: what fences its store operations (key, token), what it records

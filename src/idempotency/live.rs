@@ -21,11 +21,11 @@ use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::body::{joined, BoxError};
-use super::fingerprint::Fingerprint;
-use super::key::ScopedKey;
-use super::record::StoredResponse;
 use super::sse;
 use crate::metrics::Unsettled;
+use crate::record::fingerprint::Fingerprint;
+use crate::record::key::ScopedKey;
+use crate::record::StoredResponse;
 
 /// The live answer of one claimed key.
 pub(super) struct Tape {

@@ -1,19 +1,14 @@
 //! The idempotency engine: a tower [`IdempotencyLayer`] whose [`Idempotency`] service runs the
-//! state machine of one keyed request around any inner service, plus its parts: the key
-//! ([`key`]), the request fingerprint ([`fingerprint`]), the stored record and its encoding
-//! ([`record`]), the policy of a route ([`policy`]), and the route table ([`Routes`]).
+//! state machine of one keyed request around any inner service, and the route table
+//! ([`Routes`]). The words it speaks (key, fingerprint, record, policy) are the floor below,
+//! [`crate::record`], shared with the store; they are re-exported here under their old paths.
 
 mod body;
-pub mod fingerprint;
 pub(crate) mod grpc;
 mod inner;
-pub(crate) mod json;
-pub mod key;
 mod layer;
 mod lease;
 mod live;
-pub mod policy;
-pub mod record;
 pub mod repeatability;
 mod response;
 mod routes;
@@ -24,14 +19,15 @@ mod streamed;
 pub(crate) mod trace;
 mod wait;
 
-pub(crate) use body::with_trailers;
-pub use inner::{Deadline, NotSent};
-pub use json::Pointer;
-pub use layer::IdempotencyLayer;
-pub use policy::{
+pub use crate::record::json::Pointer;
+pub use crate::record::policy::{
     AfterExpiry, ErrorFormat, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy,
     PolicyBuilder, Ttl, DEFAULT_UPSTREAM,
 };
+pub use crate::record::{self as record, fingerprint, key, policy};
+pub(crate) use body::with_trailers;
+pub use inner::{Deadline, NotSent};
+pub use layer::IdempotencyLayer;
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;
 pub use service::Idempotency;

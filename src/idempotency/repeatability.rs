@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-use super::policy::{Policy, Ttl};
 use crate::error::GatewayError;
+use crate::record::policy::{Policy, Ttl};
 
 /// The request's identifier: the key.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("repeatability-request-id");

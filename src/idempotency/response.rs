@@ -11,9 +11,9 @@ use http::{response, HeaderMap, Response, StatusCode};
 
 use super::body::{with_trailers, ByteBody};
 use super::grpc;
-use super::policy::{AfterExpiry, Policy, Ttl};
-use super::record::StoredResponse;
 use crate::headers::declares_its_length;
+use crate::record::policy::{AfterExpiry, Policy, Ttl};
+use crate::record::StoredResponse;
 use crate::store::Keep;
 
 /// The W3C trace context header, forwarded to the inner service and stored with the record.

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
-use super::policy::Policy;
 use crate::error::ConfigError;
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::record::policy::Policy;
 
 /// The policies a layer applies, by request path: path patterns in matchit syntax (the router
 /// axum uses: `/v1/payments/{id}`, `/v1/{*rest}`), the most specific match winning, and a

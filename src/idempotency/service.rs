@@ -49,14 +49,9 @@ use tower::ServiceExt;
 use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
 use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Collected};
-use super::fingerprint::Fingerprint;
 use super::grpc;
 use super::inner::{is_not_sent, Deadline};
-use super::json::{self, Json};
-use super::key::{IdempotencyKey, KeySource};
 use super::lease::{Held, Lease};
-use super::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy};
-use super::record::{EntryState, StoredResponse, Token};
 use super::repeatability;
 use super::response::{self, relayed, Terms, TRACEPARENT};
 use super::routes::RouteState;
@@ -67,6 +62,11 @@ use super::wait::Waiter;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
 use crate::metrics::{InFlight, Outcome, StoreOp, Unanswered, Unsettled};
+use crate::record::fingerprint::Fingerprint;
+use crate::record::json::{self, Json};
+use crate::record::key::{IdempotencyKey, KeySource};
+use crate::record::policy::{ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy};
+use crate::record::{EntryState, StoredResponse, Token};
 use crate::store::{Claim, Claimant, Keep, Replay, Store, StoreError};
 
 /// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).

@@ -3,8 +3,8 @@
 
 use http::header::{HeaderMap, HeaderName};
 
-use super::record::StoredResponse;
 use crate::headers::media_type;
+use crate::record::StoredResponse;
 
 /// The header an SSE client sends when it reconnects: the id of the last event it saw.
 pub(super) const LAST_EVENT_ID: HeaderName = HeaderName::from_static("last-event-id");

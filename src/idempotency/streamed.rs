@@ -11,10 +11,10 @@ use tracing::{error, warn};
 
 use super::lease::{Held, Lease};
 use super::live::{OnAir, Tape};
-use super::record::{EntryState, StoredResponse};
 use super::response::{self, Terms};
 use super::shared::Shared;
 use crate::metrics::Unsettled;
+use crate::record::{EntryState, StoredResponse};
 use crate::store::{Keep, Store};
 
 /// How long a streamed answer is recorded: known from its head, or decided by its trailers (a

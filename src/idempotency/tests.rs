@@ -11,8 +11,8 @@ use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tower::{Layer, Service, ServiceExt};
 
-use super::policy::{FingerprintMode, KeySecret, OnInFlight, Policy, PolicyBuilder};
 use super::{IdempotencyLayer, NotSent, IDEMPOTENT_REPLAYED};
+use crate::record::policy::{FingerprintMode, KeySecret, OnInFlight, Policy, PolicyBuilder};
 use crate::store::MemoryStore;
 
 /// How the inner service fails, when it does.

@@ -9,8 +9,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::lease::Lease;
-use super::policy::OnInFlight;
 use super::routes::RouteState;
+use crate::record::policy::OnInFlight;
 use crate::store::{Store, Watch};
 
 /// A duplicate's wait for the request that holds its key, across its looks at the store.

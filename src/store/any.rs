@@ -8,9 +8,9 @@ use super::{
     CachedStore, Claim, ClaimTerms, Claimant, EmbeddedStore, Evicted, Inspect, Inspected, Keep,
     LocalCache, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
 };
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::EntryState;
 use crate::metrics::Metrics;
+use crate::record::key::ScopedKey;
+use crate::record::EntryState;
 
 /// The configured store: in memory, embedded, or a shared one (Redis, PostgreSQL) with the
 /// process's local cache in front.

@@ -15,9 +15,9 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 use super::{Claim, ClaimTerms, Claimant, Keep, Replay, Store, StoreError};
-use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{EntryState, StoredResponse};
+use crate::record::fingerprint::Fingerprint;
+use crate::record::key::ScopedKey;
+use crate::record::{EntryState, StoredResponse};
 
 /// Bytes of responses a process keeps when no bound is given.
 pub const DEFAULT_BYTES: u64 = 64 * 1024 * 1024;
@@ -268,7 +268,7 @@ impl<S: super::Inspect> super::Inspect for CachedStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::record::Token;
+    use crate::record::Token;
     use crate::store::MemoryStore;
     use bytes::Bytes;
     use http::StatusCode;

@@ -37,10 +37,10 @@ use std::sync::Arc;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::KeySource;
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
+use crate::record::fingerprint::Fingerprint;
+use crate::record::key::KeySource;
+use crate::record::key::ScopedKey;
+use crate::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
 use crate::store::seal::{Seal, Unreadable};
 use crate::store::{DecodeError, StoreError};
 
@@ -731,9 +731,9 @@ mod sealed {
 
     use bytes::Bytes;
 
-    use crate::idempotency::fingerprint::Fingerprint;
-    use crate::idempotency::key::ScopedKey;
-    use crate::idempotency::record::{EntryState, StoredResponse, Token};
+    use crate::record::fingerprint::Fingerprint;
+    use crate::record::key::ScopedKey;
+    use crate::record::{EntryState, StoredResponse, Token};
     use crate::store::codec::{self, Codec};
     use crate::store::seal::{Seal, SealKeys, SealMode, Unreadable, SEALED_VERSION, SEAL_KEYS_VAR};
     use http::{HeaderName, HeaderValue, StatusCode};
@@ -922,7 +922,7 @@ mod sealed {
         let (fp, tok) = (Fingerprint([3; 32]), Token([4; 16]));
         let c = Codec::new(false, seal(SealMode::Required, K1));
         let keep = crate::store::Keep {
-            ttl: crate::idempotency::policy::Ttl::For(std::time::Duration::from_secs(60)),
+            ttl: crate::record::policy::Ttl::For(std::time::Duration::from_secs(60)),
             tombstone: Some(std::time::Duration::from_secs(600)),
         };
         let (raw, _) = c.tombstone(&key, keep, &fp, &completed("x")).unwrap();

@@ -29,11 +29,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::{self, Codec};
 use super::{Claim, ClaimTerms, Claimant, EmbeddedSettings, Inspected, Keep, Store, StoreError};
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::AfterExpiry;
-use crate::idempotency::policy::Ttl;
-use crate::idempotency::record::{now_ms, EntryState, Token};
 use crate::metrics::Evictions;
+use crate::record::key::ScopedKey;
+use crate::record::policy::AfterExpiry;
+use crate::record::policy::Ttl;
+use crate::record::{now_ms, EntryState, Token};
 use crate::time;
 
 /// Entries by key: expiry (u64 big-endian ms) then the encoded entry.

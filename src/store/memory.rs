@@ -17,10 +17,10 @@ use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::AfterExpiry;
-use crate::idempotency::record::{now_ms, Entry, EntryState, Token};
 use crate::metrics::Evictions;
+use crate::record::key::ScopedKey;
+use crate::record::policy::AfterExpiry;
+use crate::record::{now_ms, Entry, EntryState, Token};
 use crate::time;
 
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
@@ -473,7 +473,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::fingerprint::Fingerprint;
+    use crate::record::fingerprint::Fingerprint;
 
     fn key(i: u32) -> ScopedKey {
         let mut k = [0u8; 32];
@@ -549,7 +549,7 @@ mod tests {
         let store = MemoryStore::with_limits(1000, 20_000);
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(60);
-        let body = crate::idempotency::record::StoredResponse {
+        let body = crate::record::StoredResponse {
             status: http::StatusCode::OK,
             headers: vec![],
             body: bytes::Bytes::from(vec![0u8; 4000]),

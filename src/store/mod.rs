@@ -9,10 +9,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::AfterExpiry;
-use crate::idempotency::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
+use crate::record::fingerprint::Fingerprint;
+use crate::record::key::ScopedKey;
+use crate::record::policy::AfterExpiry;
+use crate::record::{now_ms, Entry, EntryState, StoredResponse, Token, Tombstone};
 use crate::time::{Ttl, MAX_DURATION};
 
 mod any;

@@ -26,7 +26,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use rand::RngCore;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
-use crate::idempotency::key::ScopedKey;
+use crate::record::key::ScopedKey;
 
 /// The environment variable the sealing keys come from (never a file: they are secrets).
 pub const SEAL_KEYS_VAR: &str = "IDEMGATE_SEAL_KEYS";

@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_postgres::{AsyncMessage, Client, Connection};
 
 use super::Connector;
-use crate::idempotency::key::ScopedKey;
+use crate::record::key::ScopedKey;
 use crate::store::Evicted;
 
 /// What hears the evictions.

@@ -32,9 +32,9 @@ use super::watch::{Local, Signals};
 use super::{
     Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch,
 };
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::AfterExpiry;
-use crate::idempotency::record::{EntryState, Token};
+use crate::record::key::ScopedKey;
+use crate::record::policy::AfterExpiry;
+use crate::record::{EntryState, Token};
 
 mod listen;
 mod schema;
@@ -791,7 +791,7 @@ fn entry_of(
     codec: &Codec,
     key: &ScopedKey,
     row: &Row,
-) -> Result<(crate::idempotency::record::Entry, Token), StoreError> {
+) -> Result<(crate::record::Entry, Token), StoreError> {
     let raw: Vec<u8> = row.get(0);
     let left: Option<i64> = row.get(1);
     let (mut entry, holder) = codec.decode(key, Bytes::from(raw))?;

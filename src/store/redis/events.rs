@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use redis::{PushInfo, PushKind, Value};
 
 use super::topology::{Conn, Opening, PushFn};
-use crate::idempotency::key::ScopedKey;
+use crate::record::key::ScopedKey;
 use crate::store::watch::{Signals, Watch};
 
 /// What an eviction message names.

@@ -35,9 +35,9 @@ use super::settings::{Compression, RedisSettings, Topology};
 pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 use super::Watch;
 use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
-use crate::idempotency::key::ScopedKey;
-use crate::idempotency::policy::AfterExpiry;
-use crate::idempotency::record::{EntryState, Token};
+use crate::record::key::ScopedKey;
+use crate::record::policy::AfterExpiry;
+use crate::record::{EntryState, Token};
 
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
@@ -470,10 +470,7 @@ impl RedisStore {
         use std::io::Write;
         let record_key = self.redis_key(key);
         // Unique per claim; under the prefix, so evicting everything also takes stray ones.
-        let staged = format!(
-            "{record_key}:staged:{}",
-            crate::idempotency::key::hex(&token.0)
-        );
+        let staged = format!("{record_key}:staged:{}", crate::record::key::hex(&token.0));
         let script = &self.scripts.complete_staged;
         // The entry is written straight into the command, sized up front: one copy of the body.
         let mut set = redis::Cmd::with_capacity(5, entry.len() + staged.len() + 16);

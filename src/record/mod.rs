@@ -1,5 +1,13 @@
-//! What the store keeps per key: the claim's token, the recorded response, the entry's state.
-//! Each backend stores them its own way (the Redis one in `store/codec.rs`).
+//! The vocabulary the engine and the store share, on the floor below both: the key ([`key`]),
+//! the request's fingerprint ([`fingerprint`]), a route's policy ([`policy`]), strict and
+//! canonical JSON (`json`, crate-private), and what the store keeps per key (this module): the
+//! claim's token, the recorded response, the entry's state. Each backend stores a record its own
+//! way (Redis, PostgreSQL and the embedded store through `store/codec.rs`, memory as it is).
+
+pub mod fingerprint;
+pub(crate) mod json;
+pub mod key;
+pub mod policy;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,8 +15,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use super::fingerprint::Fingerprint;
-use super::key::KeySource;
+use self::fingerprint::Fingerprint;
+use self::key::KeySource;
 
 /// The random token of one claim. Whoever completes or releases a key must present the token of
 /// the claim it holds, so a holder whose lease expired cannot clobber a newer holder's record.

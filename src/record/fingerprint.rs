@@ -122,7 +122,7 @@ mod tests {
                 .body(())
                 .unwrap()
                 .into_parts();
-            let doc = crate::idempotency::json::parse(body.as_bytes()).unwrap();
+            let doc = crate::record::json::parse(body.as_bytes()).unwrap();
             Fingerprint::for_policy(&parts, body.as_bytes(), Some(&doc), &policy)
         };
         let base = fp(r#"{"a":1,"request_id":"x"}"#, "1");
@@ -131,7 +131,7 @@ mod tests {
         assert_ne!(base, fp(r#"{"a":1}"#, "2"), "a fingerprint header counts");
         // The default policy keeps the exact bytes, as before.
         let (parts, ()) = http::Request::post("/p").body(()).unwrap().into_parts();
-        let doc = crate::idempotency::json::parse(b"{}").unwrap();
+        let doc = crate::record::json::parse(b"{}").unwrap();
         assert_eq!(
             Fingerprint::for_policy(&parts, b"{}", Some(&doc), &Policy::default()),
             Fingerprint::of(&parts, b"{}")

@@ -477,7 +477,7 @@ mod tests {
 
     #[test]
     fn body_keys_are_strings_or_numbers_within_the_limit() {
-        let doc = crate::idempotency::json::parse(
+        let doc = crate::record::json::parse(
             br#"{"ref":"r-1","n":12345,"obj":{},"long":"0123456789abcdefX","sp":"a b"}"#,
         )
         .unwrap();
@@ -504,7 +504,7 @@ mod tests {
             Pointer::parse("/amount").unwrap(),
         ];
         let key = |body: &str, secret: &KeySecret| {
-            let doc = crate::idempotency::json::parse(body.as_bytes()).unwrap();
+            let doc = crate::record::json::parse(body.as_bytes()).unwrap();
             IdempotencyKey::derived(&doc, &fields, secret)
         };
         let a = key(r#"{"merchant":"m1","amount":100,"ts":1}"#, &secret).unwrap();
