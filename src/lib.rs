@@ -80,12 +80,12 @@
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),
 //!   `store/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
 //!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
-//!   backend), `store/memory.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
+//!   backend), `store/memory/mod.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
 //!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups
 //!   for requests waiting on an in-flight key), `store/codec.rs` (the
 //!   record's binary encoding, whose offsets the scripts in `store/redis/lua/` read),
 //!   `store/seal.rs` (records sealed at rest with AES-256-GCM: [`Seal`], the keys),
-//!   `store/embedded.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
+//!   `store/embedded/mod.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
 //!   commit), and the Redis backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/topology.rs`
 //!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
 //!   local caches told of evictions); the PostgreSQL backend: `store/postgres/mod.rs`
