@@ -78,7 +78,7 @@
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),
-//!   `store/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
+//!   `store/redis/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
 //!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
 //!   backend), `store/memory/mod.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
 //!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups

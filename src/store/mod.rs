@@ -23,7 +23,6 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 mod seal;
-mod settings;
 mod watch;
 
 pub use self::any::AnyStore;
@@ -34,8 +33,8 @@ pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
-pub(crate) use self::settings::tls_field;
-pub use self::settings::{
+pub(crate) use self::redis::settings::tls_field;
+pub use self::redis::settings::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, RedisSettings,
     StoreConfig, Topology,
 };

@@ -27,7 +27,7 @@ use tokio_postgres::Row;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
-use super::settings::redact_url;
+use super::redact_url;
 use super::watch::{Local, Signals};
 use super::{
     Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch,
@@ -118,7 +118,7 @@ impl PostgresSettings {
             url: url.into(),
             table: DEFAULT_TABLE.to_string(),
             pool_size: DEFAULT_POOL_SIZE,
-            timeout: super::settings::DEFAULT_TIMEOUT,
+            timeout: super::redis::DEFAULT_TIMEOUT,
             migration_timeout: DEFAULT_MIGRATION_TIMEOUT,
             tls_ca_file: None,
             tls_cert_file: None,
@@ -433,7 +433,7 @@ impl Connector {
                     .map_err(|(file, why)| {
                     PostgresError::Config(format!(
                         "store.{}: {why}",
-                        super::settings::tls_field(file)
+                        super::tls_field(file)
                     ))
                 })?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))

@@ -26,13 +26,14 @@ use redis::Script;
 use super::codec;
 
 mod events;
+pub(super) mod settings;
 mod topology;
 
 use self::events::Events;
 pub use self::events::Evicted;
 use self::topology::{Conn, Opening};
-use super::settings::{Compression, RedisSettings, Topology};
-pub use super::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
+use self::settings::{Compression, RedisSettings, Topology};
+pub use self::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 use super::Watch;
 use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
 use crate::record::key::ScopedKey;

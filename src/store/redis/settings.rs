@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{cached, memory, PostgresSettings, Seal, SealKeys, SealMode, StoreError};
+use crate::store::{cached, memory, PostgresSettings, Seal, SealKeys, SealMode, StoreError};
 
 /// `backend = "memory"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +30,7 @@ impl Default for MemorySettings {
 /// `backend = "embedded"`: where the file is and how it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EmbeddedSettings {
-    /// The directory the gateway owns (created if missing); the file is [`FILE_NAME`](super::embedded::FILE_NAME) in it.
+    /// The directory the gateway owns (created if missing); the file is [`FILE_NAME`](crate::store::embedded::FILE_NAME) in it.
     pub path: PathBuf,
     /// Commit each batch to disk (fsync) before it counts. Off: one durable commit a second at
     /// most, and a crash of the process or of the machine may lose the last two seconds of writes.
@@ -173,7 +173,7 @@ pub const DEFAULT_PREFIX: &str = "idemgate:";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How to reach Redis and how to write there (`backend = "redis"`, `"redis-cluster"` or
-/// `"redis-sentinel"`): the one way a [`RedisStore`](super::RedisStore) is made.
+/// `"redis-sentinel"`): the one way a [`RedisStore`](crate::store::RedisStore) is made.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisSettings {
     /// Where the records are.
