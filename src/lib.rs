@@ -78,20 +78,24 @@
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),
-//!   `store/redis/settings.rs` (the backends' settings: [`store::RedisSettings`], [`Topology`],
-//!   [`store::StoreConfig`]), `store/any.rs` (the binary's dispatch over the configured
-//!   backend), `store/memory/mod.rs` ([`MemoryStore`], embedded and bounded), `store/cached.rs` (a
-//!   local cache of completed records in front of another store), `store/watch.rs` (wake-ups
-//!   for requests waiting on an in-flight key), `store/codec.rs` (the
-//!   record's binary encoding, whose offsets the scripts in `store/redis/lua/` read),
-//!   `store/seal.rs` (records sealed at rest with AES-256-GCM: [`Seal`], the keys),
-//!   `store/embedded/mod.rs` ([`store::EmbeddedStore`]: durable, in-process, on redb, with group
-//!   commit), and the Redis backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/topology.rs`
-//!   (one server, Cluster or Sentinel), `store/redis/events.rs` (pub/sub: waiters woken,
-//!   local caches told of evictions); the PostgreSQL backend: `store/postgres/mod.rs`
-//!   ([`store::PostgresStore`], its settings, pool and reaper), `store/postgres/schema.rs` (the
-//!   table, its version and migration, the statements), `store/postgres/listen.rs` (evictions
-//!   heard by `LISTEN`, for the local caches).
+//!   `store/settings.rs` ([`store::StoreConfig`], the backend chosen with its settings, and
+//!   what the backends' settings share), `store/any.rs` (the binary's dispatch over the
+//!   configured backend), `store/cached.rs` (a local cache of completed records in front of
+//!   another store), `store/watch.rs` (wake-ups for requests waiting on an in-flight key),
+//!   `store/codec.rs` (the record's binary encoding, written by the embedded, Redis and
+//!   PostgreSQL stores, whose offsets the scripts in `store/redis/lua/` read), `store/seal.rs`
+//!   (records sealed at rest with AES-256-GCM: [`Seal`], the keys). One folder per backend,
+//!   each with its `settings.rs`: `store/memory/mod.rs` ([`MemoryStore`], in the process and
+//!   bounded) and `store/memory/settings.rs`; `store/embedded/mod.rs`
+//!   ([`store::EmbeddedStore`]: durable, in-process, on redb, with group commit) and
+//!   `store/embedded/settings.rs`; the Redis backend: `store/redis/mod.rs` ([`RedisStore`]),
+//!   `store/redis/settings.rs` ([`store::RedisSettings`], [`Topology`]),
+//!   `store/redis/topology.rs` (one server, Cluster or Sentinel), `store/redis/events.rs`
+//!   (pub/sub: waiters woken, local caches told of evictions); the PostgreSQL backend:
+//!   `store/postgres/mod.rs` ([`store::PostgresStore`], its pool and reaper),
+//!   `store/postgres/settings.rs` ([`store::PostgresSettings`]), `store/postgres/schema.rs`
+//!   (the table, its version and migration, the statements), `store/postgres/listen.rs`
+//!   (evictions heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,

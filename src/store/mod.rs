@@ -23,21 +23,20 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 mod seal;
+mod settings;
 mod watch;
 
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
-pub use self::embedded::EmbeddedStore;
-pub use self::memory::MemoryStore;
+pub use self::embedded::{EmbeddedSettings, EmbeddedStore};
+pub use self::memory::{MemorySettings, MemoryStore};
 pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
 pub use self::redis::RedisStore;
+pub use self::redis::{Compression, NodeAuth, RedisSettings, Topology};
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
-pub(crate) use self::redis::settings::tls_field;
-pub use self::redis::settings::{
-    redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, RedisSettings,
-    StoreConfig, Topology,
-};
+pub(crate) use self::settings::tls_field;
+pub use self::settings::{redact_url, StoreConfig};
 pub use self::watch::Watch;
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from

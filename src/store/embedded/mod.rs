@@ -28,13 +28,17 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::{self, Codec};
-use super::{Claim, ClaimTerms, Claimant, EmbeddedSettings, Inspected, Keep, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Inspected, Keep, Store, StoreError};
 use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::policy::Ttl;
 use crate::record::{now_ms, EntryState, Token};
 use crate::time;
+
+mod settings;
+
+pub use self::settings::EmbeddedSettings;
 
 /// Entries by key: expiry (u64 big-endian ms) then the encoded entry.
 const ENTRIES: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("entries");

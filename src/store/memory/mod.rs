@@ -23,6 +23,10 @@ use crate::record::policy::AfterExpiry;
 use crate::record::{now_ms, Entry, EntryState, Token};
 use crate::time;
 
+mod settings;
+
+pub use self::settings::{MemorySettings, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES};
+
 /// A handle to the embedded store; clones share one map. Expired entries are dropped every
 /// [`PURGE_EVERY`] by a task the store owns, stopped when the last handle goes (made outside a
 /// tokio runtime, the store has no such task: expired entries are then dropped only when room is
@@ -36,12 +40,6 @@ pub struct MemoryStore {
 
 /// How often the store drops expired entries.
 pub const PURGE_EVERY: Duration = Duration::from_secs(5);
-
-/// Most entries kept when no bound is given.
-pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
-
-/// Most bytes of stored responses kept when no bound is given.
-pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 
 #[derive(Debug)]
 struct Shared {

@@ -27,19 +27,20 @@ use tokio_postgres::Row;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
-use super::redact_url;
 use super::watch::{Local, Signals};
-use super::{
-    Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Seal, Store, StoreError, Watch,
-};
+use super::{Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Store, StoreError, Watch};
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::{EntryState, Token};
 
 mod listen;
 mod schema;
+mod settings;
 
 use self::schema::Sql;
+pub use self::settings::{
+    PostgresSettings, DEFAULT_MIGRATION_TIMEOUT, DEFAULT_POOL_SIZE, DEFAULT_TABLE,
+};
 use super::Evicted;
 
 /// How often each gateway deletes expired rows: an expired row is gone at most this long (plus
@@ -52,16 +53,6 @@ pub const REAP_BATCH: u32 = 1000;
 /// How many times a claim runs its statement when concurrent claimants keep winning the key
 /// between its snapshot and its insert.
 const CLAIM_RUNS: usize = 4;
-
-/// Table used when none is given.
-pub const DEFAULT_TABLE: &str = "idemgate_records";
-
-/// Connections each gateway keeps when no pool size is given.
-pub const DEFAULT_POOL_SIZE: usize = 16;
-
-/// How long one statement of a schema migration (an index built concurrently) may run when no
-/// `migration_timeout` is given.
-pub const DEFAULT_MIGRATION_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// How long a process waits before it looks again at a migration another process runs, or
 /// tries again after its own failed; doubled after each failure, up to
@@ -78,112 +69,6 @@ const LATE_START: Duration = Duration::from_millis(50);
 /// PostgreSQL's longest `statement_timeout` (`INT_MAX` milliseconds, about 24.8 days): longer
 /// bounds count as this.
 const MAX_STATEMENT_TIMEOUT_MS: u64 = i32::MAX as u64;
-
-/// How to reach PostgreSQL and where to keep the records (`backend = "postgres"`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct PostgresSettings {
-    /// `postgres://user:password@host:port/db?sslmode=...`; its password is never printed.
-    pub url: String,
-    /// The records table (created with its index when missing).
-    pub table: String,
-    /// Most connections this gateway opens.
-    pub pool_size: usize,
-    /// How long one operation (checkout, connect, statement) may take before the store counts
-    /// as down for that request; the server cancels the statement then too.
-    pub timeout: Duration,
-    /// How long one statement of a schema migration may run (on a connection of its own, in
-    /// the background).
-    pub migration_timeout: Duration,
-    /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
-    /// CA(s) to trust instead of the system's.
-    pub tls_ca_file: Option<String>,
-    /// For TLS: the certificate (chain, PEM) the gateway presents to a server that asks for one
-    /// (`clientcert` in `pg_hba.conf`), with its key in `tls_key_file`.
-    pub tls_cert_file: Option<String>,
-    /// Its key (the path only: the key itself is never printed).
-    pub tls_key_file: Option<String>,
-    /// Bytes of completed responses each gateway process keeps to replay without a statement
-    /// (0 turns the local cache off).
-    pub local_cache: u64,
-    /// The longest a response stays in the local cache.
-    pub local_cache_ttl: Duration,
-    /// How records are sealed at rest.
-    pub seal: Seal,
-}
-
-impl PostgresSettings {
-    /// PostgreSQL at `url`, every other setting at its default.
-    pub fn new(url: impl Into<String>) -> Self {
-        PostgresSettings {
-            url: url.into(),
-            table: DEFAULT_TABLE.to_string(),
-            pool_size: DEFAULT_POOL_SIZE,
-            timeout: super::redis::DEFAULT_TIMEOUT,
-            migration_timeout: DEFAULT_MIGRATION_TIMEOUT,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-            local_cache: super::cached::DEFAULT_BYTES,
-            local_cache_ttl: super::cached::DEFAULT_MAX_AGE,
-            seal: Seal::default(),
-        }
-    }
-
-    /// Seal records as `seal` says.
-    pub fn seal(mut self, seal: Seal) -> Self {
-        self.seal = seal;
-        self
-    }
-
-    /// Keep the records in `table`.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Past `timeout` without a connection or an answer, the store counts as down.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// One statement of a schema migration runs at most `timeout`.
-    pub fn migration_timeout(mut self, timeout: Duration) -> Self {
-        self.migration_timeout = timeout;
-        self
-    }
-}
-
-impl fmt::Debug for PostgresSettings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The URL's password is never printed.
-        f.debug_struct("PostgresSettings")
-            .field("url", &redact_url(&self.url))
-            .field("table", &self.table)
-            .field("pool_size", &self.pool_size)
-            .field(
-                "timeout",
-                &format_args!("{}", humantime::format_duration(self.timeout)),
-            )
-            .field(
-                "migration_timeout",
-                &format_args!("{}", humantime::format_duration(self.migration_timeout)),
-            )
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .field(
-                "local_cache",
-                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
-            )
-            .field(
-                "local_cache_ttl",
-                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
-            )
-            .field("seal", &self.seal)
-            .finish()
-    }
-}
 
 /// Why PostgreSQL could not do what was asked.
 #[derive(Debug, thiserror::Error)]
@@ -431,10 +316,7 @@ impl Connector {
                     .zip(settings.tls_key_file.as_deref());
                 let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), client, &[])
                     .map_err(|(file, why)| {
-                    PostgresError::Config(format!(
-                        "store.{}: {why}",
-                        super::tls_field(file)
-                    ))
+                    PostgresError::Config(format!("store.{}: {why}", super::tls_field(file)))
                 })?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
             }

@@ -26,14 +26,14 @@ use redis::Script;
 use super::codec;
 
 mod events;
-pub(super) mod settings;
+mod settings;
 mod topology;
 
 use self::events::Events;
 pub use self::events::Evicted;
+pub use self::settings::{Compression, NodeAuth, RedisSettings, Topology, DEFAULT_PREFIX};
 use self::topology::{Conn, Opening};
-use self::settings::{Compression, RedisSettings, Topology};
-pub use self::settings::{DEFAULT_PREFIX, DEFAULT_TIMEOUT};
+pub use super::settings::DEFAULT_TIMEOUT;
 use super::Watch;
 use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
 use crate::record::key::ScopedKey;

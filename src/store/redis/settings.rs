@@ -1,69 +1,13 @@
-//! The stores' settings: the bounds of the embedded store, and where the Redis store finds its
-//! nodes and how it writes there. The configuration reads `[store]` into these.
+//! The Redis store's settings (`backend = "redis"`, `"redis-cluster"`, `"redis-sentinel"`):
+//! where it finds its nodes and how it writes there.
 
 use std::fmt;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::store::{cached, memory, PostgresSettings, Seal, SealKeys, SealMode, StoreError};
-
-/// `backend = "memory"`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemorySettings {
-    /// Most records kept; past it completed records are evicted (never in-flight ones).
-    pub max_entries: usize,
-    /// Most bytes of stored responses kept, evicting likewise.
-    pub max_bytes: u64,
-}
-
-impl Default for MemorySettings {
-    fn default() -> Self {
-        MemorySettings {
-            max_entries: memory::DEFAULT_MAX_ENTRIES,
-            max_bytes: memory::DEFAULT_MAX_BYTES,
-        }
-    }
-}
-
-/// `backend = "embedded"`: where the file is and how it is written.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EmbeddedSettings {
-    /// The directory the gateway owns (created if missing); the file is [`FILE_NAME`](crate::store::embedded::FILE_NAME) in it.
-    pub path: PathBuf,
-    /// Commit each batch to disk (fsync) before it counts. Off: one durable commit a second at
-    /// most, and a crash of the process or of the machine may lose the last two seconds of writes.
-    pub fsync: bool,
-    /// Most entries kept; past it completed records are evicted (never in-flight claims).
-    pub max_entries: usize,
-    /// Most bytes of entries kept, evicting likewise.
-    pub max_bytes: u64,
-    /// How long one operation may wait for its batch before the store counts as down.
-    pub timeout: Duration,
-    /// How records are sealed at rest.
-    pub seal: Seal,
-}
-
-impl EmbeddedSettings {
-    /// The store in `path`, every other setting at its default.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        EmbeddedSettings {
-            path: path.into(),
-            fsync: true,
-            max_entries: memory::DEFAULT_MAX_ENTRIES,
-            max_bytes: memory::DEFAULT_MAX_BYTES,
-            timeout: DEFAULT_TIMEOUT,
-            seal: Seal::default(),
-        }
-    }
-
-    /// Seal records as `seal` says.
-    pub fn seal(mut self, seal: Seal) -> Self {
-        self.seal = seal;
-        self
-    }
-}
+use crate::store::settings::DEFAULT_TIMEOUT;
+use crate::store::{cached, redact_url, Seal, StoreError};
 
 /// How the Redis store keeps response bodies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -145,32 +89,8 @@ impl fmt::Debug for Topology {
     }
 }
 
-/// The `[store]` field of a file the TLS module names (`ca_file`, `client_cert_file`,
-/// `client_key_file`): `tls_ca_file`, `tls_cert_file`, `tls_key_file`.
-pub(crate) fn tls_field(file: &str) -> String {
-    format!("tls_{}", file.trim_start_matches("client_"))
-}
-
-/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The last '@' ends the userinfo: a password may itself contain '@'.
-    let Some((userinfo, host)) = rest.rsplit_once('@') else {
-        return url.to_string();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
-        None => url.to_string(),
-    }
-}
-
 /// Key prefix used when none is given.
 pub const DEFAULT_PREFIX: &str = "idemgate:";
-
-/// How long connecting or one answer may take when no timeout is given.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How to reach Redis and how to write there (`backend = "redis"`, `"redis-cluster"` or
 /// `"redis-sentinel"`): the one way a [`RedisStore`](crate::store::RedisStore) is made.
@@ -382,107 +302,5 @@ impl fmt::Debug for RedisSettings {
             .field("compression", &self.compression)
             .field("seal", &self.seal)
             .finish()
-    }
-}
-
-/// Which store keeps the records, with its settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreConfig {
-    /// The in-process memory store: zero setup, one gateway process, lost on restart.
-    Memory(MemorySettings),
-    /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
-    /// gateway replica and durable as far as Redis is.
-    Redis(RedisSettings),
-    /// A table in PostgreSQL: shared by every gateway replica, durable as PostgreSQL is.
-    Postgres(PostgresSettings),
-    /// The durable embedded store: a file in a directory this gateway owns.
-    Embedded(EmbeddedSettings),
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        StoreConfig::Memory(MemorySettings::default())
-    }
-}
-
-impl StoreConfig {
-    /// The backend for logs: its name, and for Redis the URL with any password as `***`.
-    pub fn describe(&self) -> String {
-        match self {
-            StoreConfig::Memory(_) => "memory".into(),
-            StoreConfig::Embedded(e) => format!("embedded {}", e.path.display()),
-            StoreConfig::Redis(r) => format!(
-                "{} {}",
-                r.topology.backend(),
-                r.topology
-                    .urls()
-                    .iter()
-                    .map(|u| redact_url(u))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ),
-            StoreConfig::Postgres(p) => format!("postgres {}", redact_url(&p.url)),
-        }
-    }
-
-    /// What a gateway (other than the demo) logs at start about this store's durability.
-    pub fn durability_warning(&self) -> Option<&'static str> {
-        match self {
-            StoreConfig::Memory(_) => Some("store.backend = \"memory\": every record dies with this process, so a retry after a restart runs again; use \"embedded\" or Redis in production"),
-            _ => None,
-        }
-    }
-
-    /// Whether the backend keeps a record for as long as it is asked, `ttl = "forever"`
-    /// included: the durable ones. (A memory store dies with its process; Redis evicts under
-    /// memory pressure and keeps no record across a loss of its data.)
-    pub fn keeps_forever(&self) -> bool {
-        matches!(self, StoreConfig::Postgres(_) | StoreConfig::Embedded(_))
-    }
-
-    /// The sealing settings of a backend that seals (all but memory).
-    pub fn seal(&self) -> Option<&Seal> {
-        match self {
-            StoreConfig::Memory(_) => None,
-            StoreConfig::Redis(r) => Some(&r.seal),
-            StoreConfig::Postgres(p) => Some(&p.seal),
-            StoreConfig::Embedded(e) => Some(&e.seal),
-        }
-    }
-
-    fn seal_mut(&mut self) -> Option<&mut Seal> {
-        match self {
-            StoreConfig::Memory(_) => None,
-            StoreConfig::Redis(r) => Some(&mut r.seal),
-            StoreConfig::Postgres(p) => Some(&mut p.seal),
-            StoreConfig::Embedded(e) => Some(&mut e.seal),
-        }
-    }
-
-    /// Read as `[store] seal` says; the keys come with [`with_seal_keys`](Self::with_seal_keys).
-    pub(crate) fn set_seal_mode(&mut self, mode: SealMode) {
-        if let Some(seal) = self.seal_mut() {
-            *seal = Seal::unkeyed(mode);
-        }
-    }
-
-    /// The keys of `IDEMGATE_SEAL_KEYS` (the text of the variable, when set), checked against
-    /// the mode: the reason is for the variable, and never quotes a key.
-    pub(crate) fn with_seal_keys(&mut self, keys: Option<&str>) -> Result<(), String> {
-        let keys = keys.map(SealKeys::parse).transpose()?;
-        if let Some(seal) = self.seal_mut() {
-            *seal = Seal::new(seal.mode(), keys)?;
-        }
-        Ok(())
-    }
-
-    /// The backend's name, as `backend` is written.
-    pub fn backend(&self) -> &'static str {
-        match self {
-            StoreConfig::Memory(_) => "memory",
-            StoreConfig::Redis(r) => r.topology.backend(),
-            StoreConfig::Postgres(_) => "postgres",
-            StoreConfig::Embedded(_) => "embedded",
-        }
     }
 }

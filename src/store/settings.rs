@@ -1,0 +1,134 @@
+//! Which store keeps the records ([`StoreConfig`], one backend's settings), and what the
+//! backends' settings share. The configuration reads `[store]` into these.
+
+use std::time::Duration;
+
+use super::{
+    EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings, Seal, SealKeys, SealMode,
+};
+
+/// How long connecting or one answer may take when no timeout is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The `[store]` field of a file the TLS module names (`ca_file`, `client_cert_file`,
+/// `client_key_file`): `tls_ca_file`, `tls_cert_file`, `tls_key_file`.
+pub(crate) fn tls_field(file: &str) -> String {
+    format!("tls_{}", file.trim_start_matches("client_"))
+}
+
+/// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    // The last '@' ends the userinfo: a password may itself contain '@'.
+    let Some((userinfo, host)) = rest.rsplit_once('@') else {
+        return url.to_string();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Which store keeps the records, with its settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// The in-process memory store: zero setup, one gateway process, lost on restart.
+    Memory(MemorySettings),
+    /// Redis (one server, a Redis Cluster, or a primary found through Sentinel): shared by every
+    /// gateway replica and durable as far as Redis is.
+    Redis(RedisSettings),
+    /// A table in PostgreSQL: shared by every gateway replica, durable as PostgreSQL is.
+    Postgres(PostgresSettings),
+    /// The durable embedded store: a file in a directory this gateway owns.
+    Embedded(EmbeddedSettings),
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Memory(MemorySettings::default())
+    }
+}
+
+impl StoreConfig {
+    /// The backend for logs: its name, and for Redis the URL with any password as `***`.
+    pub fn describe(&self) -> String {
+        match self {
+            StoreConfig::Memory(_) => "memory".into(),
+            StoreConfig::Embedded(e) => format!("embedded {}", e.path.display()),
+            StoreConfig::Redis(r) => format!(
+                "{} {}",
+                r.topology.backend(),
+                r.topology
+                    .urls()
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            StoreConfig::Postgres(p) => format!("postgres {}", redact_url(&p.url)),
+        }
+    }
+
+    /// What a gateway (other than the demo) logs at start about this store's durability.
+    pub fn durability_warning(&self) -> Option<&'static str> {
+        match self {
+            StoreConfig::Memory(_) => Some("store.backend = \"memory\": every record dies with this process, so a retry after a restart runs again; use \"embedded\" or Redis in production"),
+            _ => None,
+        }
+    }
+
+    /// Whether the backend keeps a record for as long as it is asked, `ttl = "forever"`
+    /// included: the durable ones. (A memory store dies with its process; Redis evicts under
+    /// memory pressure and keeps no record across a loss of its data.)
+    pub fn keeps_forever(&self) -> bool {
+        matches!(self, StoreConfig::Postgres(_) | StoreConfig::Embedded(_))
+    }
+
+    /// The sealing settings of a backend that seals (all but memory).
+    pub fn seal(&self) -> Option<&Seal> {
+        match self {
+            StoreConfig::Memory(_) => None,
+            StoreConfig::Redis(r) => Some(&r.seal),
+            StoreConfig::Postgres(p) => Some(&p.seal),
+            StoreConfig::Embedded(e) => Some(&e.seal),
+        }
+    }
+
+    fn seal_mut(&mut self) -> Option<&mut Seal> {
+        match self {
+            StoreConfig::Memory(_) => None,
+            StoreConfig::Redis(r) => Some(&mut r.seal),
+            StoreConfig::Postgres(p) => Some(&mut p.seal),
+            StoreConfig::Embedded(e) => Some(&mut e.seal),
+        }
+    }
+
+    /// Read as `[store] seal` says; the keys come with [`with_seal_keys`](Self::with_seal_keys).
+    pub(crate) fn set_seal_mode(&mut self, mode: SealMode) {
+        if let Some(seal) = self.seal_mut() {
+            *seal = Seal::unkeyed(mode);
+        }
+    }
+
+    /// The keys of `IDEMGATE_SEAL_KEYS` (the text of the variable, when set), checked against
+    /// the mode: the reason is for the variable, and never quotes a key.
+    pub(crate) fn with_seal_keys(&mut self, keys: Option<&str>) -> Result<(), String> {
+        let keys = keys.map(SealKeys::parse).transpose()?;
+        if let Some(seal) = self.seal_mut() {
+            *seal = Seal::new(seal.mode(), keys)?;
+        }
+        Ok(())
+    }
+
+    /// The backend's name, as `backend` is written.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            StoreConfig::Memory(_) => "memory",
+            StoreConfig::Redis(r) => r.topology.backend(),
+            StoreConfig::Postgres(_) => "postgres",
+            StoreConfig::Embedded(_) => "embedded",
+        }
+    }
+}
