@@ -385,7 +385,7 @@ async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
         .replace("sslmode=disable", "sslmode=verify-full");
     let ca = server.ca_file.clone().unwrap();
     let mut settings = PostgresSettings::new(&url);
-    settings.tls_ca_file = Some(ca.display().to_string());
+    settings.tls.ca_file = Some(ca.display().to_string());
     let s = PostgresStore::connect(&settings)
         .await
         .expect("TLS with the CA");
@@ -429,14 +429,14 @@ async fn a_client_certificate_for_a_server_that_asks_for_one() {
         .url()
         .replace("sslmode=disable", "sslmode=verify-full");
     let mut settings = PostgresSettings::new(&url).timeout(Duration::from_secs(2));
-    settings.tls_ca_file = Some(ca.ca().to_string());
+    settings.tls.ca_file = Some(ca.ca().to_string());
     assert!(
         PostgresStore::connect(&settings).await.is_err(),
         "no client certificate, no connection"
     );
     let client = ca.client("gateway");
-    settings.tls_cert_file = Some(client.cert().to_string());
-    settings.tls_key_file = Some(client.key_path().to_string());
+    settings.tls.cert_file = Some(client.cert().to_string());
+    settings.tls.key_file = Some(client.key_path().to_string());
     let s = PostgresStore::connect(&settings)
         .await
         .expect("TLS with the client certificate");

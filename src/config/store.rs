@@ -11,6 +11,7 @@ pub use crate::store::{
     redact_url, Compression, EmbeddedSettings, MemorySettings, NodeAuth, PostgresSettings,
     RedisSettings, SealMode, StoreConfig, Topology,
 };
+use crate::store::{LocalCacheSettings, TlsFiles};
 
 /// A field refused, named within `[store]`, and why.
 type Refused = (String, String);
@@ -202,25 +203,10 @@ macro_rules! redis_table {
                 if let Some(timeout) = self.timeout {
                     settings.timeout = timeout.into_inner();
                 }
-                if let Some(HumanSize(n)) = self.local_cache {
-                    settings.local_cache = n;
-                }
-                if let Some(HumanDuration(d)) = self.local_cache_ttl {
-                    settings.local_cache_ttl = d;
-                }
+                settings.local_cache = local_cache(self.local_cache, self.local_cache_ttl);
                 let tls = settings.topology.urls().iter().all(|u| u.starts_with("rediss://"));
-                if let Some(path) = self.tls_ca_file {
-                    if !tls {
-                        return Err(refused("tls_ca_file", "needs rediss:// URLs"));
-                    }
-                    settings.tls_ca_file = Some(path.into_inner());
-                }
-                if let Some((cert, key)) = client_pair(self.tls_cert_file, self.tls_key_file)? {
-                    if !tls {
-                        return Err(refused("tls_cert_file", "needs rediss:// URLs"));
-                    }
-                    (settings.tls_cert_file, settings.tls_key_file) = (Some(cert), Some(key));
-                }
+                let files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file);
+                settings.tls = tls_files(files, tls, "needs rediss:// URLs")?;
                 if let Some(c) = self.compression {
                     settings.compression = c;
                 }
@@ -345,26 +331,49 @@ impl Table for PostgresTable {
             settings.migration_timeout = timeout.into_inner();
         }
         let tls = !settings.url.contains("sslmode=disable");
-        if let Some(path) = self.tls_ca_file {
-            if !tls {
-                return Err(refused("tls_ca_file", "needs TLS (not sslmode=disable)"));
-            }
-            settings.tls_ca_file = Some(path.into_inner());
-        }
-        if let Some((cert, key)) = client_pair(self.tls_cert_file, self.tls_key_file)? {
-            if !tls {
-                return Err(refused("tls_cert_file", "needs TLS (not sslmode=disable)"));
-            }
-            (settings.tls_cert_file, settings.tls_key_file) = (Some(cert), Some(key));
-        }
-        if let Some(HumanSize(n)) = self.local_cache {
-            settings.local_cache = n;
-        }
-        if let Some(HumanDuration(d)) = self.local_cache_ttl {
-            settings.local_cache_ttl = d;
-        }
+        let files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file);
+        settings.tls = tls_files(files, tls, "needs TLS (not sslmode=disable)")?;
+        settings.local_cache = local_cache(self.local_cache, self.local_cache_ttl);
         Ok(StoreConfig::Postgres(settings))
     }
+}
+
+/// `tls_ca_file`, `tls_cert_file` and `tls_key_file` as written (`ca`, `cert`, `key`), for a
+/// store whose connections use `tls`; without it, any of them is refused: it `needs` TLS.
+fn tls_files(
+    (ca, cert, key): (FileField, FileField, FileField),
+    tls: bool,
+    needs: &str,
+) -> Result<TlsFiles, Refused> {
+    let mut files = TlsFiles::default();
+    if let Some(path) = ca {
+        if !tls {
+            return Err(refused("tls_ca_file", needs));
+        }
+        files.ca_file = Some(path.into_inner());
+    }
+    if let Some((cert, key)) = client_pair(cert, key)? {
+        if !tls {
+            return Err(refused("tls_cert_file", needs));
+        }
+        (files.cert_file, files.key_file) = (Some(cert), Some(key));
+    }
+    Ok(files)
+}
+
+/// A file's path as written, checked to be readable.
+type FileField = Option<Checked<ExistingFile>>;
+
+/// `local_cache` and `local_cache_ttl` as written, the defaults where they are not.
+fn local_cache(bytes: Option<HumanSize>, ttl: Option<HumanDuration>) -> LocalCacheSettings {
+    let mut settings = LocalCacheSettings::default();
+    if let Some(HumanSize(n)) = bytes {
+        settings.bytes = n;
+    }
+    if let Some(HumanDuration(d)) = ttl {
+        settings.ttl = d;
+    }
+    settings
 }
 
 /// A store client's certificate and key (`tls_cert_file`, `tls_key_file`), for mutual TLS: both
@@ -483,7 +492,7 @@ mod postgres_tests {
             ("idemgate_records", 16, std::time::Duration::from_secs(2))
         );
         assert_eq!(
-            (p.local_cache, p.local_cache_ttl),
+            (p.local_cache.bytes, p.local_cache.ttl),
             (64 << 20, std::time::Duration::from_secs(60))
         );
         assert_eq!(c.store.backend(), "postgres");
@@ -499,7 +508,7 @@ mod postgres_tests {
             panic!("a PostgreSQL store")
         };
         assert_eq!(
-            (p.local_cache, p.local_cache_ttl),
+            (p.local_cache.bytes, p.local_cache.ttl),
             (1 << 20, std::time::Duration::from_secs(5))
         );
         assert!(format!("{p:#?}").contains("local_cache_ttl: 5s"), "{p:#?}");

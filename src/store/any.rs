@@ -6,7 +6,8 @@ use tracing::{error, info, warn};
 
 use super::{
     CachedStore, Claim, ClaimTerms, Claimant, EmbeddedStore, Evicted, Inspect, Inspected, Keep,
-    LocalCache, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig, StoreError, Watch,
+    LocalCache, LocalCacheSettings, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig,
+    StoreError, Watch,
 };
 use crate::metrics::Metrics;
 use crate::record::key::ScopedKey;
@@ -66,7 +67,7 @@ impl AnyStore {
                 info!(error = %e, "could not read the Redis configuration (CONFIG GET refused?)")
             }
         }
-        let (cache, forget) = local_cache(settings.local_cache, settings.local_cache_ttl, metrics);
+        let (cache, forget) = local_cache(&settings.local_cache, metrics);
         redis.on_evicted(forget).await;
         Ok(AnyStore::Redis(CachedStore::new(redis, cache)))
     }
@@ -85,7 +86,7 @@ impl AnyStore {
             }
             Err(e) => return Err(e),
         };
-        let (cache, forget) = local_cache(settings.local_cache, settings.local_cache_ttl, metrics);
+        let (cache, forget) = local_cache(&settings.local_cache, metrics);
         store.on_evicted(forget).await;
         Ok(AnyStore::Postgres(CachedStore::new(store, cache)))
     }
@@ -127,14 +128,14 @@ macro_rules! on_store {
     };
 }
 
-/// One local cache of completed records for the whole process (`bytes`, `max_age`), and what
+/// One local cache of completed records for the whole process, as `settings` say, and what
 /// drops its entries when any gateway evicts: the shared stores tell it of every eviction.
 fn local_cache(
-    bytes: u64,
-    max_age: std::time::Duration,
+    settings: &LocalCacheSettings,
     metrics: &Metrics,
 ) -> (LocalCache, impl Fn(Evicted) + Send + Sync + 'static) {
-    let cache = LocalCache::new(bytes, max_age).counting_hits(metrics.local_cache_hits());
+    let cache =
+        LocalCache::new(settings.bytes, settings.ttl).counting_hits(metrics.local_cache_hits());
     let evicted = cache.clone();
     let forget = move |what| match what {
         Evicted::Key(key) => evicted.invalidate(&key),

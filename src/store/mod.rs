@@ -36,7 +36,7 @@ pub use self::redis::RedisStore;
 pub use self::redis::{Compression, NodeAuth, RedisSettings, Topology};
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
 pub(crate) use self::settings::tls_field;
-pub use self::settings::{redact_url, StoreConfig};
+pub use self::settings::{redact_url, LocalCacheSettings, StoreConfig, TlsFiles};
 pub use self::watch::Watch;
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from

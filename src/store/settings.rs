@@ -1,14 +1,76 @@
 //! Which store keeps the records ([`StoreConfig`], one backend's settings), and what the
 //! backends' settings share. The configuration reads `[store]` into these.
 
+use std::fmt;
 use std::time::Duration;
 
 use super::{
-    EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings, Seal, SealKeys, SealMode,
+    cached, EmbeddedSettings, MemorySettings, PostgresSettings, RedisSettings, Seal, SealKeys,
+    SealMode,
 };
 
 /// How long connecting or one answer may take when no timeout is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The files of a shared store's TLS connections (`rediss://` for Redis, any `sslmode` but
+/// `disable` for PostgreSQL): paths only, read when the store opens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// `tls_ca_file`: a PEM file of the CA(s) to trust instead of the system's.
+    pub ca_file: Option<String>,
+    /// `tls_cert_file`: the certificate (chain, PEM) the gateway presents to a server that asks
+    /// for one (mutual TLS), with its key in `key_file`.
+    pub cert_file: Option<String>,
+    /// `tls_key_file`: its key (the path only: the key itself is never printed).
+    pub key_file: Option<String>,
+}
+
+impl TlsFiles {
+    /// The client certificate's file and its key's, when both are given.
+    pub(crate) fn client_pair(&self) -> Option<(&str, &str)> {
+        self.cert_file.as_deref().zip(self.key_file.as_deref())
+    }
+
+    /// These files as fields of `d`, named as `[store]` names them.
+    pub(crate) fn debug_fields(&self, d: &mut fmt::DebugStruct<'_, '_>) {
+        d.field("tls_ca_file", &self.ca_file)
+            .field("tls_cert_file", &self.cert_file)
+            .field("tls_key_file", &self.key_file);
+    }
+}
+
+/// The local cache of completed records each gateway process keeps in front of a shared store
+/// (`local_cache`, `local_cache_ttl`), to replay them without asking the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalCacheSettings {
+    /// `local_cache`: bytes of completed responses kept (0 turns the cache off).
+    pub bytes: u64,
+    /// `local_cache_ttl`: the longest a response stays in the cache.
+    pub ttl: Duration,
+}
+
+impl Default for LocalCacheSettings {
+    fn default() -> Self {
+        LocalCacheSettings {
+            bytes: cached::DEFAULT_BYTES,
+            ttl: cached::DEFAULT_MAX_AGE,
+        }
+    }
+}
+
+impl LocalCacheSettings {
+    /// These settings as fields of `d`, named and written as `[store]` has them.
+    pub(crate) fn debug_fields(&self, d: &mut fmt::DebugStruct<'_, '_>) {
+        d.field(
+            "local_cache",
+            &format_args!("{}", bytesize::ByteSize(self.bytes).display().iec()),
+        )
+        .field(
+            "local_cache_ttl",
+            &format_args!("{}", humantime::format_duration(self.ttl)),
+        );
+    }
+}
 
 /// The `[store]` field of a file the TLS module names (`ca_file`, `client_cert_file`,
 /// `client_key_file`): `tls_ca_file`, `tls_cert_file`, `tls_key_file`.

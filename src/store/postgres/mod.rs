@@ -310,12 +310,8 @@ impl Connector {
         let tls = match config.get_ssl_mode() {
             tokio_postgres::config::SslMode::Disable => None,
             _ => {
-                let client = settings
-                    .tls_cert_file
-                    .as_deref()
-                    .zip(settings.tls_key_file.as_deref());
-                let tls = crate::tls::client_config(settings.tls_ca_file.as_deref(), client, &[])
-                    .map_err(|(file, why)| {
+                let (ca, client) = (settings.tls.ca_file.as_deref(), settings.tls.client_pair());
+                let tls = crate::tls::client_config(ca, client, &[]).map_err(|(file, why)| {
                     PostgresError::Config(format!("store.{}: {why}", super::tls_field(file)))
                 })?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(tls))

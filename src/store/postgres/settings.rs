@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::store::settings::DEFAULT_TIMEOUT;
-use crate::store::{cached, redact_url, Seal};
+use crate::store::{redact_url, LocalCacheSettings, Seal, TlsFiles};
 
 /// Table used when none is given.
 pub const DEFAULT_TABLE: &str = "idemgate_records";
@@ -32,19 +32,12 @@ pub struct PostgresSettings {
     /// How long one statement of a schema migration may run (on a connection of its own, in
     /// the background).
     pub migration_timeout: Duration,
-    /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): a PEM file of the
-    /// CA(s) to trust instead of the system's.
-    pub tls_ca_file: Option<String>,
-    /// For TLS: the certificate (chain, PEM) the gateway presents to a server that asks for one
-    /// (`clientcert` in `pg_hba.conf`), with its key in `tls_key_file`.
-    pub tls_cert_file: Option<String>,
-    /// Its key (the path only: the key itself is never printed).
-    pub tls_key_file: Option<String>,
-    /// Bytes of completed responses each gateway process keeps to replay without a statement
-    /// (0 turns the local cache off).
-    pub local_cache: u64,
-    /// The longest a response stays in the local cache.
-    pub local_cache_ttl: Duration,
+    /// For TLS (`sslmode=prefer`, `require`, `verify-ca`, `verify-full`): the CA(s) to trust,
+    /// and the certificate to present to a server that asks for one (`clientcert` in
+    /// `pg_hba.conf`).
+    pub tls: TlsFiles,
+    /// The local cache of completed records in front of PostgreSQL.
+    pub local_cache: LocalCacheSettings,
     /// How records are sealed at rest.
     pub seal: Seal,
 }
@@ -58,11 +51,8 @@ impl PostgresSettings {
             pool_size: DEFAULT_POOL_SIZE,
             timeout: DEFAULT_TIMEOUT,
             migration_timeout: DEFAULT_MIGRATION_TIMEOUT,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-            local_cache: cached::DEFAULT_BYTES,
-            local_cache_ttl: cached::DEFAULT_MAX_AGE,
+            tls: TlsFiles::default(),
+            local_cache: LocalCacheSettings::default(),
             seal: Seal::default(),
         }
     }
@@ -95,8 +85,8 @@ impl PostgresSettings {
 impl fmt::Debug for PostgresSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The URL's password is never printed.
-        f.debug_struct("PostgresSettings")
-            .field("url", &redact_url(&self.url))
+        let mut d = f.debug_struct("PostgresSettings");
+        d.field("url", &redact_url(&self.url))
             .field("table", &self.table)
             .field("pool_size", &self.pool_size)
             .field(
@@ -106,19 +96,9 @@ impl fmt::Debug for PostgresSettings {
             .field(
                 "migration_timeout",
                 &format_args!("{}", humantime::format_duration(self.migration_timeout)),
-            )
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .field(
-                "local_cache",
-                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
-            )
-            .field(
-                "local_cache_ttl",
-                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
-            )
-            .field("seal", &self.seal)
-            .finish()
+            );
+        self.tls.debug_fields(&mut d);
+        self.local_cache.debug_fields(&mut d);
+        d.field("seal", &self.seal).finish()
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::store::settings::DEFAULT_TIMEOUT;
-use crate::store::{cached, redact_url, Seal, StoreError};
+use crate::store::{redact_url, LocalCacheSettings, Seal, StoreError, TlsFiles};
 
 /// How the Redis store keeps response bodies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -104,24 +104,16 @@ pub struct RedisSettings {
     pub prefix: String,
     /// How long to wait to connect or for one answer before the store counts as down.
     pub timeout: Duration,
-    /// Bytes of completed responses each gateway process keeps to replay without a round trip
-    /// (0 turns the local cache off).
-    pub local_cache: u64,
-    /// The longest a response stays in the local cache.
-    pub local_cache_ttl: Duration,
-    /// For `rediss://`: a PEM file of the CA(s) to trust instead of the system's, read when the
-    /// store opens.
-    pub tls_ca_file: Option<String>,
-    /// For `rediss://`: the certificate (chain, PEM) the gateway presents to a Redis that asks
-    /// for one (`tls-auth-clients`), with its key in `tls_key_file`; read when the store opens.
-    pub tls_cert_file: Option<String>,
-    /// Its key (the path only: the key itself is never printed).
-    pub tls_key_file: Option<String>,
+    /// The local cache of completed records in front of Redis.
+    pub local_cache: LocalCacheSettings,
+    /// For `rediss://`: the CA(s) to trust, and the certificate to present to a Redis that asks
+    /// for one (`tls-auth-clients`).
+    pub tls: TlsFiles,
     /// How stored bodies are compressed (records are read whatever their encoding).
     pub compression: Compression,
     /// How records are sealed at rest.
     pub seal: Seal,
-    // The CA(s) given as PEM in code, or read from `tls_ca_file`.
+    // The CA(s) given as PEM in code, or read from `tls.ca_file`.
     pub(crate) ca_pem: Option<Vec<u8>>,
     /// `redis-sentinel` only: the user and password of the data nodes, when they are not the
     /// sentinels' (`node_username`, `node_password`).
@@ -165,11 +157,8 @@ impl RedisSettings {
             wait_replicas: 0,
             prefix: DEFAULT_PREFIX.to_string(),
             timeout: DEFAULT_TIMEOUT,
-            local_cache: cached::DEFAULT_BYTES,
-            local_cache_ttl: cached::DEFAULT_MAX_AGE,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
+            local_cache: LocalCacheSettings::default(),
+            tls: TlsFiles::default(),
             compression: Compression::default(),
             seal: Seal::default(),
             node_auth: None,
@@ -229,7 +218,7 @@ impl RedisSettings {
         self
     }
 
-    /// These settings with the PEM of `tls_ca_file`, `tls_cert_file` and `tls_key_file` read,
+    /// These settings with the PEM of the [`TlsFiles`] read,
     /// when they are given.
     pub(crate) fn with_files_read(&self) -> Result<Self, StoreError> {
         let read = |field: &'static str, path: &str| {
@@ -242,14 +231,10 @@ impl RedisSettings {
             })
         };
         let mut settings = self.clone();
-        if let (None, Some(path)) = (&settings.ca_pem, &settings.tls_ca_file) {
+        if let (None, Some(path)) = (&self.ca_pem, &self.tls.ca_file) {
             settings.ca_pem = Some(read("cannot read store.tls_ca_file", path)?);
         }
-        if let (None, Some(cert), Some(key)) = (
-            &settings.client_pem,
-            &settings.tls_cert_file,
-            &settings.tls_key_file,
-        ) {
+        if let (None, Some((cert, key))) = (&self.client_pem, self.tls.client_pair()) {
             let cert = read("cannot read store.tls_cert_file", cert)?;
             let key = read("cannot read store.tls_key_file", key)?;
             settings.client_pem = Some((cert, key));
@@ -279,26 +264,17 @@ impl RedisSettings {
 impl fmt::Debug for RedisSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The URL's password is never printed, nor the CA's PEM, nor the client key.
-        f.debug_struct("RedisSettings")
-            .field("topology", &self.topology)
+        let mut d = f.debug_struct("RedisSettings");
+        d.field("topology", &self.topology)
             .field("wait_replicas", &self.wait_replicas)
             .field("prefix", &self.prefix)
             .field(
                 "timeout",
                 &format_args!("{}", humantime::format_duration(self.timeout)),
-            )
-            .field(
-                "local_cache",
-                &format_args!("{}", bytesize::ByteSize(self.local_cache).display().iec()),
-            )
-            .field(
-                "local_cache_ttl",
-                &format_args!("{}", humantime::format_duration(self.local_cache_ttl)),
-            )
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .field("node_auth", &self.node_auth)
+            );
+        self.local_cache.debug_fields(&mut d);
+        self.tls.debug_fields(&mut d);
+        d.field("node_auth", &self.node_auth)
             .field("compression", &self.compression)
             .field("seal", &self.seal)
             .finish()
