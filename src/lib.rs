@@ -86,9 +86,12 @@
 //!   PostgreSQL stores, whose offsets the scripts in `store/redis/lua/` read), `store/seal.rs`
 //!   (records sealed at rest with AES-256-GCM: [`Seal`], the keys). One folder per backend,
 //!   each with its `settings.rs`: `store/memory/mod.rs` ([`MemoryStore`], in the process and
-//!   bounded) and `store/memory/settings.rs`; `store/embedded/mod.rs`
-//!   ([`store::EmbeddedStore`]: durable, in-process, on redb, with group commit) and
-//!   `store/embedded/settings.rs`; the Redis backend: `store/redis/mod.rs` ([`RedisStore`]),
+//!   bounded) and `store/memory/settings.rs`; the embedded store: `store/embedded/mod.rs`
+//!   ([`store::EmbeddedStore`]: durable, in-process, on redb), `store/embedded/settings.rs`,
+//!   `store/embedded/writer.rs` (the writer thread's group commit, and what each write does),
+//!   `store/embedded/tables.rs` (the redb tables, rows read and written),
+//!   `store/embedded/purge.rs` (expired entries purged, records evicted for the bounds),
+//!   `store/embedded/file.rs` (the file opened, and reopened after a failed write); the Redis backend: `store/redis/mod.rs` ([`RedisStore`]),
 //!   `store/redis/settings.rs` ([`store::RedisSettings`], [`Topology`]),
 //!   `store/redis/topology.rs` (one server, Cluster or Sentinel), `store/redis/events.rs`
 //!   (pub/sub: waiters woken, local caches told of evictions); the PostgreSQL backend:
