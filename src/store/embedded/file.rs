@@ -10,16 +10,26 @@ use super::failed;
 use super::tables::{CLAIMS, ENTRIES, META, RECORDS};
 use crate::store::StoreError;
 
-/// The open database, shared by the handles and the writer; none between a failed write (after
-/// which redb refuses every operation until the file is reopened) and its reopening. Reads hold
-/// the lock for their whole read, so that the writer can close the file.
+/// The store's file and its open database, shared by the handles and the writer; no database
+/// between a failed write (after which redb refuses every operation until the file is
+/// reopened) and its reopening. Reads hold the lock for their whole read, so that the writer
+/// can close the file.
 #[derive(Debug)]
-pub(super) struct Slot {
-    pub(super) db: RwLock<Option<Database>>,
-    pub(super) file: PathBuf,
+pub(super) struct StoreFile {
+    db: RwLock<Option<Database>>,
+    file: PathBuf,
 }
 
-impl Slot {
+impl StoreFile {
+    /// Open (or create) `file` with its tables; refused when another process holds it.
+    pub(super) fn open(file: PathBuf) -> Result<Self, StoreError> {
+        let db = open_database(&file)?;
+        Ok(StoreFile {
+            db: RwLock::new(Some(db)),
+            file,
+        })
+    }
+
     /// `f` on the open database, or a store error while it is being reopened.
     pub(super) fn with<T>(
         &self,
@@ -35,6 +45,7 @@ impl Slot {
         }
     }
 
+    /// Whether the database is open (not closed by a reopening that failed).
     pub(super) fn is_open(&self) -> bool {
         self.db
             .read()
@@ -54,7 +65,7 @@ impl Slot {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         drop(old);
-        match open_file(&self.file).and_then(|reopened| init(&reopened).map(|()| reopened)) {
+        match open_database(&self.file) {
             Ok(reopened) => {
                 tracing::warn!(file = %self.file.display(), "embedded store reopened after a failed write");
                 *self.db.write().unwrap_or_else(PoisonError::into_inner) = Some(reopened);
@@ -66,19 +77,21 @@ impl Slot {
     }
 }
 
-/// Open (or create) the database file; refused when another process holds it.
-pub(super) fn open_file(file: &Path) -> Result<Database, StoreError> {
-    Database::create(file).map_err(|e| match e {
+/// Open (or create) the database file, with its tables; refused when another process holds it.
+fn open_database(file: &Path) -> Result<Database, StoreError> {
+    let db = Database::create(file).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Embedded(format!(
             "{} is held by another process (one gateway per store.path)",
             file.display()
         )),
         e => failed(&file.display().to_string(), e),
-    })
+    })?;
+    init(&db)?;
+    Ok(db)
 }
 
 /// Create the tables when they are missing, so that reads find them.
-pub(super) fn init(db: &Database) -> Result<(), StoreError> {
+fn init(db: &Database) -> Result<(), StoreError> {
     let txn = db.begin_write().map_err(|e| failed("init", e))?;
     {
         txn.open_table(ENTRIES).map_err(|e| failed("init", e))?;

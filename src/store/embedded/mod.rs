@@ -15,10 +15,9 @@
 //! A failed commit (a full disk) leaves redb refusing everything, so the writer closes the file
 //! and opens it again, which recovers the last durable commit.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use prometheus_client::metrics::counter::Counter;
 use redb::ReadableDatabase;
 use tokio::sync::{mpsc, oneshot};
@@ -37,11 +36,11 @@ mod settings;
 mod tables;
 mod writer;
 
-use self::file::{init, open_file, Slot};
+use self::file::StoreFile;
 use self::purge::purge_loop;
 pub use self::settings::EmbeddedSettings;
-use self::tables::{holds, lives, split, ENTRIES};
-use self::writer::{unexpected, write_loop, Done, Limits, Op, Write, QUEUE};
+use self::tables::{Bounds, Row, ENTRIES};
+use self::writer::{Completion, Done, Op, Write, Writer, QUEUE};
 
 /// The file in the store's directory.
 pub const FILE_NAME: &str = "idemgate.redb";
@@ -58,7 +57,7 @@ pub const DURABLE_EVERY: Duration = Duration::from_secs(1);
 /// the purge task stop when the last handle goes, and the file's lock with them.
 #[derive(Debug, Clone)]
 pub struct EmbeddedStore {
-    db: Arc<Slot>,
+    file: Arc<StoreFile>,
     // The writer's queue; the thread ends when every sender is gone.
     writer: mpsc::Sender<Op>,
     // How long an operation waits for its batch.
@@ -72,8 +71,13 @@ pub struct EmbeddedStore {
 }
 
 /// A storage failure as the store's error.
-pub(super) fn failed(what: &str, e: impl std::fmt::Display) -> StoreError {
+fn failed(what: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::Embedded(format!("{what}: {e}"))
+}
+
+/// A writer's answer of the wrong kind, as an error rather than a panic.
+fn unexpected(what: &str, answer: Done) -> StoreError {
+    StoreError::Embedded(format!("{what} got the answer {answer:?}"))
 }
 
 impl EmbeddedStore {
@@ -93,31 +97,29 @@ impl EmbeddedStore {
     ) -> Result<Self, StoreError> {
         let dir = &settings.path;
         std::fs::create_dir_all(dir).map_err(|e| failed(&dir.display().to_string(), e))?;
-        let file = dir.join(FILE_NAME);
-        let db = open_file(&file)?;
-        init(&db)?;
-        let db = Arc::new(Slot {
-            db: RwLock::new(Some(db)),
-            file,
-        });
+        let file = Arc::new(StoreFile::open(dir.join(FILE_NAME))?);
         let (writer, queue) = mpsc::channel(QUEUE);
-        let limits = Limits {
-            max_entries: settings.max_entries.max(1) as u64,
-            max_bytes: settings.max_bytes.max(1),
+        let thread = Writer {
+            file: file.clone(),
+            queue,
+            bounds: Bounds {
+                max_entries: settings.max_entries.max(1) as u64,
+                max_bytes: settings.max_bytes.max(1),
+            },
             fsync: settings.fsync,
+            commits: commits.clone(),
+            evictions,
         };
-        let for_writer = db.clone();
-        let counted = commits.clone();
         std::thread::Builder::new()
             .name("idemgate-store".into())
-            .spawn(move || write_loop(&for_writer, queue, limits, (&counted, &evictions)))
+            .spawn(move || thread.run())
             .map_err(|e| failed("writer thread", e))?;
         let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let weak = writer.downgrade();
             Arc::new(AbortOnDropHandle::new(rt.spawn(purge_loop(weak))))
         });
         Ok(EmbeddedStore {
-            db,
+            file,
             writer,
             timeout: settings.timeout,
             codec: Codec::new(false, settings.seal.clone()),
@@ -154,22 +156,22 @@ impl EmbeddedStore {
         }
     }
 
-    /// What `key` holds now, unexpired: its expiry (ms) and encoding; else, with `tombstone`,
-    /// its live tombstone. Both from one snapshot.
-    fn read(&self, key: &ScopedKey, tombstone: bool) -> Result<Option<(u64, Bytes)>, StoreError> {
-        self.db.with(|db| {
+    /// What `key` holds now, unexpired; else, `with_tombstone`, its live tombstone. Both from
+    /// one snapshot.
+    fn read(&self, key: &ScopedKey, with_tombstone: bool) -> Result<Option<Row>, StoreError> {
+        self.file.with(|db| {
             let txn = db.begin_read().map_err(|e| failed("read", e))?;
             let table = txn.open_table(ENTRIES).map_err(|e| failed("read", e))?;
             let now = now_ms();
-            let live = |at: &ScopedKey| -> Result<Option<(u64, Bytes)>, StoreError> {
+            let live = |at: &ScopedKey| -> Result<Option<Row>, StoreError> {
                 let value = table.get(&at.0).map_err(|e| failed("read", e))?;
                 Ok(value
-                    .and_then(|v| split(v.value()))
-                    .filter(|(at, _)| *at > now))
+                    .and_then(|v| Row::read(v.value()))
+                    .filter(|row| row.live_at(now)))
             };
             match live(key)? {
                 Some(found) => Ok(Some(found)),
-                None if tombstone => live(&key.tombstone()),
+                None if with_tombstone => live(&key.tombstone()),
                 None => Ok(None),
             }
         })
@@ -184,37 +186,34 @@ impl EmbeddedStore {
         }
     }
 
-    async fn yes(&self, what: Write) -> Result<bool, StoreError> {
+    /// Queue `what` and answer whether it did what it asked.
+    async fn did(&self, what: Write) -> Result<bool, StoreError> {
         match self.write(what).await? {
-            Done::Yes(b) => Ok(b),
+            Done::Did(did) => Ok(did),
             other => Err(unexpected("a fenced write", other)),
         }
     }
 }
 
 impl EmbeddedStore {
-    /// The claim's answer from the live entry (or tombstone) expiring at `at`.
-    fn decided(&self, who: &Claimant, (at, value): (u64, Bytes)) -> Result<Claim, StoreError> {
-        let (mut entry, holder) = self.codec.decode(&who.key, value)?;
-        entry.expires_in = lives(at, now_ms());
+    /// The claim's answer from the live entry (or tombstone) `held`.
+    fn decided(&self, who: &Claimant, held: Row) -> Result<Claim, StoreError> {
+        let (mut entry, holder) = self.codec.decode(&who.key, held.encoding.clone())?;
+        entry.expires_in = held.lives();
         Ok(Claim::decide(entry, &holder, &who.fingerprint, &who.token))
     }
 }
 
 impl Store for EmbeddedStore {
     async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
-        let tombstones = terms.after_expiry == AfterExpiry::Refuse;
+        let with_tombstone = terms.after_expiry == AfterExpiry::Refuse;
         // A live entry that is not our own claim decides without a write (a replay, a claim in
         // flight, a mismatch, a tombstone); the writer checks again before it claims.
-        match self.read(&who.key, tombstones)? {
-            Some(held) if !holds(&held.1, &who.token) => return self.decided(who, held),
+        match self.read(&who.key, with_tombstone)? {
+            Some(held) if !held.claimed_by(&who.token) => return self.decided(who, held),
             _ => {}
         }
-        let what = Write::Claim {
-            who: *who,
-            lease: terms.lease,
-            tombstones,
-        };
+        let what = Write::Claim { who: *who, terms };
         match self.write(what).await? {
             Done::Claim(None) => Ok(Claim::Claimed),
             Done::Claim(Some(held)) => self.decided(who, held),
@@ -229,53 +228,47 @@ impl Store for EmbeddedStore {
         keep: Keep,
     ) -> Result<bool, StoreError> {
         let (key, fingerprint) = (&who.key, &who.fingerprint);
-        let value = self
-            .codec
-            .record(key, fingerprint, &who.token, state)
-            .into_bytes();
-        let tombstone = self.codec.tombstone(key, keep, fingerprint, state);
-        self.yes(Write::Complete {
+        let record = self.codec.record(key, fingerprint, &who.token, state);
+        let completion = Completion {
             who: *who,
-            value,
-            ttl: keep.ttl,
-            refuses: keep.tombstone.is_some(),
-            tombstone,
-        })
-        .await
+            record: record.into_bytes(),
+            keep,
+            tombstone: self.codec.tombstone(key, keep, fingerprint, state),
+        };
+        self.did(Write::Complete(completion)).await
     }
 
     async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
-        self.yes(Write::Release(*who)).await
+        self.did(Write::Release(*who)).await
     }
 
     async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
-        self.yes(Write::Renew { who: *who, lease }).await
+        self.did(Write::Renew { who: *who, lease }).await
     }
 }
 
 impl super::Inspect for EmbeddedStore {
     async fn ping(&self) -> Result<(), StoreError> {
-        self.db
+        self.file
             .with(|db| db.begin_read().map(drop).map_err(|e| failed("read", e)))
     }
 
     async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
         // The record, or its tombstone once it has expired.
-        let found = self.read(key, true)?;
-        let Some((at, value)) = found else {
+        let Some(found) = self.read(key, true)? else {
             return Ok(None);
         };
-        let stored_bytes = value.len();
-        let (entry, _) = self.codec.decode(key, value)?;
+        let stored_bytes = found.encoding.len();
+        let (entry, _) = self.codec.decode(key, found.encoding.clone())?;
         Ok(Some(Inspected {
             entry,
-            expires_in: lives(at, now_ms()),
+            expires_in: found.lives(),
             stored_bytes,
         }))
     }
 
     async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.yes(Write::Evict(*key)).await
+        self.did(Write::Evict(*key)).await
     }
 
     async fn evict_all(&self) -> Result<u64, StoreError> {

@@ -4,16 +4,15 @@
 use redb::ReadableTableMetadata;
 use tokio::sync::{mpsc, oneshot};
 
-use super::tables::{Result2, Tables, FOREVER};
-use super::writer::{Done, Limits, Op, Write};
+use super::tables::{RedbResult, Tables, FOREVER};
+use super::writer::{Done, Op, Write};
 use super::PURGE_EVERY;
-use crate::store::codec;
-use crate::store::StoreError;
 
 /// Most expired entries one purge transaction deletes (more follow at once when there are).
 pub(super) const PURGE_BATCH: usize = 1000;
 
-/// Purge expired entries every [`PURGE_EVERY`] while the store lives.
+/// Purge expired entries every [`PURGE_EVERY`] while the store lives: a batch at a time, the
+/// next at once after a full one.
 pub(super) async fn purge_loop(writer: mpsc::WeakSender<Op>) {
     let mut tick = tokio::time::interval(PURGE_EVERY);
     loop {
@@ -23,14 +22,8 @@ pub(super) async fn purge_loop(writer: mpsc::WeakSender<Op>) {
                 return;
             };
             let (reply, answer) = oneshot::channel();
-            if writer
-                .send(Op {
-                    what: Write::Purge,
-                    reply,
-                })
-                .await
-                .is_err()
-            {
+            let what = Write::Purge;
+            if writer.send(Op { what, reply }).await.is_err() {
                 return;
             }
             drop(writer);
@@ -47,13 +40,13 @@ pub(super) async fn purge_loop(writer: mpsc::WeakSender<Op>) {
 
 impl Tables<'_> {
     /// Delete up to `most` expired entries, claims and records; how many.
-    pub(super) fn purge(&mut self, now: u64, most: usize) -> Result2<u64> {
+    pub(super) fn purge(&mut self, most: usize) -> RedbResult<u64> {
         let mut n = 0;
         for claims in [true, false] {
             while (n as usize) < most {
                 let index = if claims { &self.claims } else { &self.records };
                 match Self::first(index)? {
-                    Some((at, key)) if at <= now => {
+                    Some((at, key)) if at <= self.now => {
                         self.remove(&key)?;
                         n += 1;
                     }
@@ -65,22 +58,20 @@ impl Tables<'_> {
     }
 
     /// Bring the store under both bounds (leaving room for one more entry when `adding`):
-    /// expired entries first, then the completed records closest to expiry; a claim is refused
-    /// when only claims and records kept forever are left.
-    pub(super) fn make_room(
-        &mut self,
-        limits: Limits,
-        adding: bool,
-        now: u64,
-    ) -> Result2<Result<(), StoreError>> {
-        let over = |t: &Self| -> Result2<bool> {
-            Ok(t.entries.len()? + u64::from(adding) > limits.max_entries
-                || t.bytes > limits.max_bytes)
+    /// expired entries first, then the completed records closest to expiry. Whether there is
+    /// room: not when `adding` and only claims and records kept forever are left (the claim is
+    /// then refused).
+    pub(super) fn make_room(&mut self, adding: bool) -> RedbResult<bool> {
+        let bounds = self.bounds;
+        let too_many = |t: &Self| -> RedbResult<bool> {
+            Ok(t.entries.len()? + u64::from(adding) > bounds.max_entries)
         };
+        let over =
+            |t: &Self| -> RedbResult<bool> { Ok(too_many(t)? || t.bytes > bounds.max_bytes) };
         if !over(self)? {
-            return Ok(Ok(()));
+            return Ok(true);
         }
-        self.purge(now, usize::MAX)?;
+        self.purge(usize::MAX)?;
         let mut evicted = 0;
         // Records kept forever are never evicted: past them, new claims are refused (full).
         while over(self)? {
@@ -88,16 +79,14 @@ impl Tables<'_> {
             else {
                 break;
             };
-            match self.entries.len()? + u64::from(adding) > limits.max_entries {
+            match too_many(self)? {
                 true => self.evicted.0 += 1,
                 false => self.evicted.1 += 1,
             }
             // A record evicted before its ttl takes its tombstone along: its key was not
             // expired, so a retry runs again rather than being refused as expired.
-            if let Some((_, value)) = self.held(&key)? {
-                if value.get(codec::STATE_AT) != Some(&codec::EXPIRED) {
-                    self.remove(&key.tombstone())?;
-                }
+            if self.held(&key)?.is_some_and(|row| !row.is_tombstone()) {
+                self.remove(&key.tombstone())?;
             }
             self.remove(&key)?;
             evicted += 1;
@@ -108,9 +97,6 @@ impl Tables<'_> {
                 "embedded store at its bounds; evicted completed records"
             );
         }
-        if adding && over(self)? {
-            return Ok(Err(StoreError::Full));
-        }
-        Ok(Ok(()))
+        Ok(!(adding && over(self)?))
     }
 }

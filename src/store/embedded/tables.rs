@@ -8,7 +8,7 @@ use redb::{ReadableTable, ReadableTableMetadata, TableDefinition};
 
 use crate::record::key::ScopedKey;
 use crate::record::policy::Ttl;
-use crate::record::Token;
+use crate::record::{now_ms, Token};
 use crate::store::codec;
 use crate::time;
 
@@ -25,22 +25,71 @@ pub(super) const META: TableDefinition<&str, u64> = TableDefinition::new("meta")
 /// What an entry weighs besides its encoding: its key, its index row and B-tree overhead.
 const ENTRY_OVERHEAD: u64 = 128;
 
-/// An entry's expiry and encoding.
-pub(super) fn split(value: &[u8]) -> Option<(u64, Bytes)> {
-    let (at, encoding) = value.split_first_chunk::<8>()?;
-    Some((u64::from_be_bytes(*at), Bytes::copy_from_slice(encoding)))
-}
-
-/// An index row: expiry then key, so rows sort by expiry.
-pub(super) fn index_key(at: u64, key: &[u8; 32]) -> [u8; 40] {
-    let mut row = [0u8; 40];
-    row[..8].copy_from_slice(&at.to_be_bytes());
-    row[8..].copy_from_slice(key);
-    row
-}
-
 /// The expiry of a record kept forever: past every clock, so never purged or evicted first.
 pub(super) const FOREVER: u64 = u64::MAX;
+
+/// A storage failure inside a transaction.
+pub(super) type RedbResult<T> = Result<T, redb::Error>;
+
+/// One index by expiry (claims, or completed records): rows of expiry then key.
+type Index<'txn> = redb::Table<'txn, &'static [u8; 40], ()>;
+
+/// An entry as the entries table keeps it.
+#[derive(Debug, Clone)]
+pub(super) struct Row {
+    /// When it expires, in ms since the Unix epoch ([`FOREVER`]: kept forever).
+    pub(super) expires_at: u64,
+    /// The record codec's encoding of the entry.
+    pub(super) encoding: Bytes,
+}
+
+impl Row {
+    /// The row stored as `value`: its expiry (big-endian), then its encoding.
+    pub(super) fn read(value: &[u8]) -> Option<Self> {
+        let (at, encoding) = value.split_first_chunk::<8>()?;
+        Some(Row {
+            expires_at: u64::from_be_bytes(*at),
+            encoding: Bytes::copy_from_slice(encoding),
+        })
+    }
+
+    /// Whether the entry is live at `now`: not past its lease or ttl.
+    pub(super) fn live_at(&self, now: u64) -> bool {
+        self.expires_at > now
+    }
+
+    /// How long the entry lives from now (forever: `None`).
+    pub(super) fn lives(&self) -> Option<Duration> {
+        let now = now_ms();
+        (self.expires_at != FOREVER)
+            .then(|| Duration::from_millis(self.expires_at.saturating_sub(now)))
+    }
+
+    /// Whether the entry is an in-flight claim.
+    pub(super) fn is_claim(&self) -> bool {
+        is_claim(&self.encoding)
+    }
+
+    /// Whether the entry was written by the claim whose token is `token`.
+    pub(super) fn written_by(&self, token: &Token) -> bool {
+        self.encoding.get(codec::TOKEN_AT..codec::WRITTEN_AT) == Some(&token.0[..])
+    }
+
+    /// Whether the entry is an in-flight claim made with `token`.
+    pub(super) fn claimed_by(&self, token: &Token) -> bool {
+        self.is_claim() && self.written_by(token)
+    }
+
+    /// Whether the entry is the tombstone of an expired record.
+    pub(super) fn is_tombstone(&self) -> bool {
+        self.encoding.get(codec::STATE_AT) == Some(&codec::EXPIRED)
+    }
+}
+
+/// Whether an encoding is an in-flight claim's.
+fn is_claim(encoding: &[u8]) -> bool {
+    encoding.get(codec::STATE_AT) == Some(&codec::IN_FLIGHT)
+}
 
 /// When an entry written at `now` for `ttl` expires.
 pub(super) fn expiry(now: u64, ttl: Ttl) -> u64 {
@@ -48,27 +97,44 @@ pub(super) fn expiry(now: u64, ttl: Ttl) -> u64 {
         .map_or(FOREVER, |ttl| time::after_ms(now, ttl).min(FOREVER - 1))
 }
 
-/// How long an entry expiring at `at` lives after `now` (forever: `None`).
-pub(super) fn lives(at: u64, now: u64) -> Option<Duration> {
-    (at != FOREVER).then(|| Duration::from_millis(at.saturating_sub(now)))
+/// An index row: expiry then key, so rows sort by expiry.
+fn index_key(at: u64, key: &[u8; 32]) -> [u8; 40] {
+    let mut row = [0u8; 40];
+    row[..8].copy_from_slice(&at.to_be_bytes());
+    row[8..].copy_from_slice(key);
+    row
 }
 
-/// The tables of one write transaction, and the byte count kept in step with them.
+/// What an entry costs: its encoding and a fixed overhead.
+fn weight(encoding: &[u8]) -> u64 {
+    ENTRY_OVERHEAD + encoding.len() as u64
+}
+
+/// The store's bounds (`max_entries`, `max_bytes`), each at least 1.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Bounds {
+    pub(super) max_entries: u64,
+    pub(super) max_bytes: u64,
+}
+
+/// The tables of one write transaction, the byte count kept in step with them, and the time
+/// the transaction reckons with.
 pub(super) struct Tables<'txn> {
     pub(super) entries: redb::Table<'txn, &'static [u8; 32], &'static [u8]>,
-    pub(super) claims: redb::Table<'txn, &'static [u8; 40], ()>,
-    pub(super) records: redb::Table<'txn, &'static [u8; 40], ()>,
-    pub(super) meta: redb::Table<'txn, &'static str, u64>,
+    pub(super) claims: Index<'txn>,
+    pub(super) records: Index<'txn>,
+    meta: redb::Table<'txn, &'static str, u64>,
     pub(super) bytes: u64,
     // Records evicted for room in this transaction: for the entry bound, for the byte bound.
     pub(super) evicted: (u64, u64),
+    // Now, in ms since the Unix epoch: what is live and when what is written expires.
+    pub(super) now: u64,
+    pub(super) bounds: Bounds,
 }
 
-/// A storage failure inside a transaction.
-pub(super) type Result2<T> = Result<T, redb::Error>;
-
 impl<'txn> Tables<'txn> {
-    pub(super) fn open(txn: &'txn redb::WriteTransaction) -> Result2<Self> {
+    /// The tables of `txn`, kept within `bounds`.
+    pub(super) fn open(txn: &'txn redb::WriteTransaction, bounds: Bounds) -> RedbResult<Self> {
         let meta = txn.open_table(META)?;
         let bytes = meta.get("bytes")?.map_or(0, |v| v.value());
         Ok(Tables {
@@ -78,59 +144,73 @@ impl<'txn> Tables<'txn> {
             meta,
             bytes,
             evicted: (0, 0),
+            now: now_ms(),
+            bounds,
         })
     }
 
-    pub(super) fn save(&mut self) -> Result2<()> {
+    /// Keep the byte count, before the transaction commits.
+    pub(super) fn save(&mut self) -> RedbResult<()> {
         self.meta.insert("bytes", self.bytes)?;
         Ok(())
     }
 
     /// The entry of `key`, expired or not.
-    pub(super) fn held(&self, key: &ScopedKey) -> Result2<Option<(u64, Bytes)>> {
-        Ok(self.entries.get(&key.0)?.and_then(|v| split(v.value())))
+    pub(super) fn held(&self, key: &ScopedKey) -> RedbResult<Option<Row>> {
+        Ok(self.entries.get(&key.0)?.and_then(|v| Row::read(v.value())))
     }
 
     /// The live entry of `key`: not past its lease or ttl.
-    pub(super) fn live(&self, key: &ScopedKey, now: u64) -> Result2<Option<(u64, Bytes)>> {
-        Ok(self.held(key)?.filter(|(at, _)| *at > now))
+    pub(super) fn live(&self, key: &ScopedKey) -> RedbResult<Option<Row>> {
+        Ok(self.held(key)?.filter(|row| row.live_at(self.now)))
     }
 
     /// Whether `key` is a live in-flight claim made with `token`.
-    pub(super) fn claimed_by(&self, key: &ScopedKey, token: &Token, now: u64) -> Result2<bool> {
-        Ok(self.live(key, now)?.is_some_and(|(_, v)| holds(&v, token)))
+    pub(super) fn claimed_by(&self, key: &ScopedKey, token: &Token) -> RedbResult<bool> {
+        Ok(self.live(key)?.is_some_and(|row| row.claimed_by(token)))
     }
 
-    /// Write `key`'s entry (replacing any), its index row and its weight.
-    pub(super) fn put(&mut self, key: &ScopedKey, at: u64, value: &[u8]) -> Result2<()> {
+    /// Write `key`'s entry (replacing any), expiring at `expires_at`, its index row and its
+    /// weight.
+    pub(super) fn put(
+        &mut self,
+        key: &ScopedKey,
+        expires_at: u64,
+        encoding: &[u8],
+    ) -> RedbResult<()> {
         self.remove(key)?;
-        let mut stored = Vec::with_capacity(8 + value.len());
-        stored.extend_from_slice(&at.to_be_bytes());
-        stored.extend_from_slice(value);
+        let mut stored = Vec::with_capacity(8 + encoding.len());
+        stored.extend_from_slice(&expires_at.to_be_bytes());
+        stored.extend_from_slice(encoding);
         self.entries.insert(&key.0, stored.as_slice())?;
-        self.index(value).insert(&index_key(at, &key.0), ())?;
-        self.bytes += weight(value);
+        self.index(encoding)
+            .insert(&index_key(expires_at, &key.0), ())?;
+        self.bytes += weight(encoding);
         Ok(())
     }
 
     /// Delete `key`'s entry and index row; whether there was one.
-    pub(super) fn remove(&mut self, key: &ScopedKey) -> Result2<bool> {
-        let Some((at, value)) = self.entries.remove(&key.0)?.and_then(|v| split(v.value())) else {
+    pub(super) fn remove(&mut self, key: &ScopedKey) -> RedbResult<bool> {
+        let removed = self.entries.remove(&key.0)?;
+        let Some(row) = removed.and_then(|v| Row::read(v.value())) else {
             return Ok(false);
         };
-        self.index(&value).remove(&index_key(at, &key.0))?;
-        self.bytes = self.bytes.saturating_sub(weight(&value));
+        self.index(&row.encoding)
+            .remove(&index_key(row.expires_at, &key.0))?;
+        self.bytes = self.bytes.saturating_sub(weight(&row.encoding));
         Ok(true)
     }
 
-    pub(super) fn index(&mut self, value: &[u8]) -> &mut redb::Table<'txn, &'static [u8; 40], ()> {
-        match value.get(codec::STATE_AT) {
-            Some(&codec::IN_FLIGHT) => &mut self.claims,
-            _ => &mut self.records,
+    /// The index an entry of `encoding` is in: claims, or completed records.
+    fn index(&mut self, encoding: &[u8]) -> &mut Index<'txn> {
+        match is_claim(encoding) {
+            true => &mut self.claims,
+            false => &mut self.records,
         }
     }
 
-    pub(super) fn remove_all(&mut self) -> Result2<u64> {
+    /// Delete every entry; how many there were.
+    pub(super) fn remove_all(&mut self) -> RedbResult<u64> {
         let n = self.entries.len()?;
         self.entries.retain(|_, _| false)?;
         self.claims.retain(|_, _| false)?;
@@ -140,32 +220,10 @@ impl<'txn> Tables<'txn> {
     }
 
     /// The first row of an index: its expiry and key.
-    pub(super) fn first(
-        index: &redb::Table<'txn, &'static [u8; 40], ()>,
-    ) -> Result2<Option<(u64, ScopedKey)>> {
+    pub(super) fn first(index: &Index<'txn>) -> RedbResult<Option<(u64, ScopedKey)>> {
         Ok(index.first()?.map(|(row, _)| {
             let [a, b, c, d, e, f, g, h, key @ ..] = *row.value();
             (u64::from_be_bytes([a, b, c, d, e, f, g, h]), ScopedKey(key))
         }))
     }
-}
-
-/// Whether an encoded entry is an in-flight claim made with `token`.
-pub(super) fn holds(value: &[u8], token: &Token) -> bool {
-    is_claim(value) && has_token(value, token)
-}
-
-/// Whether an encoded entry is an in-flight claim.
-pub(super) fn is_claim(value: &[u8]) -> bool {
-    value.get(codec::STATE_AT) == Some(&codec::IN_FLIGHT)
-}
-
-/// Whether an encoded entry was written by the claim whose token is `token`.
-pub(super) fn has_token(value: &[u8], token: &Token) -> bool {
-    value.get(codec::TOKEN_AT..codec::WRITTEN_AT) == Some(&token.0[..])
-}
-
-/// What an entry costs: its encoding and a fixed overhead.
-pub(super) fn weight(value: &[u8]) -> u64 {
-    ENTRY_OVERHEAD + value.len() as u64
 }

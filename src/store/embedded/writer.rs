@@ -1,6 +1,8 @@
 //! The writer thread and its group commit: every operation waiting on the queue applied in one
-//! transaction, committed once, then each answered.
+//! transaction, committed once, then each answered; and what each operation does to the
+//! tables.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -8,23 +10,23 @@ use prometheus_client::metrics::counter::Counter;
 use redb::{Database, Durability};
 use tokio::sync::{mpsc, oneshot};
 
-use super::file::Slot;
+use super::file::StoreFile;
 use super::purge::PURGE_BATCH;
-use super::tables::{expiry, has_token, is_claim, Result2, Tables};
+use super::tables::{expiry, Bounds, RedbResult, Row, Tables};
 use super::DURABLE_EVERY;
 use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
-use crate::record::policy::Ttl;
-use crate::record::{now_ms, EntryState};
+use crate::record::policy::AfterExpiry;
+use crate::record::EntryState;
 use crate::store::codec;
-use crate::store::{Claimant, StoreError};
+use crate::store::{ClaimTerms, Claimant, Keep, StoreError};
 use crate::time;
 
 /// After a failed write, the file is reopened at most this often until it opens.
 const REOPEN_EVERY: Duration = Duration::from_secs(1);
 
 /// Most operations one transaction takes from the queue.
-pub(super) const MAX_BATCH: usize = 4096;
+const MAX_BATCH: usize = 4096;
 
 /// Operations waiting for the writer at most; past it, callers wait for room.
 pub(super) const QUEUE: usize = 8192;
@@ -36,100 +38,122 @@ pub(super) struct Op {
     pub(super) reply: oneshot::Sender<Result<Done, StoreError>>,
 }
 
+/// What the writer is asked to do.
 #[derive(Debug)]
 pub(super) enum Write {
-    Claim {
-        who: Claimant,
-        lease: Duration,
-        // Whether a live tombstone keeps the key from being claimed.
-        tombstones: bool,
-    },
-    Complete {
-        who: Claimant,
-        value: Bytes,
-        ttl: Ttl,
-        // Whether the route keeps tombstones: a live one then keeps a late completion out.
-        refuses: bool,
-        // The tombstone the record leaves, and how long it lives.
-        tombstone: Option<(Bytes, Duration)>,
-    },
+    Claim { who: Claimant, terms: ClaimTerms },
+    Complete(Completion),
     Release(Claimant),
-    Renew {
-        who: Claimant,
-        lease: Duration,
-    },
+    Renew { who: Claimant, lease: Duration },
     Evict(ScopedKey),
     EvictAll,
     Purge,
 }
 
+/// A completion, encoded for the writer.
+#[derive(Debug)]
+pub(super) struct Completion {
+    pub(super) who: Claimant,
+    /// The record, encoded (and sealed) by the handle, off the writer's thread.
+    pub(super) record: Bytes,
+    pub(super) keep: Keep,
+    /// The tombstone the record leaves, encoded, and how long it lives.
+    pub(super) tombstone: Option<(Bytes, Duration)>,
+}
+
 /// A write's answer.
 #[derive(Debug)]
 pub(super) enum Done {
-    // The claim's answer: claimed (`None`), or the live entry that decides, with its expiry.
-    Claim(Option<(u64, Bytes)>),
-    Yes(bool),
+    /// The claim's answer: claimed (`None`), or the live entry that decides.
+    Claim(Option<Row>),
+    /// Whether the write did what it asked: written, released, renewed, or (an eviction)
+    /// found something live.
+    Did(bool),
+    /// How many entries went.
     Count(u64),
 }
 
-/// A writer's answer of the wrong kind, as an error rather than a panic.
-pub(super) fn unexpected(what: &str, answer: Done) -> StoreError {
-    StoreError::Embedded(format!("{what} got the answer {answer:?}"))
+/// What a claim found.
+enum Claimed {
+    /// The key was free: it is now the claim's.
+    Taken,
+    /// The live entry (or, on a route that refuses after expiry, the live tombstone) that
+    /// decides.
+    Held(Row),
+    /// No room for the claim: the store holds only claims and records kept forever.
+    NoRoom,
 }
 
-/// The writer's fixed settings.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Limits {
-    pub(super) max_entries: u64,
-    pub(super) max_bytes: u64,
-    // Commit batches of requests with an fsync.
+/// The writer thread: the file it writes, how, and what it counts.
+pub(super) struct Writer {
+    pub(super) file: Arc<StoreFile>,
+    pub(super) queue: mpsc::Receiver<Op>,
+    pub(super) bounds: Bounds,
+    /// Every batch of requests committed with an fsync.
     pub(super) fsync: bool,
+    /// Durable commits (`idemgate_store_commits_total`).
+    pub(super) commits: Counter,
+    /// Records evicted for room (`idemgate_store_evictions_total`).
+    pub(super) evictions: Evictions,
 }
 
-/// The writer thread: one transaction per batch of waiting operations, answered once committed.
-pub(super) fn write_loop(
-    db: &Slot,
-    mut queue: mpsc::Receiver<Op>,
-    limits: Limits,
-    (commits, evictions): (&Counter, &Evictions),
-) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    let mut last_durable = Instant::now();
-    // When the file was last reopened (or tried), after a failed write.
-    let mut reopened: Option<Instant> = None;
-    while let Some(op) = queue.blocking_recv() {
-        batch.push(op);
-        while batch.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(op) => batch.push(op),
-                Err(_) => break,
+impl Writer {
+    /// One transaction per batch of waiting operations, answered once committed; until every
+    /// sender is gone.
+    pub(super) fn run(mut self) {
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut last_durable = Instant::now();
+        // When the file was last reopened (or tried), after a failed write.
+        let mut reopened: Option<Instant> = None;
+        while let Some(op) = self.queue.blocking_recv() {
+            batch.push(op);
+            while batch.len() < MAX_BATCH {
+                match self.queue.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            // With fsync, every batch of requests is durable (purges alone wait for the next
+            // one); without, one at least every DURABLE_EVERY (the purge's tick makes one when
+            // idle).
+            let durable = match self.fsync {
+                true => !batch.iter().all(|op| matches!(op.what, Write::Purge)),
+                false => last_durable.elapsed() >= DURABLE_EVERY,
+            };
+            // Closed by a reopening that failed: try again first, this batch may then succeed.
+            if !self.file.is_open() && reopen_due(&mut reopened) {
+                self.file.reopen();
+            }
+            if self.commit(&mut batch, durable) {
+                if durable {
+                    last_durable = Instant::now();
+                }
+            } else if reopen_due(&mut reopened) {
+                // redb refuses everything after an I/O error until the file is reopened.
+                self.file.reopen();
             }
         }
-        // With fsync, every batch of requests is durable (purges alone wait for the next one);
-        // without, one at least every DURABLE_EVERY (the purge's tick makes one when idle).
-        let durable = match limits.fsync {
-            true => !batch.iter().all(|op| matches!(op.what, Write::Purge)),
-            false => last_durable.elapsed() >= DURABLE_EVERY,
-        };
-        // Closed by a reopening that failed: try again first, this batch may then succeed.
-        if !db.is_open() && reopen_due(&mut reopened) {
-            db.reopen();
-        }
+    }
+
+    /// Apply `batch` in one transaction, commit it (`durable` or not) and answer each of its
+    /// operations, emptying it; whether it was committed.
+    fn commit(&self, batch: &mut Vec<Op>, durable: bool) -> bool {
         let mut outcomes = Vec::with_capacity(batch.len());
-        let applied = db.with(|open| {
-            apply_batch(open, &batch, durable, limits, &mut outcomes).map_err(StoreError::Embedded)
+        let applied = self.file.with(|open| {
+            apply_batch(open, batch, durable, self.bounds, &mut outcomes)
+                .map_err(StoreError::Embedded)
         });
         match applied {
             Ok(evicted) => {
-                evictions.count(true, evicted.0);
-                evictions.count(false, evicted.1);
+                self.evictions.count(true, evicted.0);
+                self.evictions.count(false, evicted.1);
                 if durable {
-                    commits.inc();
-                    last_durable = Instant::now();
+                    self.commits.inc();
                 }
                 for (op, answer) in batch.drain(..).zip(outcomes) {
                     let _ = op.reply.send(answer);
                 }
+                true
             }
             Err(e) => {
                 tracing::error!(error = %e, "embedded store: a write failed; nothing of its batch was written");
@@ -140,10 +164,7 @@ pub(super) fn write_loop(
                 for op in batch.drain(..) {
                     let _ = op.reply.send(Err(StoreError::Embedded(message.clone())));
                 }
-                // redb refuses everything after an I/O error until the file is reopened.
-                if reopen_due(&mut reopened) {
-                    db.reopen();
-                }
+                false
             }
         }
     }
@@ -166,7 +187,7 @@ fn apply_batch(
     db: &Database,
     batch: &[Op],
     durable: bool,
-    limits: Limits,
+    bounds: Bounds,
     outcomes: &mut Vec<Result<Done, StoreError>>,
 ) -> Result<(u64, u64), String> {
     let fail = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
@@ -179,13 +200,9 @@ fn apply_batch(
         .map_err(|e| fail("write", &e))?;
     let evicted;
     {
-        let mut t = Tables::open(&txn).map_err(|e| fail("write", &e))?;
-        let now = now_ms();
+        let mut t = Tables::open(&txn, bounds).map_err(|e| fail("write", &e))?;
         for op in batch {
-            outcomes.push(
-                t.apply(&op.what, now, limits)
-                    .map_err(|e| fail("write", &e))?,
-            );
+            outcomes.push(t.apply(&op.what).map_err(|e| fail("write", &e))?);
         }
         t.save().map_err(|e| fail("write", &e))?;
         evicted = t.evicted;
@@ -196,104 +213,94 @@ fn apply_batch(
 
 impl Tables<'_> {
     /// One operation; a refused one (a full store) is its own answer, not the batch's failure.
-    fn apply(
-        &mut self,
-        what: &Write,
-        now: u64,
-        limits: Limits,
-    ) -> Result2<Result<Done, StoreError>> {
+    fn apply(&mut self, what: &Write) -> RedbResult<Result<Done, StoreError>> {
         Ok(Ok(match what {
-            Write::Claim {
-                who,
-                lease,
-                tombstones,
-            } => {
-                let expires = time::after_ms(now, *lease);
-                match self.claim(who, expires, *tombstones, now, limits)? {
-                    Ok(held) => Done::Claim(held),
-                    Err(e) => return Ok(Err(e)),
-                }
-            }
-            Write::Complete {
-                who,
-                value,
-                ttl,
-                refuses,
-                tombstone,
-            } => {
-                let key = &who.key;
-                let written = match self.held(key)?.filter(|(at, _)| *at > now) {
-                    Some((_, v)) if !has_token(&v, &who.token) => false,
-                    // Our own completion, already there.
-                    Some((_, v)) if !is_claim(&v) => return Ok(Ok(Done::Yes(true))),
-                    Some(_) => true,
-                    // Our lease ran out and nobody claimed the key since; a live tombstone
-                    // means another record was there.
-                    None => !refuses || self.live(&key.tombstone(), now)?.is_none(),
-                };
-                if written {
-                    self.put(key, expiry(now, *ttl), value)?;
-                    if let Some((tombstone, lives)) = tombstone {
-                        let at = time::after_ms(now, *lives);
-                        self.put(&key.tombstone(), at, tombstone)?;
-                    }
-                    // Never refused: nothing is added.
-                    let _ = self.make_room(limits, false, now)?;
-                }
-                Done::Yes(written)
-            }
-            Write::Release(who) => {
-                let ours = self.claimed_by(&who.key, &who.token, now)?;
-                if ours {
-                    self.remove(&who.key)?;
-                }
-                Done::Yes(ours)
-            }
-            Write::Renew { who, lease } => {
-                let ours = self.claimed_by(&who.key, &who.token, now)?;
-                if let (true, Some((_, value))) = (ours, self.held(&who.key)?) {
-                    self.put(&who.key, time::after_ms(now, *lease), &value)?;
-                }
-                Done::Yes(ours)
-            }
-            Write::Evict(key) => {
-                // A lapsed entry not purged yet goes too, but was as good as absent.
-                let record = self.live(key, now)?.is_some();
-                let tombstone = self.live(&key.tombstone(), now)?.is_some();
-                self.remove(key)?;
-                self.remove(&key.tombstone())?;
-                Done::Yes(record || tombstone)
-            }
+            Write::Claim { who, terms } => match self.claim(who, *terms)? {
+                Claimed::Taken => Done::Claim(None),
+                Claimed::Held(row) => Done::Claim(Some(row)),
+                Claimed::NoRoom => return Ok(Err(StoreError::Full)),
+            },
+            Write::Complete(completion) => Done::Did(self.complete(completion)?),
+            Write::Release(who) => Done::Did(self.release(who)?),
+            Write::Renew { who, lease } => Done::Did(self.renew(who, *lease)?),
+            Write::Evict(key) => Done::Did(self.evict(key)?),
             Write::EvictAll => Done::Count(self.remove_all()?),
-            Write::Purge => Done::Count(self.purge(now, PURGE_BATCH)?),
+            Write::Purge => Done::Count(self.purge(PURGE_BATCH)?),
         }))
     }
 
-    fn claim(
-        &mut self,
-        who: &Claimant,
-        expires: u64,
-        tombstones: bool,
-        now: u64,
-        limits: Limits,
-    ) -> Result2<Result<Option<(u64, Bytes)>, StoreError>> {
+    /// Claim the key for `who` on `terms` if it is free.
+    fn claim(&mut self, who: &Claimant, terms: ClaimTerms) -> RedbResult<Claimed> {
         let key = &who.key;
-        if let Some((at, value)) = self.held(key)? {
-            if at > now {
-                return Ok(Ok(Some((at, value))));
+        if let Some(row) = self.held(key)? {
+            if row.live_at(self.now) {
+                return Ok(Claimed::Held(row));
             }
             self.remove(key)?;
         }
-        if tombstones {
-            if let Some(held) = self.live(&key.tombstone(), now)? {
-                return Ok(Ok(Some(held)));
+        if terms.after_expiry == AfterExpiry::Refuse {
+            if let Some(tombstone) = self.live(&key.tombstone())? {
+                return Ok(Claimed::Held(tombstone));
             }
         }
-        if let Err(e) = self.make_room(limits, true, now)? {
-            return Ok(Err(e));
+        if !self.make_room(true)? {
+            return Ok(Claimed::NoRoom);
         }
-        let value = codec::encode(&who.fingerprint, &who.token, &EntryState::InFlight);
-        self.put(key, expires, &value)?;
-        Ok(Ok(None))
+        let claim = codec::encode(&who.fingerprint, &who.token, &EntryState::InFlight);
+        self.put(key, time::after_ms(self.now, terms.lease), &claim)?;
+        Ok(Claimed::Taken)
+    }
+
+    /// Record the completion where the key holds `who`'s claim, or nothing live (unless a live
+    /// tombstone says another record was there); whether it is written.
+    fn complete(&mut self, c: &Completion) -> RedbResult<bool> {
+        let key = &c.who.key;
+        let written = match self.live(key)? {
+            Some(row) if !row.written_by(&c.who.token) => false,
+            // Our own completion, already there.
+            Some(row) if !row.is_claim() => return Ok(true),
+            Some(_) => true,
+            // Our lease ran out and nobody claimed the key since; on a route that keeps
+            // tombstones, a live one means another record was there.
+            None => c.keep.tombstone.is_none() || self.live(&key.tombstone())?.is_none(),
+        };
+        if written {
+            self.put(key, expiry(self.now, c.keep.ttl), &c.record)?;
+            if let Some((tombstone, lives)) = &c.tombstone {
+                let at = time::after_ms(self.now, *lives);
+                self.put(&key.tombstone(), at, tombstone)?;
+            }
+            // Nothing is added, so nothing is refused.
+            self.make_room(false)?;
+        }
+        Ok(written)
+    }
+
+    /// Delete `who`'s live claim; whether there was one.
+    fn release(&mut self, who: &Claimant) -> RedbResult<bool> {
+        let ours = self.claimed_by(&who.key, &who.token)?;
+        if ours {
+            self.remove(&who.key)?;
+        }
+        Ok(ours)
+    }
+
+    /// Extend `who`'s live claim to `lease` from now; whether there was one.
+    fn renew(&mut self, who: &Claimant, lease: Duration) -> RedbResult<bool> {
+        let ours = self.claimed_by(&who.key, &who.token)?;
+        if let (true, Some(row)) = (ours, self.held(&who.key)?) {
+            self.put(&who.key, time::after_ms(self.now, lease), &row.encoding)?;
+        }
+        Ok(ours)
+    }
+
+    /// Delete `key` and its tombstone; whether either was live.
+    fn evict(&mut self, key: &ScopedKey) -> RedbResult<bool> {
+        // A lapsed entry not purged yet goes too, but was as good as absent.
+        let record = self.live(key)?.is_some();
+        let tombstone = self.live(&key.tombstone())?.is_some();
+        self.remove(key)?;
+        self.remove(&key.tombstone())?;
+        Ok(record || tombstone)
     }
 }
