@@ -77,8 +77,8 @@
 //!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
-//! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`, `StoreError`),
-//!   `store/settings.rs` ([`store::StoreConfig`], the backend chosen with its settings, and
+//! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`), `store/error.rs`
+//!   ([`StoreError`]: a failure by kind, whichever backend it came from), `store/settings.rs` ([`store::StoreConfig`], the backend chosen with its settings, and
 //!   what the backends' settings share), `store/any.rs` (the binary's dispatch over the
 //!   configured backend), `store/cached.rs` (a local cache of completed records in front of
 //!   another store), `store/watch.rs` (wake-ups for requests waiting on an in-flight key),

@@ -55,7 +55,7 @@ impl AnyStore {
             Ok(store) => store,
             // Unreachable (not misconfigured): start anyway, as if Redis had gone down while
             // running. Keyed requests follow on_store_error until it answers; unkeyed ones flow.
-            Err(StoreError::Redis(e)) if super::redis::unreachable(&e) => {
+            Err(e) if e.is_unreachable() => {
                 error!(error = %e, "Redis is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
                 RedisStore::lazy(settings)?
             }
@@ -80,7 +80,7 @@ impl AnyStore {
     ) -> Result<Self, StoreError> {
         let store = match PostgresStore::connect(settings).await {
             Ok(store) => store,
-            Err(StoreError::Postgres(e)) if e.unreachable() => {
+            Err(e) if e.is_unreachable() => {
                 error!(error = %e, "PostgreSQL is unreachable at start-up; starting anyway (keyed requests follow on_store_error until it answers)");
                 PostgresStore::lazy(settings)?
             }

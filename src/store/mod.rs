@@ -19,6 +19,7 @@ mod any;
 pub mod cached;
 pub(crate) mod codec;
 pub mod embedded;
+mod error;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
@@ -29,6 +30,7 @@ mod watch;
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
 pub use self::embedded::{EmbeddedSettings, EmbeddedStore};
+pub use self::error::{BackendError, DecodeError, StoreError};
 pub use self::memory::{MemorySettings, MemoryStore};
 pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
@@ -148,40 +150,6 @@ impl Claim {
             },
         }
     }
-}
-
-/// A store failure (unreachable, timed out, or returned something unreadable).
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// Redis answered with an error or the connection failed.
-    #[error("redis: {0}")]
-    Redis(#[from] ::redis::RedisError),
-    /// An in-process store is at `max_entries` or `max_bytes` and holds nothing it may evict
-    /// (in-flight claims, and records kept forever).
-    #[error("the store is full of in-flight claims or records kept forever (store.max_entries, store.max_bytes)")]
-    Full,
-    /// The embedded store's file could not be opened, read or written (locked by another
-    /// process, disk full), or no commit came within `store.timeout`.
-    #[error("embedded store: {0}")]
-    Embedded(String),
-    /// Fewer replicas than `wait_replicas` acknowledged a write within the timeout: a failover
-    /// now could lose it.
-    #[error("{acked} of {wanted} replicas acknowledged the write in time (store.wait_replicas)")]
-    NotAcknowledged {
-        /// Replicas that acknowledged.
-        acked: i64,
-        /// Replicas wanted.
-        wanted: u32,
-    },
-    /// PostgreSQL refused, failed or did not answer in time.
-    #[error("postgres: {0}")]
-    Postgres(#[from] postgres::PostgresError),
-    /// A stored record could not be decoded.
-    #[error(transparent)]
-    Decode(#[from] DecodeError),
-    /// A stored record could not be opened (sealing): never replayed, never run again.
-    #[error(transparent)]
-    Unreadable(#[from] Unreadable),
 }
 
 /// Who claims a key, or holds its claim: the key, the fingerprint of the request, and the
@@ -323,8 +291,3 @@ pub trait Inspect: Store {
         None
     }
 }
-
-/// Why bytes from the store could not be read as an entry.
-#[derive(Debug, thiserror::Error)]
-#[error("corrupt or unknown record encoding: {0}")]
-pub struct DecodeError(pub(crate) &'static str);

@@ -6,8 +6,8 @@ use std::sync::{PoisonError, RwLock};
 
 use redb::Database;
 
-use super::failed;
 use super::tables::{CLAIMS, ENTRIES, META, RECORDS};
+use super::{failed, BACKEND};
 use crate::store::StoreError;
 
 /// The store's file and its open database, shared by the handles and the writer; no database
@@ -38,10 +38,13 @@ impl StoreFile {
         let db = self.db.read().unwrap_or_else(PoisonError::into_inner);
         match db.as_ref() {
             Some(db) => f(db),
-            None => Err(StoreError::Embedded(format!(
-                "{} is being reopened after a write failed",
-                self.file.display()
-            ))),
+            None => Err(StoreError::unavailable(
+                BACKEND,
+                format!(
+                    "{} is being reopened after a write failed",
+                    self.file.display()
+                ),
+            )),
         }
     }
 
@@ -80,10 +83,13 @@ impl StoreFile {
 /// Open (or create) the database file, with its tables; refused when another process holds it.
 fn open_database(file: &Path) -> Result<Database, StoreError> {
     let db = Database::create(file).map_err(|e| match e {
-        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Embedded(format!(
-            "{} is held by another process (one gateway per store.path)",
-            file.display()
-        )),
+        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::failed(
+            BACKEND,
+            format!(
+                "{} is held by another process (one gateway per store.path)",
+                file.display()
+            ),
+        ),
         e => failed(&file.display().to_string(), e),
     })?;
     init(&db)?;

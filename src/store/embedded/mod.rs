@@ -70,14 +70,22 @@ pub struct EmbeddedStore {
     codec: Codec,
 }
 
+/// The backend's name in errors.
+const BACKEND: &str = "embedded store";
+
 /// A storage failure as the store's error.
 fn failed(what: &str, e: impl std::fmt::Display) -> StoreError {
-    StoreError::Embedded(format!("{what}: {e}"))
+    StoreError::failed(BACKEND, format!("{what}: {e}"))
 }
 
 /// A writer's answer of the wrong kind, as an error rather than a panic.
 fn unexpected(what: &str, answer: Done) -> StoreError {
-    StoreError::Embedded(format!("{what} got the answer {answer:?}"))
+    StoreError::failed(BACKEND, format!("{what} got the answer {answer:?}"))
+}
+
+/// The writer thread gone (it ends only with the last handle, or by a panic).
+fn stopped() -> StoreError {
+    StoreError::unavailable(BACKEND, "the writer has stopped")
 }
 
 impl EmbeddedStore {
@@ -142,17 +150,18 @@ impl EmbeddedStore {
             self.writer
                 .send(Op { what, reply })
                 .await
-                .map_err(|_| StoreError::Embedded("the writer has stopped".into()))?;
-            answer
-                .await
-                .map_err(|_| StoreError::Embedded("the writer has stopped".into()))?
+                .map_err(|_| stopped())?;
+            answer.await.map_err(|_| stopped())?
         };
         match tokio::time::timeout(self.timeout, queued).await {
             Ok(done) => done,
-            Err(_) => Err(StoreError::Embedded(format!(
-                "no commit within {} (store.timeout)",
-                humantime::format_duration(self.timeout)
-            ))),
+            Err(_) => Err(StoreError::timeout(
+                BACKEND,
+                format!(
+                    "no commit within {} (store.timeout)",
+                    humantime::format_duration(self.timeout)
+                ),
+            )),
         }
     }
 

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::file::StoreFile;
 use super::purge::PURGE_BATCH;
 use super::tables::{expiry, Bounds, RedbResult, Row, Tables};
-use super::DURABLE_EVERY;
+use super::{BACKEND, DURABLE_EVERY};
 use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
@@ -141,7 +141,7 @@ impl Writer {
         let mut outcomes = Vec::with_capacity(batch.len());
         let applied = self.file.with(|open| {
             apply_batch(open, batch, durable, self.bounds, &mut outcomes)
-                .map_err(StoreError::Embedded)
+                .map_err(|e| StoreError::failed(BACKEND, e))
         });
         match applied {
             Ok(evicted) => {
@@ -157,12 +157,8 @@ impl Writer {
             }
             Err(e) => {
                 tracing::error!(error = %e, "embedded store: a write failed; nothing of its batch was written");
-                let message = match e {
-                    StoreError::Embedded(m) => m,
-                    other => other.to_string(),
-                };
                 for op in batch.drain(..) {
-                    let _ = op.reply.send(Err(StoreError::Embedded(message.clone())));
+                    let _ = op.reply.send(Err(e.clone()));
                 }
                 false
             }

@@ -110,6 +110,21 @@ pub enum PostgresError {
     },
 }
 
+/// The backend's name in errors.
+const BACKEND: &str = "postgres";
+
+/// A PostgreSQL error as the store's: no answer in time; unreachable
+/// ([`PostgresError::unreachable`]); or a refusal or failure.
+impl From<PostgresError> for StoreError {
+    fn from(e: PostgresError) -> Self {
+        match e {
+            PostgresError::Timeout(_) => StoreError::timeout(BACKEND, e),
+            _ if e.unreachable() => StoreError::unavailable(BACKEND, e),
+            _ => StoreError::failed(BACKEND, e),
+        }
+    }
+}
+
 /// An error with its causes: the server's message, the I/O error or the TLS alert.
 fn describe(e: &tokio_postgres::Error) -> String {
     let mut out = e.to_string();

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::Script;
+use redis::{RedisResult, Script};
 
 use super::codec;
 
@@ -307,10 +307,7 @@ impl RedisStore {
 
     /// [`RedisStore::invoke`] for a pipeline of plain commands (sent in one write). A pipeline
     /// ended by `WAIT` goes on a connection of the wait pool, which it has to itself.
-    async fn query<T: redis::FromRedisValue>(
-        &self,
-        pipe: &redis::Pipeline,
-    ) -> Result<T, StoreError> {
+    async fn query<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> RedisResult<T> {
         let (mut conn, _exclusive) = match &self.wait {
             Some(pool) => {
                 let guard = pool.get().await;
@@ -319,8 +316,8 @@ impl RedisStore {
             None => (self.conn.clone(), None),
         };
         match pipe.query_async(&mut conn).await {
-            Err(e) if reconnects(&e) => Ok(pipe.query_async(&mut conn).await?),
-            result => Ok(result?),
+            Err(e) if reconnects(&e) => pipe.query_async(&mut conn).await,
+            result => result,
         }
     }
 
@@ -331,11 +328,9 @@ impl RedisStore {
         pipe: &redis::Pipeline,
         script: &Script,
         key: &str,
-    ) -> Result<T, StoreError> {
+    ) -> RedisResult<T> {
         match self.query(pipe).await {
-            Err(StoreError::Redis(e))
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-            {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 // In a cluster the script is loaded on the key's node, where it runs.
                 let mut load = script.prepare_invoke();
                 load.key(key);
@@ -426,14 +421,14 @@ impl RedisStore {
                 }
                 // Redis before 7.0 refuses NX together with GET ("ERR syntax error"): use the
                 // script from now on. Nothing was written.
-                Err(StoreError::Redis(e))
+                Err(e)
                     if e.code() == Some("ERR")
                         && e.detail().is_some_and(|d| d.contains("syntax error")) =>
                 {
                     tracing::warn!(error = %e, "this Redis refuses SET NX GET (before 7.0); claims use a Lua script instead");
                     self.native_claim.store(false, Ordering::Relaxed);
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         let script = match tombstone {
@@ -525,7 +520,7 @@ fn reconnects(e: &redis::RedisError) -> bool {
 /// Whether `e` says Redis could not be reached (rather than that it refused us: a wrong password,
 /// a TLS or configuration error): a cluster with no node up, no primary named by the sentinels,
 /// a cluster that is down.
-pub fn unreachable(e: &redis::RedisError) -> bool {
+fn unreachable(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
     e.is_io_error()
         || e.is_connection_refusal()
@@ -549,7 +544,24 @@ const STAGED_TTL_MS: u64 = 60_000;
 /// One value of an answer, as `T` (a missing one reads as nil).
 fn parse<T: redis::FromRedisValue>(value: Option<redis::Value>) -> Result<T, StoreError> {
     redis::from_redis_value(value.unwrap_or(redis::Value::Nil))
-        .map_err(|e| StoreError::Redis(e.into()))
+        .map_err(|e| redis::RedisError::from(e).into())
+}
+
+/// The backend's name in errors.
+const BACKEND: &str = "redis";
+
+/// A Redis error as the store's: a timeout; unreachable ([`unreachable`]); or a refusal or
+/// failure.
+impl From<redis::RedisError> for StoreError {
+    fn from(e: redis::RedisError) -> Self {
+        if e.is_timeout() {
+            StoreError::timeout(BACKEND, e)
+        } else if unreachable(&e) {
+            StoreError::unavailable(BACKEND, e)
+        } else {
+            StoreError::failed(BACKEND, e)
+        }
+    }
 }
 
 use crate::time::millis;

@@ -223,7 +223,7 @@ impl RedisSettings {
     pub(crate) fn with_files_read(&self) -> Result<Self, StoreError> {
         let read = |field: &'static str, path: &str| {
             std::fs::read(path).map_err(|e| {
-                StoreError::Redis(redis::RedisError::from((
+                StoreError::from(redis::RedisError::from((
                     redis::ErrorKind::InvalidClientConfig,
                     field,
                     format!("{path}: {e}"),
