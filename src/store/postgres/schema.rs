@@ -92,102 +92,15 @@ fn ms(n: u8) -> String {
 }
 
 impl Sql {
+    /// The statements on table `t`, the reaper deleting at most `reap_batch` rows at a time.
     pub(super) fn for_table(t: &str, reap_batch: u32) -> Self {
-        // The claim, one statement: a live row (claim or record) is read from the statement's
-        // snapshot and left alone (a replay writes nothing and takes no lock); otherwise insert,
-        // or take over a row that has expired, deciding on its latest version under its lock.
-        // When a concurrent claimant won after the snapshot, neither part returns a row: the
-        // caller runs the statement again, whose new snapshot sees the winner's row. With
-        // `tombstone`, a free key whose tombstone (at $5) lives is not taken: the tombstone is
-        // returned instead.
-        let claim = |tombstone: bool| {
-            let (tomb, unmarked) = match tombstone {
-                true => (
-                    format!(
-                        ", tomb AS (\
-                             SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
-                             WHERE key = $5 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM live)\
-                         )"
-                    ),
-                    " AND NOT EXISTS (SELECT 1 FROM tomb)",
-                ),
-                false => (String::new(), ""),
-            };
-            let from_tomb = match tombstone {
-                true => " UNION ALL SELECT record, left_ms FROM tomb",
-                false => "",
-            };
-            format!(
-                "WITH live AS (\
-                     SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
-                     WHERE key = $1 AND expires_at > now()\
-                 ){tomb}, taken AS (\
-                     INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-                     SELECT $1::bytea, $2::bytea, true, $3::bytea, now() + {lease} \
-                     WHERE NOT EXISTS (SELECT 1 FROM live){unmarked} \
-                     ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = true, \
-                     record = excluded.record, expires_at = excluded.expires_at \
-                     WHERE r.expires_at <= now() \
-                     RETURNING record, {LEFT_MS} AS left_ms\
-                 ) \
-                 SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live{from_tomb}",
-                lease = ms(4),
-            )
-        };
-        // The record, kept for `$4` milliseconds (NULL: forever): an update of our claim (its
-        // lease running, or run out), or else an insert where no live row is (our lease ran
-        // out and nobody claimed the key since). On a route that keeps tombstones (at $5),
-        // neither writes where no live row is while that tombstone lives (another record was
-        // there). Our own completion already there is left as it is and counts as written.
-        let record = |tombstone: bool| {
-            let unmarked =
-                format!("NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $5 AND expires_at > now())");
-            let (lapsed, free) = match tombstone {
-                true => (
-                    format!(" AND (expires_at > now() OR {unmarked})"),
-                    format!(" AND {unmarked}"),
-                ),
-                false => (String::new(), String::new()),
-            };
-            format!(
-                "upd AS (UPDATE \"{t}\" SET record = $3, expires_at = COALESCE(now() + {ttl}, 'infinity'), \
-                 in_flight = false WHERE key = $1 AND token = $2 AND in_flight{lapsed} RETURNING 1), \
-                 ins AS (INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-                 SELECT $1::bytea, $2::bytea, false, $3::bytea, COALESCE(now() + {ttl}, 'infinity') \
-                 WHERE NOT EXISTS (SELECT 1 FROM upd){free} \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
-                 record = excluded.record, expires_at = excluded.expires_at \
-                 WHERE r.expires_at <= now() RETURNING 1), \
-                 done AS (SELECT 1 FROM upd UNION ALL SELECT 1 FROM ins)",
-                ttl = ms(4),
-            )
-        };
-        let written = format!(
-            "SELECT EXISTS (SELECT 1 FROM done) OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $1 \
-             AND token = $2 AND NOT in_flight AND expires_at > now())"
-        );
-        let complete = format!("WITH {} {written}", record(false));
-        let complete_unless_expired = format!("WITH {} {written}", record(true));
-        // The same, and the tombstone it leaves at $5 (record $6, kept $7 ms) once it is done.
-        let complete_with_tombstone = format!(
-            "WITH {}, tomb AS (\
-                 INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
-                 SELECT $5, '\\x00000000000000000000000000000000'::bytea, false, $6, now() + {lives} \
-                 FROM done \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
-                 record = excluded.record, expires_at = excluded.expires_at\
-             ) {written}",
-            record(true),
-            lives = ms(7),
-        );
         let ours = "key = $1 AND token = $2 AND in_flight AND expires_at > now()";
-        let channel = super::listen::channel(t);
         Sql {
-            claim: claim(false),
-            claim_unless_expired: claim(true),
-            complete,
-            complete_unless_expired,
-            complete_with_tombstone,
+            claim: claim(t, false),
+            claim_unless_expired: claim(t, true),
+            complete: format!("WITH {} {}", record(t, false), written(t)),
+            complete_unless_expired: format!("WITH {} {}", record(t, true), written(t)),
+            complete_with_tombstone: complete_with_tombstone(t),
             release: format!("DELETE FROM \"{t}\" WHERE {ours}"),
             renew: format!(
                 "UPDATE \"{t}\" SET expires_at = now() + {} WHERE {ours}",
@@ -198,17 +111,8 @@ impl Sql {
                 "SELECT record, {LEFT_MS} FROM \"{t}\" WHERE key IN ($1, $2) \
                  AND expires_at > now() ORDER BY key = $1 DESC LIMIT 1"
             ),
-            // The record at $1 and its tombstone at $2. Every gateway listening on the table
-            // hears of it once the deletion commits (listen.rs), whether a row was there or not.
-            evict: format!(
-                "WITH gone AS (DELETE FROM \"{t}\" WHERE key IN ($1, $2) RETURNING expires_at > now() AS live) \
-                 SELECT coalesce(bool_or(live), false), pg_notify('{channel}', encode($1, 'hex')) FROM gone"
-            ),
-            evict_all: format!(
-                "WITH gone AS (DELETE FROM \"{t}\" RETURNING 1) \
-                 SELECT count(*), pg_notify('{channel}', '{all}') FROM gone",
-                all = super::listen::ALL,
-            ),
+            evict: evict(t),
+            evict_all: evict_all(t),
             // A batch of expired rows, skipping any a statement holds: row locks only, never
             // the table's.
             reap: format!(
@@ -218,6 +122,122 @@ impl Sql {
             ),
         }
     }
+}
+
+/// The claim, one statement: a live row (claim or record) is read from the statement's
+/// snapshot and left alone (a replay writes nothing and takes no lock); otherwise insert, or
+/// take over a row that has expired, deciding on its latest version under its lock. When a
+/// concurrent claimant won after the snapshot, neither part returns a row: the caller runs the
+/// statement again, whose new snapshot sees the winner's row. With `tombstone`, a free key
+/// whose tombstone (at $5) lives is not taken: the tombstone is returned instead.
+fn claim(t: &str, tombstone: bool) -> String {
+    let (tomb, unmarked) = match tombstone {
+        true => (
+            format!(
+                ", tomb AS (\
+                     SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
+                     WHERE key = $5 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM live)\
+                 )"
+            ),
+            " AND NOT EXISTS (SELECT 1 FROM tomb)",
+        ),
+        false => (String::new(), ""),
+    };
+    let from_tomb = match tombstone {
+        true => " UNION ALL SELECT record, left_ms FROM tomb",
+        false => "",
+    };
+    format!(
+        "WITH live AS (\
+             SELECT record, {LEFT_MS} AS left_ms FROM \"{t}\" \
+             WHERE key = $1 AND expires_at > now()\
+         ){tomb}, taken AS (\
+             INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+             SELECT $1::bytea, $2::bytea, true, $3::bytea, now() + {lease} \
+             WHERE NOT EXISTS (SELECT 1 FROM live){unmarked} \
+             ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = true, \
+             record = excluded.record, expires_at = excluded.expires_at \
+             WHERE r.expires_at <= now() \
+             RETURNING record, {LEFT_MS} AS left_ms\
+         ) \
+         SELECT record, left_ms FROM taken UNION ALL SELECT record, left_ms FROM live{from_tomb}",
+        lease = ms(4),
+    )
+}
+
+/// The completion's writes, as `WITH` queries ending in `done` (a row when it wrote): the
+/// record, kept for `$4` milliseconds (NULL: forever), an update of our claim (its lease
+/// running, or run out), or else an insert where no live row is (our lease ran out and nobody
+/// claimed the key since). On a route that keeps tombstones (at $5), neither writes where no
+/// live row is while that tombstone lives (another record was there).
+fn record(t: &str, tombstone: bool) -> String {
+    let unmarked =
+        format!("NOT EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $5 AND expires_at > now())");
+    let (lapsed, free) = match tombstone {
+        true => (
+            format!(" AND (expires_at > now() OR {unmarked})"),
+            format!(" AND {unmarked}"),
+        ),
+        false => (String::new(), String::new()),
+    };
+    format!(
+        "upd AS (UPDATE \"{t}\" SET record = $3, expires_at = COALESCE(now() + {ttl}, 'infinity'), \
+         in_flight = false WHERE key = $1 AND token = $2 AND in_flight{lapsed} RETURNING 1), \
+         ins AS (INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+         SELECT $1::bytea, $2::bytea, false, $3::bytea, COALESCE(now() + {ttl}, 'infinity') \
+         WHERE NOT EXISTS (SELECT 1 FROM upd){free} \
+         ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
+         record = excluded.record, expires_at = excluded.expires_at \
+         WHERE r.expires_at <= now() RETURNING 1), \
+         done AS (SELECT 1 FROM upd UNION ALL SELECT 1 FROM ins)",
+        ttl = ms(4),
+    )
+}
+
+/// The completion's answer: whether it wrote, or found our own completion already there (it
+/// is left as it is and counts as written).
+fn written(t: &str) -> String {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM done) OR EXISTS (SELECT 1 FROM \"{t}\" WHERE key = $1 \
+         AND token = $2 AND NOT in_flight AND expires_at > now())"
+    )
+}
+
+/// The completion on a route that keeps tombstones, and the tombstone it leaves at $5 (record
+/// $6, kept $7 ms) once it is done.
+fn complete_with_tombstone(t: &str) -> String {
+    format!(
+        "WITH {}, tomb AS (\
+             INSERT INTO \"{t}\" AS r (key, token, in_flight, record, expires_at) \
+             SELECT $5, '\\x00000000000000000000000000000000'::bytea, false, $6, now() + {lives} \
+             FROM done \
+             ON CONFLICT (key) DO UPDATE SET token = excluded.token, in_flight = false, \
+             record = excluded.record, expires_at = excluded.expires_at\
+         ) {}",
+        record(t, true),
+        written(t),
+        lives = ms(7),
+    )
+}
+
+/// The record at $1 and its tombstone at $2 deleted. Every gateway listening on the table hears
+/// of it once the deletion commits (listen.rs), whether a row was there or not.
+fn evict(t: &str) -> String {
+    let channel = super::listen::channel(t);
+    format!(
+        "WITH gone AS (DELETE FROM \"{t}\" WHERE key IN ($1, $2) RETURNING expires_at > now() AS live) \
+         SELECT coalesce(bool_or(live), false), pg_notify('{channel}', encode($1, 'hex')) FROM gone"
+    )
+}
+
+/// Every row deleted, and every gateway listening on the table told.
+fn evict_all(t: &str) -> String {
+    let channel = super::listen::channel(t);
+    format!(
+        "WITH gone AS (DELETE FROM \"{t}\" RETURNING 1) \
+         SELECT count(*), pg_notify('{channel}', '{all}') FROM gone",
+        all = super::listen::ALL,
+    )
 }
 
 /// What the check of the table found.
@@ -314,7 +334,6 @@ pub(super) async fn migrate(
     table: &str,
     wait: Duration,
 ) -> Result<Migrated, PostgresError> {
-    let run = |sql: String| within(wait, async move { client.batch_execute(&sql).await });
     let lock = "hashtext('idemgate migration ' || $1::text)";
     let locked = within(wait, async {
         let row = client
@@ -334,34 +353,7 @@ pub(super) async fn migrate(
         }
     };
     if let Migrated::From(from) = migrated {
-        // Versions run from 1: the steps from the one found on.
-        for step in MIGRATIONS.iter().skip((from as usize).saturating_sub(1)) {
-            let index = format!("{table}_{}", step.index);
-            if within(wait, invalid(client, &index)).await? {
-                tracing::info!(
-                    table,
-                    index,
-                    "dropping the invalid index an interrupted build left, to build it again"
-                );
-                run(format!("DROP INDEX CONCURRENTLY IF EXISTS \"{index}\"")).await?;
-            }
-            run(format!(
-                "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{index}\" ON \"{table}\" {}",
-                step.on
-            ))
-            .await?;
-            // One of that name made by hand meanwhile: the version never changes over an index
-            // that is not valid.
-            if within(wait, invalid(client, &index)).await? {
-                return Err(PostgresError::Migration(format!(
-                    "index {index:?} is invalid after it was built"
-                )));
-            }
-            for sql in step.then {
-                run(sql.replace("{t}", table)).await?;
-            }
-        }
-        run(format!("COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}'")).await?;
+        migrate_from(client, table, from, wait).await?;
     }
     if locked {
         within(wait, async {
@@ -372,6 +364,45 @@ pub(super) async fn migrate(
         .await?;
     }
     Ok(migrated)
+}
+
+/// The steps from version `from` to [`VERSION`], under the migration lock, then the version
+/// comment; each statement waited for at most `wait`.
+async fn migrate_from(
+    client: &tokio_postgres::Client,
+    table: &str,
+    from: u32,
+    wait: Duration,
+) -> Result<(), PostgresError> {
+    let run = |sql: String| within(wait, async move { client.batch_execute(&sql).await });
+    // Versions run from 1: the steps from the one found on.
+    for step in MIGRATIONS.iter().skip((from as usize).saturating_sub(1)) {
+        let index = format!("{table}_{}", step.index);
+        if within(wait, invalid(client, &index)).await? {
+            tracing::info!(
+                table,
+                index,
+                "dropping the invalid index an interrupted build left, to build it again"
+            );
+            run(format!("DROP INDEX CONCURRENTLY IF EXISTS \"{index}\"")).await?;
+        }
+        run(format!(
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{index}\" ON \"{table}\" {}",
+            step.on
+        ))
+        .await?;
+        // One of that name made by hand meanwhile: the version never changes over an index
+        // that is not valid.
+        if within(wait, invalid(client, &index)).await? {
+            return Err(PostgresError::Migration(format!(
+                "index {index:?} is invalid after it was built"
+            )));
+        }
+        for sql in step.then {
+            run(sql.replace("{t}", table)).await?;
+        }
+    }
+    run(format!("COMMENT ON TABLE \"{table}\" IS '{MARK}{VERSION}'")).await
 }
 
 /// `work` within `wait`, or [`PostgresError::MigrationTimeout`].
