@@ -226,33 +226,7 @@ fn encode_written<'a>(
     compress: bool,
     written_ms: u64,
 ) -> Encoded<'a> {
-    use std::borrow::Cow;
-    let compressed = match state {
-        EntryState::Completed(r)
-            if compress
-                && r.body.len() >= COMPRESS_FROM
-                && !r
-                    .headers
-                    .iter()
-                    .any(|(n, _)| n == http::header::CONTENT_ENCODING) =>
-        {
-            let packed = lz4_flex::block::compress_prepend_size(&r.body);
-            (packed.len() <= r.body.len() - r.body.len() / 8).then_some(packed)
-        }
-        _ => None,
-    };
-    let (tag, resp) = match state {
-        EntryState::InFlight => (IN_FLIGHT, None),
-        EntryState::Completed(r) if compressed.is_some() => (COMPRESSED, Some(r)),
-        EntryState::Completed(r) => (COMPLETED, Some(r)),
-        EntryState::NotReplayable => (NOT_REPLAYABLE, None),
-        EntryState::Expired(_) => (EXPIRED, None),
-    };
-    let body: Cow<'a, [u8]> = match (compressed, resp) {
-        (Some(packed), _) => Cow::Owned(packed),
-        (None, Some(r)) => Cow::Borrowed(&r.body[..]),
-        (None, None) => Cow::Borrowed(&[]),
-    };
+    let (tag, resp, body) = stored_body(state, compress);
     let size = HEADER_LEN
         + resp.map_or(0, |r| {
             4 + fields_len(&r.headers)
@@ -272,34 +246,77 @@ fn encode_written<'a>(
     out.put_slice(&token.0);
     out.put_u64(written_ms);
     if let Some(r) = resp {
-        out.put_u16(r.status.as_u16());
-        put_fields(&mut out, &r.headers);
-        // A traceparent is 55 bytes; anything longer than a length byte allows is not one.
-        match r.traceparent.as_ref().filter(|t| t.len() <= 255) {
-            Some(t) => {
-                out.put_u8(t.len() as u8);
-                out.put_slice(t.as_bytes());
-            }
-            None => out.put_u8(0),
-        }
-        let source = match r.key_source {
-            None => 0,
-            Some(KeySource::Header) => 1,
-            Some(KeySource::Body) => 2,
-            Some(KeySource::Derived) => 3,
-        };
-        if r.trailers.is_empty() {
-            out.put_u8(source);
-        } else {
-            out.put_u8(source | TRAILERS_FOLLOW);
-            put_fields(&mut out, &r.trailers);
-        }
+        put_response_head(&mut out, r);
     }
     if let EntryState::Expired(t) = state {
         out.put_u16(t.status.map_or(0, |s| s.as_u16()));
         out.put_u64(t.expired_ms);
     }
     Encoded { head: out, body }
+}
+
+/// The state byte of `state`, its response (when completed), and the body as stored: with
+/// `compress`, a body of [`COMPRESS_FROM`] bytes or more that the upstream did not encode
+/// itself, LZ4-compressed when that saves at least an eighth of it.
+fn stored_body(
+    state: &EntryState,
+    compress: bool,
+) -> (u8, Option<&StoredResponse>, std::borrow::Cow<'_, [u8]>) {
+    use std::borrow::Cow;
+    let compressed = match state {
+        EntryState::Completed(r)
+            if compress
+                && r.body.len() >= COMPRESS_FROM
+                && !r
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n == http::header::CONTENT_ENCODING) =>
+        {
+            let packed = lz4_flex::block::compress_prepend_size(&r.body);
+            (packed.len() <= r.body.len() - r.body.len() / 8).then_some(packed)
+        }
+        _ => None,
+    };
+    let (tag, resp) = match state {
+        EntryState::InFlight => (IN_FLIGHT, None),
+        EntryState::Completed(r) if compressed.is_some() => (COMPRESSED, Some(&**r)),
+        EntryState::Completed(r) => (COMPLETED, Some(&**r)),
+        EntryState::NotReplayable => (NOT_REPLAYABLE, None),
+        EntryState::Expired(_) => (EXPIRED, None),
+    };
+    let body = match (compressed, resp) {
+        (Some(packed), _) => Cow::Owned(packed),
+        (None, Some(r)) => Cow::Borrowed(&r.body[..]),
+        (None, None) => Cow::Borrowed(&[][..]),
+    };
+    (tag, resp, body)
+}
+
+/// A completed response's fields before its body: status, headers, traceparent, key source
+/// and, when it has any, its trailers.
+fn put_response_head(out: &mut BytesMut, r: &StoredResponse) {
+    out.put_u16(r.status.as_u16());
+    put_fields(out, &r.headers);
+    // A traceparent is 55 bytes; anything longer than a length byte allows is not one.
+    match r.traceparent.as_ref().filter(|t| t.len() <= 255) {
+        Some(t) => {
+            out.put_u8(t.len() as u8);
+            out.put_slice(t.as_bytes());
+        }
+        None => out.put_u8(0),
+    }
+    let source = match r.key_source {
+        None => 0,
+        Some(KeySource::Header) => 1,
+        Some(KeySource::Body) => 2,
+        Some(KeySource::Derived) => 3,
+    };
+    if r.trailers.is_empty() {
+        out.put_u8(source);
+    } else {
+        out.put_u8(source | TRAILERS_FOLLOW);
+        put_fields(out, &r.trailers);
+    }
 }
 
 /// The bytes `fields` take in a record.
