@@ -18,8 +18,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    Client, Cmd, IntoConnectionInfo, ProtocolVersion, PushInfo, RedisError, RedisFuture,
-    RedisResult, TlsCertificates, Value,
+    Client, Cmd, IntoConnectionInfo, ProtocolVersion, PushInfo, RedisConnectionInfo, RedisError,
+    RedisFuture, RedisResult, TlsCertificates, Value,
 };
 
 use crate::store::{NodeAuth, Topology};
@@ -276,6 +276,33 @@ struct SentinelShared {
 /// The sentinels are asked at most this often while the primary is failing.
 const REASK_EVERY: Duration = Duration::from_millis(100);
 
+/// `builder` logging in to the sentinels as their URL says (`sentinel`), and to the data nodes
+/// on its database, as `node_auth` says or else as to the sentinels (the data nodes are reached
+/// with the sentinels' TLS setting too).
+fn logged_in(
+    mut builder: SentinelClientBuilder,
+    sentinel: &RedisConnectionInfo,
+    node_auth: Option<&NodeAuth>,
+) -> SentinelClientBuilder {
+    let (node_user, node_password) = match node_auth {
+        Some(auth) => (auth.username.as_deref(), auth.password.as_deref()),
+        None => (sentinel.username(), sentinel.password()),
+    };
+    if let Some(user) = sentinel.username() {
+        builder = builder.set_client_to_sentinel_username(user);
+    }
+    if let Some(password) = sentinel.password() {
+        builder = builder.set_client_to_sentinel_password(password);
+    }
+    if let Some(user) = node_user {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if let Some(password) = node_password {
+        builder = builder.set_client_to_redis_password(password);
+    }
+    builder.set_client_to_redis_db(sentinel.db())
+}
+
 impl SentinelConn {
     fn new(urls: &[String], master_name: &str, o: &Opening<'_>) -> RedisResult<Self> {
         let infos = urls
@@ -297,25 +324,7 @@ impl SentinelConn {
             master_name,
             SentinelServerType::Master,
         )?;
-        // The data nodes are reached with the sentinels' TLS setting, and their user and
-        // password unless the settings give the data nodes' own.
-        let (node_user, node_password) = match &o.node_auth {
-            Some(auth) => (auth.username.as_deref(), auth.password.as_deref()),
-            None => (first.username(), first.password()),
-        };
-        if let Some(user) = first.username() {
-            builder = builder.set_client_to_sentinel_username(user);
-        }
-        if let Some(password) = first.password() {
-            builder = builder.set_client_to_sentinel_password(password);
-        }
-        if let Some(user) = node_user {
-            builder = builder.set_client_to_redis_username(user);
-        }
-        if let Some(password) = node_password {
-            builder = builder.set_client_to_redis_password(password);
-        }
-        builder = builder.set_client_to_redis_db(first.db());
+        builder = logged_in(builder, &first, o.node_auth.as_ref());
         if tls {
             builder = builder
                 .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
