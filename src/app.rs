@@ -22,7 +22,8 @@ use crate::telemetry::Sampling;
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    /// The store could not be reached at start-up.
+    /// The store could not be opened at start-up: misconfigured, refused, or (the embedded
+    /// store) its file held by another process.
     #[error("cannot connect to the store: {0}")]
     Store(#[from] StoreError),
     /// Serving failed.
@@ -41,7 +42,8 @@ pub struct App {
 
 impl App {
     /// Open the configured store (for Redis: connect, and warn when its settings could lose
-    /// records). Fails when the store is misconfigured; an unreachable Redis is picked up later.
+    /// records). Fails when the store is misconfigured or refuses; an unreachable Redis or
+    /// PostgreSQL is picked up later.
     pub async fn new(config: Config) -> Result<Self, AppError> {
         Self::with_metrics(config, Metrics::new()).await
     }

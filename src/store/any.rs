@@ -29,8 +29,8 @@ pub enum AnyStore {
 
 impl AnyStore {
     /// Open the store `settings` describe (for Redis: connect, and warn when its settings could
-    /// lose records). Fails when the store is misconfigured; an unreachable Redis is picked up
-    /// later.
+    /// lose records). Fails when the store is misconfigured or refuses; an unreachable Redis or
+    /// PostgreSQL is picked up later.
     pub async fn open(settings: &StoreConfig, metrics: &Metrics) -> Result<Self, StoreError> {
         let settings = match settings {
             StoreConfig::Memory(m) => {

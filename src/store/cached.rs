@@ -1,10 +1,11 @@
-//! A bounded local cache of *completed* records in front of another store (the two-layer design
-//! of shared/background/001: memory first, the durable store behind it).
+//! A bounded local cache of *completed* records in front of a shared store (Redis,
+//! PostgreSQL): memory first, the durable store behind it.
 //!
 //! Completed records never change, so a replica may replay one from its own memory without
-//! asking Redis: after the first replay through a process, the next ones cost no round trip.
-//! (Records enter the cache when first read back, not when written: most keys are never retried.) Everything that can change (claims,
-//! in-flight and mismatch decisions) always goes to the store underneath. An entry lives at most
+//! asking the store: after the first replay through a process, the next ones cost no round
+//! trip. (Records enter the cache when first read back, not when written: most keys are never
+//! retried.) Everything that can change (claims, in-flight and mismatch decisions) always goes
+//! to the store underneath. An entry lives at most
 //! as long as the record in the store and at most `max_age`, and the cache holds at most
 //! `max_bytes` of responses (cold entries first out: quick_cache's CLOCK-Pro).
 

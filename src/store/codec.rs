@@ -1,5 +1,5 @@
-//! The stored record: an entry's compact binary encoding, shared by the Redis and the embedded
-//! store.
+//! The stored record: an entry's compact binary encoding, written and read by the embedded,
+//! Redis and PostgreSQL stores (the memory store keeps entries as they are).
 //!
 //! Layout of an encoded entry (all integers big-endian), version 3 (still read: version 2, without
 //! the key source byte, and version 1, without the written-at time and the traceparent):

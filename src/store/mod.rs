@@ -264,7 +264,8 @@ pub struct Inspected {
     pub entry: Entry,
     /// How long the store keeps it.
     pub expires_in: Option<Duration>,
-    /// Bytes the store holds for it (the encoded value for Redis, an estimate for memory).
+    /// Bytes the store holds for it (the encoded record for the embedded, Redis and PostgreSQL
+    /// stores; an estimate for memory).
     pub stored_bytes: usize,
 }
 

@@ -114,7 +114,7 @@ impl Default for StoreConfig {
 }
 
 impl StoreConfig {
-    /// The backend for logs: its name, and for Redis the URL with any password as `***`.
+    /// The backend for logs: its name, and its path or URLs (any password in a URL as `***`).
     pub fn describe(&self) -> String {
         match self {
             StoreConfig::Memory(_) => "memory".into(),

@@ -27,7 +27,7 @@ mod settings;
 
 pub use self::settings::{MemorySettings, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES};
 
-/// A handle to the embedded store; clones share one map. Expired entries are dropped every
+/// A handle to the memory store; clones share one map. Expired entries are dropped every
 /// [`PURGE_EVERY`] by a task the store owns, stopped when the last handle goes (made outside a
 /// tokio runtime, the store has no such task: expired entries are then dropped only when room is
 /// needed, and ignored on access all the same).

@@ -1,8 +1,8 @@
 //! The records table: its shape, the version it carries, and the statements run on it.
 //!
-//! One row per key. The record itself is the Redis store's encoding (`store/codec.rs`),
-//! so both stores keep the same bytes and a replay is decoded by one function; the columns
-//! beside it are what the statements' conditions read:
+//! One row per key. The record itself is the record codec's encoding (`store/codec.rs`), the
+//! bytes the embedded and Redis stores keep too, so a replay is decoded by one function; the
+//! columns beside it are what the statements' conditions read:
 //!
 //! ```sql
 //! CREATE TABLE idemgate_records (

@@ -72,8 +72,8 @@ struct Scripts {
 }
 
 impl Scripts {
-    /// The scripts in `lua/`, with the record layout they read filled in from
-    /// [`record`]'s definitions (Lua strings count from 1), and how they publish (`SPUBLISH` on
+    /// The scripts in `lua/`, with the record layout they read filled in from the codec's
+    /// definitions (`codec.rs`; Lua strings count from 1), and how they publish (`SPUBLISH` on
     /// a cluster's shard channels).
     fn load(sharded: bool) -> Self {
         let publish = if sharded { "SPUBLISH" } else { "PUBLISH" };
