@@ -7,7 +7,7 @@ use tracing::{error, info, warn};
 use super::{
     CachedStore, Claim, ClaimTerms, Claimant, EmbeddedStore, Evicted, Inspect, Inspected, Keep,
     LocalCache, LocalCacheSettings, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig,
-    StoreError, Watch,
+    StoreError, StoreResult, Watch,
 };
 use crate::metrics::Metrics;
 use crate::record::key::ScopedKey;
@@ -145,24 +145,19 @@ fn local_cache(
 }
 
 impl Store for AnyStore {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         on_store!(self, s => s.claim(who, terms).await)
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         on_store!(self, s => s.complete(who, state, keep).await)
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         on_store!(self, s => s.release(who).await)
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         on_store!(self, s => s.renew(who, lease).await)
     }
 
@@ -172,19 +167,19 @@ impl Store for AnyStore {
 }
 
 impl Inspect for AnyStore {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         on_store!(self, s => s.ping().await)
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<Inspected>> {
         on_store!(self, s => s.inspect(key).await)
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         on_store!(self, s => s.evict(key).await)
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         on_store!(self, s => s.evict_all().await)
     }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
-use super::{Claim, ClaimTerms, Claimant, Keep, Replay, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Keep, Replay, Store, StoreResult};
 use crate::record::fingerprint::Fingerprint;
 use crate::record::key::ScopedKey;
 use crate::record::{EntryState, StoredResponse};
@@ -206,7 +206,7 @@ impl<S: Store> CachedStore<S> {
 }
 
 impl<S: Store> Store for CachedStore<S> {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         // A cached record is live (it never outlives its record), so it wins over a tombstone
         // as in the store.
         if let Some(replay) = self.cache.get(&who.key, &who.fingerprint) {
@@ -217,22 +217,17 @@ impl<S: Store> Store for CachedStore<S> {
         Ok(self.cached(who, asked, claim))
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         // Not cached here: most keys are never retried, so a record enters the cache when it is
         // first read back (a replay), not when it is written.
         self.inner.complete(who, state, keep).await
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         self.inner.release(who).await
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         self.inner.renew(who, lease).await
     }
 
@@ -242,21 +237,21 @@ impl<S: Store> Store for CachedStore<S> {
 }
 
 impl<S: super::Inspect> super::Inspect for CachedStore<S> {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         self.inner.ping().await
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<super::Inspected>> {
         self.inner.inspect(key).await
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         // This process forgets at once; other replicas within `local_cache_ttl`.
         self.cache.invalidate(key);
         self.inner.evict(key).await
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         self.cache.clear();
         self.inner.evict_all().await
     }

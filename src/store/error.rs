@@ -6,6 +6,9 @@ use std::sync::Arc;
 
 use super::Unreadable;
 
+/// What a store operation answers: its result, or a [`StoreError`].
+pub type StoreResult<T> = Result<T, StoreError>;
+
 /// A store failure: the store could not be reached, did not answer in time, refused or failed,
 /// had no room, or returned something unreadable.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -30,7 +30,7 @@ mod watch;
 pub use self::any::AnyStore;
 pub use self::cached::{CachedStore, LocalCache};
 pub use self::embedded::{EmbeddedSettings, EmbeddedStore};
-pub use self::error::{BackendError, DecodeError, StoreError};
+pub use self::error::{BackendError, DecodeError, StoreError, StoreResult};
 pub use self::memory::{MemorySettings, MemoryStore};
 pub use self::postgres::{PostgresSettings, PostgresStore};
 pub use self::redis::Evicted;
@@ -219,7 +219,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         who: &Claimant,
         terms: ClaimTerms,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<Claim>> + Send;
 
     /// Record `state` for `who`, kept as `keep` says (with the tombstone it leaves, if any, in
     /// the same atomic step). Written when the key holds `who`'s claim, and also when it holds
@@ -234,11 +234,11 @@ pub trait Store: Clone + Send + Sync + 'static {
         who: &Claimant,
         state: &EntryState,
         keep: Keep,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
 
     /// Delete `who`'s live in-flight claim so that a retry runs at once. `false` when the key
     /// holds no live claim of `who`'s.
-    fn release(&self, who: &Claimant) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn release(&self, who: &Claimant) -> impl Future<Output = StoreResult<bool>> + Send;
 
     /// Extend `who`'s live in-flight claim to `lease` from now. `false` when the key holds no
     /// live claim of `who`'s (its lease ran out: it is not taken again, since a renewal that
@@ -247,7 +247,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         who: &Claimant,
         lease: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
 
     /// Tell a request waiting for `key` when it was completed or released, so that it looks
     /// again at once; `None` when the store cannot (the waiter polls).
@@ -272,20 +272,20 @@ pub struct Inspected {
 /// Operations for operators (the admin API), not for the request path.
 pub trait Inspect: Store {
     /// Whether the store answers.
-    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
 
     /// What `key` holds: its entry, or its tombstone when its record has expired.
     fn inspect(
         &self,
         key: &ScopedKey,
-    ) -> impl Future<Output = Result<Option<Inspected>, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<Option<Inspected>>> + Send;
 
     /// Delete `key` whatever its state, and its tombstone; whether either was live (a lapsed
     /// one is as good as absent).
-    fn evict(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn evict(&self, key: &ScopedKey) -> impl Future<Output = StoreResult<bool>> + Send;
 
     /// Delete every record of this gateway (under the prefix); how many.
-    fn evict_all(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    fn evict_all(&self) -> impl Future<Output = StoreResult<u64>> + Send;
 
     /// The local cache in front of the store, if there is one: its entries and bytes.
     fn local_cache_size(&self) -> Option<(u64, u64)> {

@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
-use super::{Claim, ClaimTerms, Claimant, Inspected, Keep, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Inspected, Keep, Store, StoreError, StoreResult};
 use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
@@ -214,7 +214,7 @@ impl EmbeddedStore {
 }
 
 impl Store for EmbeddedStore {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         let with_tombstone = terms.after_expiry == AfterExpiry::Refuse;
         // A live entry that is not our own claim decides without a write (a replay, a claim in
         // flight, a mismatch, a tombstone); the writer checks again before it claims.
@@ -230,12 +230,7 @@ impl Store for EmbeddedStore {
         }
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         let (key, fingerprint) = (&who.key, &who.fingerprint);
         let record = self.codec.record(key, fingerprint, &who.token, state);
         let completion = Completion {
@@ -247,22 +242,22 @@ impl Store for EmbeddedStore {
         self.did(Write::Complete(completion)).await
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         self.did(Write::Release(*who)).await
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         self.did(Write::Renew { who: *who, lease }).await
     }
 }
 
 impl super::Inspect for EmbeddedStore {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         self.file
             .with(|db| db.begin_read().map(drop).map_err(|e| failed("read", e)))
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<Inspected>> {
         // The record, or its tombstone once it has expired.
         let Some(found) = self.read(key, true)? else {
             return Ok(None);
@@ -276,11 +271,11 @@ impl super::Inspect for EmbeddedStore {
         }))
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         self.did(Write::Evict(*key)).await
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         match self.write(Write::EvictAll).await? {
             Done::Count(n) => Ok(n),
             other => Err(unexpected("evict-all", other)),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError, StoreResult};
 use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
@@ -46,10 +46,6 @@ struct Shared {
     // A std Mutex, not tokio's: no critical section awaits, each is a few map operations, and a
     // std lock is cheaper on this hot path (as mini-redis argues for its `Db`).
     table: Mutex<Table>,
-    // Most slots kept.
-    max_entries: usize,
-    // Most bytes of stored responses kept.
-    max_bytes: u64,
 }
 
 /// Slots by expiry.
@@ -68,6 +64,10 @@ struct Table {
     records: Index,
     // Where records evicted for room are counted.
     evictions: Evictions,
+    // Most slots kept.
+    max_entries: usize,
+    // Most bytes of stored responses kept.
+    max_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -176,13 +176,8 @@ impl Table {
     /// Bring the table under both bounds (leaving room for one more entry when `adding`):
     /// expired slots first, then the completed records closest to expiry (never a claim or a
     /// record kept forever). A claim is refused when the table stays over a bound.
-    fn make_room(
-        &mut self,
-        max_entries: usize,
-        max_bytes: u64,
-        adding: bool,
-        now: Instant,
-    ) -> Result<(), StoreError> {
+    fn make_room(&mut self, adding: bool, now: Instant) -> Result<(), StoreError> {
+        let (max_entries, max_bytes) = (self.max_entries, self.max_bytes);
         let over =
             |t: &Table| t.map.len() + usize::from(adding) > max_entries || t.bytes > max_bytes;
         if !over(self) {
@@ -250,10 +245,10 @@ impl MemoryStore {
             table: Mutex::new(Table {
                 map: HashMap::with_capacity(max_entries.clamp(1, 1 << 20)),
                 evictions,
+                max_entries: max_entries.max(1),
+                max_bytes: max_bytes.max(1),
                 ..Table::default()
             }),
-            max_entries: max_entries.max(1),
-            max_bytes: max_bytes.max(1),
         });
         let purger = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let weak = Arc::downgrade(&shared);
@@ -329,11 +324,11 @@ impl MemoryStore {
 }
 
 impl super::Inspect for MemoryStore {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         Ok(())
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<super::Inspected>> {
         let now = Instant::now();
         let t = self.lock();
         Ok(t.live(key, now)
@@ -345,7 +340,7 @@ impl super::Inspect for MemoryStore {
             }))
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         let now = Instant::now();
         let mut t = self.lock();
         // A lapsed slot not purged yet goes too, but was as good as absent.
@@ -354,13 +349,13 @@ impl super::Inspect for MemoryStore {
         Ok(live(t.remove(&key.tombstone())) || record)
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         Ok(self.purge_all() as u64)
     }
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         let now = Instant::now();
         let mut t = self.lock();
         let tombstone = (terms.after_expiry == AfterExpiry::Refuse).then(|| who.key.tombstone());
@@ -376,7 +371,7 @@ impl Store for MemoryStore {
                 ));
             }
         }
-        t.make_room(self.shared.max_entries, self.shared.max_bytes, true, now)?;
+        t.make_room(true, now)?;
         t.insert(
             who.key,
             Slot {
@@ -393,12 +388,7 @@ impl Store for MemoryStore {
         Ok(Claim::Claimed)
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         let tombstone = keep.tombstone_of(&who.fingerprint, state);
         // Kept in memory: detached from the upstream connection's read buffers, so the record
         // holds only its own bytes. Copied before the lock is taken, not while every worker
@@ -444,11 +434,11 @@ impl Store for MemoryStore {
                 },
             );
         }
-        t.make_room(self.shared.max_entries, self.shared.max_bytes, false, now)?;
+        t.make_room(false, now)?;
         Ok(true)
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         let mut t = self.lock();
         let ours = t.claimed_by(&who.key, &who.token, Instant::now());
         if ours {
@@ -457,7 +447,7 @@ impl Store for MemoryStore {
         Ok(ours)
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         let now = Instant::now();
         let mut t = self.lock();
         let ours = t.claimed_by(&who.key, &who.token, now);

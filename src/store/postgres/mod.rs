@@ -28,7 +28,9 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
 use super::watch::{Local, Signals};
-use super::{Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Store, StoreError, Watch};
+use super::{
+    Claim, ClaimTerms, Claimant, Inspect, Inspected, Keep, Store, StoreError, StoreResult, Watch,
+};
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::{EntryState, Token};
@@ -695,7 +697,7 @@ fn entry_of(
 impl Store for PostgresStore {
     /// One statement: the key's live row decides; else, with [`AfterExpiry::Refuse`], its live
     /// tombstone; else the key is taken.
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         let (key, fingerprint, token) = (&who.key, &who.fingerprint, &who.token);
         let record = self.shared.codec.claim(fingerprint, token);
         let s = self.handle();
@@ -719,12 +721,7 @@ impl Store for PostgresStore {
         Err(PostgresError::Contended.into())
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         let (key, fingerprint) = (&who.key, &who.fingerprint);
         let codec = &self.shared.codec;
         let record = codec
@@ -757,7 +754,7 @@ impl Store for PostgresStore {
         Ok(rows.first().is_some_and(|row| row.get::<_, bool>(0)))
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         let (key, token) = (&who.key, &who.token);
         let s = self.handle();
         let n = s
@@ -774,7 +771,7 @@ impl Store for PostgresStore {
         Some(Local::watch(&self.shared.waiters, &key.0))
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         let (key, token) = (&who.key, &who.token);
         let s = self.handle();
         let n = s
@@ -788,11 +785,11 @@ impl Store for PostgresStore {
 }
 
 impl Inspect for PostgresStore {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         self.handle().query("SELECT 1", &[]).await.map(drop)
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<Inspected>> {
         let at = key.tombstone();
         let rows = self
             .handle()
@@ -810,7 +807,7 @@ impl Inspect for PostgresStore {
         }))
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         let rows = self
             .handle()
             .query(
@@ -821,7 +818,7 @@ impl Inspect for PostgresStore {
         Ok(rows.iter().any(|r| r.get::<_, bool>(0)))
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         let rows = self.handle().query(&self.shared.sql.evict_all, &[]).await?;
         Ok(rows.first().map_or(0, |r| r.get::<_, i64>(0).max(0) as u64))
     }

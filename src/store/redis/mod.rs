@@ -35,10 +35,10 @@ pub use self::settings::{Compression, NodeAuth, RedisSettings, Topology, DEFAULT
 use self::topology::{Conn, Opening};
 pub use super::settings::DEFAULT_TIMEOUT;
 use super::Watch;
-use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError};
+use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError, StoreResult};
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
-use crate::record::{EntryState, Token};
+use crate::record::EntryState;
 
 /// A handle to the Redis store; clones share one multiplexed connection.
 #[derive(Clone)]
@@ -456,15 +456,14 @@ impl RedisStore {
     /// copied twice more on the server; at 64 KiB that halves Redis's write rate.
     async fn complete_staged(
         &self,
-        key: &ScopedKey,
-        token: &Token,
+        who: &Claimant,
         entry: &codec::Encoded<'_>,
         keep: Keep,
         tombstone: Option<(Bytes, Duration)>,
     ) -> Result<bool, StoreError> {
         use redis::RedisWrite;
         use std::io::Write;
-        let record_key = self.redis_key(key);
+        let (record_key, token) = (self.redis_key(&who.key), &who.token);
         // Unique per claim; under the prefix, so evicting everything also takes stray ones.
         let staged = format!("{record_key}:staged:{}", crate::record::key::hex(&token.0));
         let script = &self.scripts.complete_staged;
@@ -567,14 +566,14 @@ impl From<redis::RedisError> for StoreError {
 use crate::time::millis;
 
 impl super::Inspect for RedisStore {
-    async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> StoreResult<()> {
         let _: String = redis::cmd("PING")
             .query_async(&mut self.conn.clone())
             .await?;
         Ok(())
     }
 
-    async fn inspect(&self, key: &ScopedKey) -> Result<Option<super::Inspected>, StoreError> {
+    async fn inspect(&self, key: &ScopedKey) -> StoreResult<Option<super::Inspected>> {
         let record = self.redis_key(key);
         let tombstone = Self::tombstone_key(&record);
         let (raw, pttl, tomb, tomb_pttl): (Option<Vec<u8>>, i64, Option<Vec<u8>>, i64) =
@@ -598,7 +597,7 @@ impl super::Inspect for RedisStore {
         }))
     }
 
-    async fn evict(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+    async fn evict(&self, key: &ScopedKey) -> StoreResult<bool> {
         let record = self.redis_key(key);
         let n: i64 = redis::cmd("DEL")
             .arg(Self::tombstone_key(&record))
@@ -609,7 +608,7 @@ impl super::Inspect for RedisStore {
         Ok(n > 0)
     }
 
-    async fn evict_all(&self) -> Result<u64, StoreError> {
+    async fn evict_all(&self) -> StoreResult<u64> {
         // SCAN each primary in batches (never KEYS, which blocks Redis), UNLINK each batch.
         let mut conn = self.conn.clone();
         let pattern = format!("{}*", self.options.prefix);
@@ -659,7 +658,7 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
+    async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         let entry = self.codec.claim(&who.fingerprint, &who.token);
         let redis_key = self.redis_key(&who.key);
         let tombstones = terms.after_expiry == AfterExpiry::Refuse;
@@ -683,19 +682,12 @@ impl Store for RedisStore {
         }
     }
 
-    async fn complete(
-        &self,
-        who: &Claimant,
-        state: &EntryState,
-        keep: Keep,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         let (key, token) = (&who.key, &who.token);
         let parts = self.codec.record(key, &who.fingerprint, token, state);
         let tombstone = self.codec.tombstone(key, keep, &who.fingerprint, state);
         if parts.len() >= STAGE_FROM {
-            return self
-                .complete_staged(key, token, &parts, keep, tombstone)
-                .await;
+            return self.complete_staged(who, &parts, keep, tombstone).await;
         }
         let entry = parts.into_bytes();
         let redis_key = self.redis_key(key);
@@ -718,13 +710,13 @@ impl Store for RedisStore {
         self.write_completion(pipe, script, &redis_key).await
     }
 
-    async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
+    async fn release(&self, who: &Claimant) -> StoreResult<bool> {
         let mut call = self.scripts.release.prepare_invoke();
         call.key(self.redis_key(&who.key)).arg(&who.token.0[..]);
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
         let mut call = self.scripts.renew.prepare_invoke();
         call.key(self.redis_key(&who.key))
             .arg(&who.token.0[..])
