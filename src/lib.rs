@@ -78,8 +78,9 @@
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`), `store/error.rs`
-//!   ([`StoreError`]: a failure by kind, whichever backend it came from), `store/settings.rs` ([`store::StoreConfig`], the backend chosen with its settings, and
-//!   what the backends' settings share), `store/any.rs` (the binary's dispatch over the
+//!   ([`StoreError`]: a failure by kind, whichever backend it came from), `store/settings.rs`
+//!   ([`store::StoreConfig`], the backend chosen with its settings, and what the backends'
+//!   settings share: TLS files, the local cache), `store/any.rs` (the binary's dispatch over the
 //!   configured backend), `store/cached.rs` (a local cache of completed records in front of
 //!   another store), `store/watch.rs` (wake-ups for requests waiting on an in-flight key),
 //!   `store/codec.rs` (the record's binary encoding, written by the embedded, Redis and
@@ -91,14 +92,14 @@
 //!   `store/embedded/writer.rs` (the writer thread's group commit, and what each write does),
 //!   `store/embedded/tables.rs` (the redb tables, rows read and written),
 //!   `store/embedded/purge.rs` (expired entries purged, records evicted for the bounds),
-//!   `store/embedded/file.rs` (the file opened, and reopened after a failed write); the Redis backend: `store/redis/mod.rs` ([`RedisStore`]),
-//!   `store/redis/settings.rs` ([`store::RedisSettings`], [`Topology`]),
-//!   `store/redis/topology.rs` (one server, Cluster or Sentinel), `store/redis/events.rs`
-//!   (pub/sub: waiters woken, local caches told of evictions); the PostgreSQL backend:
-//!   `store/postgres/mod.rs` ([`store::PostgresStore`], its pool and reaper),
-//!   `store/postgres/settings.rs` ([`store::PostgresSettings`]), `store/postgres/schema.rs`
-//!   (the table, its version and migration, the statements), `store/postgres/listen.rs`
-//!   (evictions heard by `LISTEN`, for the local caches).
+//!   `store/embedded/file.rs` (the file opened, and reopened after a failed write); the Redis
+//!   backend: `store/redis/mod.rs` ([`RedisStore`]), `store/redis/settings.rs`
+//!   ([`store::RedisSettings`], [`Topology`]), `store/redis/topology.rs` (one server, Cluster or
+//!   Sentinel), `store/redis/events.rs` (pub/sub: waiters woken, local caches told of
+//!   evictions); the PostgreSQL backend: `store/postgres/mod.rs` ([`store::PostgresStore`], its
+//!   pool and reaper), `store/postgres/settings.rs` ([`store::PostgresSettings`]),
+//!   `store/postgres/schema.rs` (the table, its version and migration, the statements),
+//!   `store/postgres/listen.rs` (evictions heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
 //!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,
