@@ -37,7 +37,7 @@ mod tables;
 mod writer;
 
 use self::file::StoreFile;
-use self::purge::purge_loop;
+use self::purge::PURGE_BATCH;
 pub use self::settings::EmbeddedSettings;
 use self::tables::{Bounds, Row, ENTRIES};
 use self::writer::{Completion, Done, Op, Write, Writer, QUEUE};
@@ -86,6 +86,33 @@ fn unexpected(what: &str, answer: Done) -> StoreError {
 /// The writer thread gone (it ends only with the last handle, or by a panic).
 fn stopped() -> StoreError {
     StoreError::unavailable(BACKEND, "the writer has stopped")
+}
+
+/// Purge expired entries every [`PURGE_EVERY`] while the store lives: a batch at a time, the
+/// next at once after a full one.
+async fn purge_loop(writer: mpsc::WeakSender<Op>) {
+    let mut tick = tokio::time::interval(PURGE_EVERY);
+    loop {
+        tick.tick().await;
+        loop {
+            let Some(writer) = writer.upgrade() else {
+                return;
+            };
+            let (reply, answer) = oneshot::channel();
+            let what = Write::Purge;
+            if writer.send(Op { what, reply }).await.is_err() {
+                return;
+            }
+            drop(writer);
+            match answer.await {
+                // A full batch: more may be waiting.
+                Ok(Ok(Done::Count(n))) if n as usize >= PURGE_BATCH => continue,
+                Ok(Err(e)) => tracing::warn!(error = %e, "embedded store: purge failed"),
+                _ => {}
+            }
+            break;
+        }
+    }
 }
 
 impl EmbeddedStore {

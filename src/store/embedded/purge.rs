@@ -1,42 +1,13 @@
-//! Making room: expired entries purged (in the background and when room is needed), and the
-//! completed records closest to expiry evicted when the store is at its bounds.
+//! Making room: expired entries purged (a batch at a time for the background task, all of them
+//! when room is needed), and the completed records closest to expiry evicted when the store is
+//! at its bounds.
 
 use redb::ReadableTableMetadata;
-use tokio::sync::{mpsc, oneshot};
 
 use super::tables::{RedbResult, Tables, FOREVER};
-use super::writer::{Done, Op, Write};
-use super::PURGE_EVERY;
 
 /// Most expired entries one purge transaction deletes (more follow at once when there are).
 pub(super) const PURGE_BATCH: usize = 1000;
-
-/// Purge expired entries every [`PURGE_EVERY`] while the store lives: a batch at a time, the
-/// next at once after a full one.
-pub(super) async fn purge_loop(writer: mpsc::WeakSender<Op>) {
-    let mut tick = tokio::time::interval(PURGE_EVERY);
-    loop {
-        tick.tick().await;
-        loop {
-            let Some(writer) = writer.upgrade() else {
-                return;
-            };
-            let (reply, answer) = oneshot::channel();
-            let what = Write::Purge;
-            if writer.send(Op { what, reply }).await.is_err() {
-                return;
-            }
-            drop(writer);
-            match answer.await {
-                // A full batch: more may be waiting.
-                Ok(Ok(Done::Count(n))) if n as usize >= PURGE_BATCH => continue,
-                Ok(Err(e)) => tracing::warn!(error = %e, "embedded store: purge failed"),
-                _ => {}
-            }
-            break;
-        }
-    }
-}
 
 impl Tables<'_> {
     /// Delete up to `most` expired entries, claims and records; how many.
