@@ -49,3 +49,56 @@ impl PolicyTable {
         self.max_ttl.is_some()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::checked::fields_of;
+    use super::PolicyTable;
+
+    /// The places a policy field is written besides its row in the list: its row in the
+    /// reference's policy table and its line in the example's `[defaults]`, both checked here
+    /// against the table the list makes, so that none is forgotten or left behind.
+    #[test]
+    fn every_policy_field_has_its_docs_row_and_its_example_line() {
+        let dir = env!("CARGO_MANIFEST_DIR");
+        let fields: Vec<&str> = fields_of::<PolicyTable>()
+            .iter()
+            .copied()
+            .filter(|f| *f != "path")
+            .collect();
+        assert!(fields.len() > 30, "{fields:?}");
+
+        let docs = std::fs::read_to_string(format!("{dir}/docs/configuration.md")).unwrap();
+        let section = docs
+            .split("\n### Policy")
+            .nth(1)
+            .and_then(|rest| rest.split("\n#").next())
+            .unwrap();
+        let rows: Vec<&str> = section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            .collect();
+        let mut sorted = fields.clone();
+        sorted.sort_unstable();
+        let mut documented = rows.clone();
+        documented.sort_unstable();
+        assert_eq!(
+            documented, sorted,
+            "the policy rows of docs/configuration.md"
+        );
+
+        let example = std::fs::read_to_string(format!("{dir}/config/example.toml")).unwrap();
+        let defaults = example
+            .split("\n[defaults]\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n[[routes]]\n").next())
+            .unwrap();
+        for field in fields {
+            let line = format!("\n{field} = ");
+            assert!(
+                defaults.contains(&line),
+                "example.toml's [defaults] lacks {field}"
+            );
+        }
+    }
+}
