@@ -6,15 +6,14 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use testkit::{Failover, RedisCluster, RedisSentinelSet, Replicated, MASTER_NAME};
+use testkit::{Failover, GatewayConfig, RedisCluster, RedisSentinelSet, Replicated};
 
 use crate::bench::Bench;
-use crate::cluster::{cluster_toml, started, two_gateways};
+use crate::cluster::{on_two_primaries, started, two_gateways};
 use crate::load::{self, Live};
 use crate::metrics::{errors_text, errorstats, executions_per_key, failed_commands, since};
 use crate::procs;
@@ -54,23 +53,17 @@ impl Timeline {
     }
 }
 
-/// The `[store]` table of a gateway on `store`.
-async fn store_toml(store: Replicated<'_>) -> String {
+/// `config` on `store` (a cluster seeded with two of its primaries).
+async fn on(store: Replicated<'_>, config: GatewayConfig) -> GatewayConfig {
     match store {
-        Replicated::Cluster(cluster) => cluster_toml(cluster).await,
-        Replicated::Sentinel(set) => {
-            let urls: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
-            format!(
-                "backend = \"redis-sentinel\"\nurls = [{}]\nmaster_name = \"{MASTER_NAME}\"",
-                urls.join(", ")
-            )
-        }
+        Replicated::Cluster(cluster) => on_two_primaries(config, cluster).await,
+        Replicated::Sentinel(set) => config.redis_sentinel(set),
     }
 }
 
 /// Section `failover`: for a cluster and a Sentinel set, each with `wait_replicas` 1 and 0 (with
 /// `--quick`, the cluster with 1 only), or the runs `--failover` names.
-pub async fn run(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
+pub async fn run(b: &mut Bench, quick: bool, runs: &[String]) {
     let default: &[&str] = if quick {
         &["redis-cluster:1"]
     } else {
@@ -92,7 +85,7 @@ pub async fn run(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
             .and_then(|(kind, wait)| Some((kind, wait.parse::<u32>().ok()?)))
             .filter(|(kind, _)| matches!(*kind, "redis-cluster" | "redis-sentinel"));
         match parsed {
-            Some((kind, wait)) => failover_run(b, dir, kind, wait, quick).await,
+            Some((kind, wait)) => failover_run(b, kind, wait, quick).await,
             None => b.insane.push(format!(
                 "--failover {run}: not redis-cluster:N or redis-sentinel:N"
             )),
@@ -107,7 +100,7 @@ const BACKOFF: Duration = Duration::from_millis(50);
 const QUIET: Duration = Duration::from_secs(2);
 const CAP: Duration = Duration::from_secs(40);
 
-async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: bool) {
+async fn failover_run(b: &mut Bench, kind: &str, wait: u32, quick: bool) {
     let label = format!("failover, {kind}, wait_replicas {wait}");
     let (cluster, set);
     let store = if kind == "redis-sentinel" {
@@ -123,22 +116,15 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         };
         Replicated::Cluster(&cluster)
     };
-    under_load(b, dir, store, &label, wait, quick).await;
+    under_load(b, store, &label, wait, quick).await;
 }
 
 /// Two gateways on `store` with `wait_replicas = wait`, the retrying clients on them, and a
 /// primary killed once they are under way; the figures as a note, and what is wrong as insane.
-async fn under_load(
-    b: &mut Bench,
-    dir: &Path,
-    store: Replicated<'_>,
-    label: &str,
-    wait: u32,
-    quick: bool,
-) {
+async fn under_load(b: &mut Bench, store: Replicated<'_>, label: &str, wait: u32, quick: bool) {
     let up = procs::upstream_with(1024, 0, true);
-    let toml = format!("{}\nwait_replicas = {wait}", store_toml(store).await);
-    let gateways = two_gateways(dir, &toml, up.addr, "fo:");
+    let config = on(store, procs::config(up.addr)).await;
+    let gateways = two_gateways(&config.prefix("fo:").set("store.wait_replicas", wait)).await;
     let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
     let all_nodes = store.data_ports();
     let errors_before = errorstats(&all_nodes).await;

@@ -1,24 +1,44 @@
-//! The processes a benchmark run needs besides Redis (whose fixtures come from `testkit`): the
-//! upstream, nginx, the axum app and the gateway. Each is stopped when its handle drops.
+//! The processes a benchmark run measures: the upstream, nginx, the axum app, and the gateway
+//! (testkit's [`GatewayProcess`], configured with a [`GatewayConfig`], as in the tests). Each
+//! is stopped when its handle drops.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::free_addr;
+use testkit::{free_addr, GatewayConfig, GatewayProcess};
 
-/// A child process killed on drop.
+/// A child process, stopped on drop: SIGTERM, then SIGKILL 3 s later.
 pub struct Proc {
     pub addr: SocketAddr,
     /// The gateway's admin listener (metrics).
     pub admin: Option<SocketAddr>,
-    child: Child,
+    child: Running,
+}
+
+/// What a [`Proc`] runs.
+enum Running {
+    /// One of the benchmark's own processes, or nginx.
+    Child(Child),
+    /// The gateway.
+    Gateway(Box<GatewayProcess>),
 }
 
 impl Proc {
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        match &self.child {
+            Running::Child(child) => child.id(),
+            Running::Gateway(gateway) => gateway.pid().expect("the gateway runs"),
+        }
+    }
+
+    /// Whether it still runs.
+    fn running(&mut self) -> bool {
+        match &mut self.child {
+            Running::Child(child) => matches!(child.try_wait(), Ok(None)),
+            Running::Gateway(gateway) => gateway.running(),
+        }
     }
 
     /// This process and its direct children (nginx's workers).
@@ -50,7 +70,7 @@ pub fn with_children(pid: u32) -> Vec<u32> {
 impl Drop for Proc {
     fn drop(&mut self) {
         // Already gone: its pid may be reused by now.
-        if let Ok(Some(_)) = self.child.try_wait() {
+        if !self.running() {
             return;
         }
         // SIGTERM first, so that a master process (nginx) stops its workers too; a SIGKILLed
@@ -60,13 +80,16 @@ impl Drop for Proc {
             .status();
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if !self.running() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // The gateway is killed as its handle drops.
+        if let Running::Child(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -158,7 +181,7 @@ fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
     let proc = Proc {
         addr,
         admin: None,
-        child,
+        child: Running::Child(child),
     };
     let deadline = Instant::now() + Duration::from_secs(15);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -342,95 +365,28 @@ pub fn gateway_bin() -> PathBuf {
     me.with_file_name("idemgate")
 }
 
-/// Start the gateway with `store` ("memory" or a redis URL) in front of `upstream`.
-pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Proc {
-    gateway_with_prefix(dir, store, upstream, extra, "bench:")
+/// The benchmark's gateway in front of `upstream`: POST requests keyed, records in memory (the
+/// store methods of [`GatewayConfig`] change that), an admin listener for its metrics.
+pub fn config(upstream: SocketAddr) -> GatewayConfig {
+    GatewayConfig::new()
+        .upstream(&format!("http://{upstream}"))
+        .set("defaults.methods", vec!["POST"])
+        .admin()
 }
 
-/// The gateway with `store` and `upstream`, the TOML of its upstream (the top-level `upstream`
-/// and any `[upstreams.default]` table).
-pub fn gateway_to(dir: &Path, store: &str, upstream: &str) -> Proc {
-    gateway_config(dir, store, upstream, ("", "bench:"), &[])
-}
-
-/// [`gateway`] with Redis keys under `prefix`.
-pub fn gateway_with_prefix(
-    dir: &Path,
-    store: &str,
-    upstream: SocketAddr,
-    extra: &str,
-    prefix: &str,
-) -> Proc {
-    gateway_with_env(dir, store, upstream, (extra, prefix), &[])
-}
-
-/// [`gateway_with_prefix`] with `env` added to the gateway's environment (the sealing keys,
-/// which it reads from there only).
-pub fn gateway_with_env(
-    dir: &Path,
-    store: &str,
-    upstream: SocketAddr,
-    (extra, prefix): (&str, &str),
-    env: &[(&str, &str)],
-) -> Proc {
-    gateway_config(
-        dir,
-        store,
-        &format!("upstream = \"http://{upstream}\"\n"),
-        (extra, prefix),
-        env,
-    )
-}
-
-/// The one place a gateway starts: its config written to `dir`, `env` added to its environment.
-fn gateway_config(
-    dir: &Path,
-    store: &str,
-    upstream: &str,
-    (extra, prefix): (&str, &str),
-    env: &[(&str, &str)],
-) -> Proc {
-    let addr = free_addr();
-    // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first;
-    // PostgreSQL's and the embedded store's have no key prefix).
-    let unprefixed = ["postgres", "embedded"]
-        .into_iter()
-        .find(|b| store.starts_with(&format!("backend = \"{b}\"")));
-    let store_toml = if store == "memory" {
-        "backend = \"memory\"".to_string()
-    } else if unprefixed.is_some() {
-        store.to_string()
-    } else if store.starts_with("backend") {
-        format!("{store}\nprefix = \"{prefix}\"")
-    } else {
-        format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"{prefix}\"")
-    };
-    let admin = free_addr();
-    let conf = format!(
-        "listen = \"{addr}\"\n{upstream}\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n\n[admin]\nlisten = \"{admin}\"\n"
-    );
-    let path = dir.join(format!("gateway-{}.toml", addr.port()));
-    std::fs::write(&path, conf).unwrap();
-    let name = if store == "memory" {
-        "gateway (memory)"
-    } else if unprefixed == Some("postgres") {
-        "gateway (postgres)"
-    } else if unprefixed == Some("embedded") {
-        "gateway (embedded)"
-    } else {
-        "gateway (redis)"
-    };
-    let mut proc = spawn(
-        name,
-        Command::new(gateway_bin())
-            .arg("--config")
-            .arg(&path)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied()),
-        addr,
-    );
-    proc.admin = Some(admin);
-    proc
+/// The gateway with `config`, logging at `info` to nowhere: [`gateway_bin`] started, its
+/// listener accepting.
+pub async fn gateway(config: &GatewayConfig) -> Proc {
+    let process = GatewayProcess::binary(gateway_bin())
+        .env("RUST_LOG", "info")
+        .quiet()
+        .start(config)
+        .await;
+    Proc {
+        addr: process.addr(),
+        admin: config.get("admin.listen").map(|_| process.admin()),
+        child: Running::Gateway(Box::new(process)),
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,10 @@
 //! let mut failover = Replicated::Cluster(&cluster).kill9_primary(None).await;
 //! failover.wait_for_failover().await; // its replica owns its slots
 //! failover.restart_as_replica().await; // back, and the cluster healthy again
+//!
+//! let config = GatewayConfig::new().upstream(&url).redis_cluster(&cluster).admin();
+//! let gateway = GatewayProcess::binary(path).start(&config).await;
+//! let text = metrics::scrape(gateway.admin()).await?;
 //! ```
 //!
 //! # Layout
@@ -17,10 +21,13 @@
 //!   and `restart()`ed; [`TlsRedisServer`], one that speaks only TLS; [`Backend`].
 //! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
 //!   (a primary, a replica, three sentinels), and [`query`], one command to a node.
+//! - [`config`]: [`GatewayConfig`], the gateway's config built in code and rendered to TOML.
 //! - [`failover`]: [`Replicated`] and [`Failover`], a primary killed with SIGKILL and the store's
 //!   recovery driven as a supervisor would, each step timed.
-//! - [`gateway`]: [`GatewayProcess`], the `idemgate` binary as a child process on ports it keeps
+//! - [`gateway`]: [`GatewayProcess`], the `idemgate` binary as child processes on ports each keeps
 //!   across `kill9()` and `start_again()`, `pause()`d and `resume()`d, its metrics scraped.
+//! - [`metrics`]: a gateway's `/metrics` ([`metrics::scrape`], [`metrics::sum_of`]) and a
+//!   Redis's `INFO` counters ([`metrics::commandstats`], [`metrics::per_request`]).
 //! - [`postgres`]: [`PostgresServer`], a private PostgreSQL server (`initdb` on a free port) that
 //!   can be `stop()`ped, `kill()`ed, started again, `restart()`ed and `restart_immediate()`d.
 //! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
@@ -31,8 +38,10 @@
 //! - [`wait`]: [`wait_until`], which polls a condition instead of sleeping for a guessed time.
 
 pub mod cluster;
+pub mod config;
 pub mod failover;
 pub mod gateway;
+pub mod metrics;
 pub mod ports;
 pub mod postgres;
 pub mod python;
@@ -42,8 +51,9 @@ pub mod tmpfs;
 pub mod wait;
 
 pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
+pub use self::config::GatewayConfig;
 pub use self::failover::{Failover, Replicated};
-pub use self::gateway::{GatewayProcess, Ports};
+pub use self::gateway::{GatewayProcess, Launch, Ports};
 pub use self::ports::{free_addr, free_port, ReservedPort};
 pub use self::postgres::PostgresServer;
 pub use self::python::PythonEnv;
