@@ -8,12 +8,12 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use testkit::metrics::{info_counts, per_request};
+use testkit::metrics::{errors_text, errorstats, info_counts, per_request, since};
 use testkit::{GatewayConfig, RedisCluster, RedisServer};
 
 use crate::bench::{human, Bench, Row};
 use crate::load::{self, Keys, Report};
-use crate::metrics::{errors_text, errorstats, round_trips, since};
+use crate::metrics::round_trips;
 use crate::procs::{self, Proc};
 
 /// One measured setup: two gateways and the Redis processes behind them.

@@ -5,17 +5,18 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
-use testkit::{Failover, GatewayConfig, RedisCluster, RedisSentinelSet, Replicated};
+use testkit::metrics::{errors_text, errorstats, failed_commands, since};
+use testkit::{
+    Failover, GatewayConfig, RedisCluster, RedisSentinelSet, Replicated, Steps, Supervision,
+};
 
 use crate::bench::Bench;
 use crate::cluster::{on_two_primaries, started, two_gateways};
 use crate::load::{self, Live};
-use crate::metrics::{errors_text, errorstats, executions_per_key, failed_commands, since};
+use crate::metrics::executions_per_key;
 use crate::procs;
 
 /// What the supervisor did and saw, in time from the load's start.
@@ -138,34 +139,6 @@ async fn under_load(b: &mut Bench, store: Replicated<'_>, label: &str, wait: u32
         BACKOFF,
         live.clone(),
     ));
-    tokio::time::sleep(if quick {
-        Duration::from_millis(500)
-    } else {
-        Duration::from_secs(3)
-    })
-    .await;
-    let before_kill = live.succeeded.load(Ordering::Relaxed);
-    let supervised = Cell::new(false);
-    // The supervisor: kill -9 the primary (on a cluster, the first seed node the gateways have),
-    // see the failover, start the killed node again as a replica, see the store healthy.
-    let mut failover = None;
-    let supervisor = async {
-        let outcome = AssertUnwindSafe(async {
-            failover
-                .insert(store.kill9_primary(None).await)
-                .supervise()
-                .await
-        })
-        .catch_unwind()
-        .await;
-        supervised.set(true);
-        outcome.err().map(|e| {
-            e.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".into())
-        })
-    };
     // The nodes' error replies every 250 ms, to tell when each kind was answered.
     let sampler = async {
         let mut samples = Vec::new();
@@ -176,29 +149,48 @@ async fn under_load(b: &mut Bench, store: Replicated<'_>, label: &str, wait: u32
         }
         samples
     };
-    // Until the supervisor is done, and then no refusal for QUIET; at most CAP after the kill.
-    let watch = async {
-        let quiet_for = if quick { QUIET / 2 } else { QUIET };
-        let started = live.start.elapsed();
-        let capped = loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let now = live.start.elapsed();
-            let quiet = now.saturating_sub(Duration::from_millis(
-                live.last_refusal_ms.load(Ordering::Relaxed),
-            ));
-            if supervised.get() && quiet >= quiet_for {
-                break false;
-            }
-            if now - started > CAP {
-                break true;
-            }
-        };
-        live.stop.store(true, Ordering::Relaxed);
-        capped
+    let load = async {
+        let (report, samples) = tokio::join!(clients, sampler);
+        (report.unwrap(), samples)
     };
-    let (error, samples, capped) = tokio::join!(supervisor, sampler, watch);
-    let report = clients.await.unwrap();
-    let t = Timeline::of(failover.as_ref(), live.start, error);
+    let (before_kill, watched_from, capped) =
+        (Cell::new(0), Cell::new(Duration::ZERO), Cell::new(false));
+    // The supervisor kills -9 the primary (on a cluster, the first seed node the gateways have)
+    // once the clients are under way, sees the failover, starts the killed node again as a
+    // replica and sees the store healthy; the clients go on until no refusal for QUIET, at most
+    // CAP after the kill.
+    let steps = Steps {
+        under_way: async || {
+            let pause = match quick {
+                true => Duration::from_millis(500),
+                false => Duration::from_secs(3),
+            };
+            tokio::time::sleep(pause).await;
+            before_kill.set(live.succeeded.load(Ordering::Relaxed));
+            watched_from.set(live.start.elapsed());
+        },
+        failed_over: async || {},
+        recovered: async |_: &Supervision<'_>| {
+            let quiet_for = if quick { QUIET / 2 } else { QUIET };
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let now = live.start.elapsed();
+                let quiet = now.saturating_sub(Duration::from_millis(
+                    live.last_refusal_ms.load(Ordering::Relaxed),
+                ));
+                if quiet >= quiet_for {
+                    break;
+                }
+                if now - watched_from.get() > CAP {
+                    capped.set(true);
+                    break;
+                }
+            }
+        },
+    };
+    let ((report, samples), supervision) = store.under_load(None, load, &live.stop, steps).await;
+    let (before_kill, capped) = (before_kill.get(), capped.get());
+    let t = Timeline::of(supervision.failover.as_ref(), live.start, supervision.error);
     let errors = since(&errors_before, errorstats(&all_nodes).await);
     let failed = since(&failed_before, failed_commands(&all_nodes).await);
     let run = Run {

@@ -1,11 +1,11 @@
 //! What the harness reads from the processes it runs, on top of testkit's readers of a
 //! gateway's `/metrics` and a Redis's `INFO`: the gateway's round trips and store operations,
-//! the upstream's counters (over HTTP), and the error replies of Redis nodes.
+//! and the upstream's counters (over HTTP).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use testkit::metrics::{info_counts, scrape_blocking, sum_of};
+use testkit::metrics::{scrape_blocking, sum_of};
 
 /// The gateway's metrics, as text; panics when it does not answer.
 pub fn scrape(admin: SocketAddr) -> String {
@@ -93,68 +93,6 @@ pub async fn get_text(addr: SocketAddr, path: &str) -> String {
     use http_body_util::BodyExt;
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8_lossy(&body).to_string()
-}
-
-/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), of each node.
-pub async fn errorstats(ports: &[u16]) -> Vec<HashMap<String, u64>> {
-    let mut each = Vec::new();
-    for &port in ports {
-        each.push(info_counts(&[port], "errorstats", "errorstat_", "count").await);
-    }
-    each
-}
-
-/// Commands answered with an error, by command, of each node: `<command> rejected` (refused
-/// before running: a redirection, READONLY, CLUSTERDOWN) and `<command> failed` (an error
-/// while running).
-pub async fn failed_commands(ports: &[u16]) -> Vec<HashMap<String, u64>> {
-    let mut each = Vec::new();
-    for &port in ports {
-        let mut m = HashMap::new();
-        for field in ["rejected", "failed"] {
-            let calls = info_counts(
-                &[port],
-                "commandstats",
-                "cmdstat_",
-                &format!("{field}_calls"),
-            )
-            .await;
-            m.extend(calls.into_iter().map(|(k, v)| (format!("{k} {field}"), v)));
-        }
-        each.push(m);
-    }
-    each
-}
-
-/// The error replies of [`errorstats`] `after` less `before`, summed over the nodes. A count
-/// lower than before is a node started again (its counts start from 0): all of it is new.
-pub fn since(
-    before: &[HashMap<String, u64>],
-    after: Vec<HashMap<String, u64>>,
-) -> HashMap<String, u64> {
-    let mut sum: HashMap<String, u64> = HashMap::new();
-    for (b, a) in before.iter().zip(after) {
-        for (k, v) in a {
-            let was = b.get(&k).copied().unwrap_or(0);
-            *sum.entry(k).or_default() += if v >= was { v - was } else { v };
-        }
-    }
-    sum
-}
-
-/// `KIND n, ...` of the error replies counted, or `none`.
-pub fn errors_text(errors: &HashMap<String, u64>) -> String {
-    let mut e: Vec<String> = errors
-        .iter()
-        .filter(|(_, &n)| n > 0)
-        .map(|(k, n)| format!("{k} {n}"))
-        .collect();
-    e.sort();
-    if e.is_empty() {
-        "none".into()
-    } else {
-        e.join(", ")
-    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,8 @@
 //!   (a primary, a replica, three sentinels), and [`query`], one command to a node.
 //! - [`config`]: [`GatewayConfig`], the gateway's config built in code and rendered to TOML.
 //! - [`failover`]: [`Replicated`] and [`Failover`], a primary killed with SIGKILL and the store's
-//!   recovery driven as a supervisor would, each step timed.
+//!   recovery driven as a supervisor would, each step timed; [`Replicated::under_load`], the
+//!   failover under load the tests and the benchmark run.
 //! - [`gateway`]: [`GatewayProcess`], the `idemgate` binary as child processes on ports each keeps
 //!   across `kill9()` and `start_again()`, `pause()`d and `resume()`d, its metrics scraped.
 //! - [`metrics`]: a gateway's `/metrics` ([`metrics::scrape`], [`metrics::sum_of`]) and a
@@ -52,7 +53,7 @@ pub mod wait;
 
 pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
 pub use self::config::GatewayConfig;
-pub use self::failover::{Failover, Replicated};
+pub use self::failover::{Failover, Replicated, Steps, Supervision};
 pub use self::gateway::{GatewayProcess, Launch, Ports};
 pub use self::ports::{free_addr, free_port, ReservedPort};
 pub use self::postgres::PostgresServer;

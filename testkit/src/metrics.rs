@@ -1,5 +1,5 @@
 //! What a test or the benchmark reads from the processes it runs: a gateway's `/metrics`, and a
-//! Redis's `INFO` counters.
+//! Redis's `INFO` counters (commands run, error replies).
 //!
 //! ```ignore
 //! let text = scrape(gateway.admin()).await?;
@@ -143,7 +143,69 @@ pub fn per_request(
         .filter(|(k, v)| *v > 0.001 && !matches!(k.as_str(), "info" | "ping"))
         .collect();
     parts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
-    let parts: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+    listed(parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect())
+}
+
+/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), of each node.
+pub async fn errorstats(ports: &[u16]) -> Vec<HashMap<String, u64>> {
+    let mut each = Vec::new();
+    for &port in ports {
+        each.push(info_counts(&[port], "errorstats", "errorstat_", "count").await);
+    }
+    each
+}
+
+/// Commands answered with an error, by command, of each node: `<command> rejected` (refused
+/// before running: a redirection, READONLY, CLUSTERDOWN) and `<command> failed` (an error
+/// while running).
+pub async fn failed_commands(ports: &[u16]) -> Vec<HashMap<String, u64>> {
+    let mut each = Vec::new();
+    for &port in ports {
+        let mut m = HashMap::new();
+        for field in ["rejected", "failed"] {
+            let calls = info_counts(
+                &[port],
+                "commandstats",
+                "cmdstat_",
+                &format!("{field}_calls"),
+            )
+            .await;
+            m.extend(calls.into_iter().map(|(k, v)| (format!("{k} {field}"), v)));
+        }
+        each.push(m);
+    }
+    each
+}
+
+/// The error replies of [`errorstats`] `after` less `before`, summed over the nodes. A count
+/// lower than before is a node started again (its counts start from 0): all of it is new.
+pub fn since(
+    before: &[HashMap<String, u64>],
+    after: Vec<HashMap<String, u64>>,
+) -> HashMap<String, u64> {
+    let mut sum: HashMap<String, u64> = HashMap::new();
+    for (b, a) in before.iter().zip(after) {
+        for (k, v) in a {
+            let was = b.get(&k).copied().unwrap_or(0);
+            *sum.entry(k).or_default() += if v >= was { v - was } else { v };
+        }
+    }
+    sum
+}
+
+/// `KIND n, ...` of the error replies counted, or `none`.
+pub fn errors_text(errors: &HashMap<String, u64>) -> String {
+    let mut e: Vec<String> = errors
+        .iter()
+        .filter(|(_, &n)| n > 0)
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
+    e.sort();
+    listed(e)
+}
+
+/// `parts` joined with commas, or `none`.
+fn listed(parts: Vec<String>) -> String {
     if parts.is_empty() {
         "none".into()
     } else {
