@@ -796,9 +796,8 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
         .await;
     let f = run.failover.expect("a primary killed");
     let at = |step: Option<Instant>| step.unwrap().saturating_duration_since(f.killed_at);
-    let (killed_at, failover, restarting) =
-        (f.killed_at, at(f.failed_over_at), at(f.restarting_at));
-    let restart = at(f.healthy_at) - restarting;
+    let (killed_at, failover) = (f.killed_at, at(f.failed_over_at));
+    let (restarted, restart) = (at(f.restarted_at), at(f.healthy_at) - at(f.restarted_at));
 
     let log = log.into_inner().unwrap();
     let mut refused: BTreeMap<u16, usize> = BTreeMap::new();
@@ -821,7 +820,7 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
     let keys = log.keys.len();
     eprintln!(
         "{name}: wait_replicas = {wait_replicas}, {keys} keys each sent twice at once: \
-         failed over {failover:?} after the kill -9, restarted by the supervisor {restarting:?} \
+         failed over {failover:?} after the kill -9, restarted by the supervisor {restarted:?} \
          after it (a replica again {restart:?} later); {} requests refused {refused:?}, the \
          last {} after the kill; unacknowledged claims {}, completions {}; \
          {} duplicate execution(s) {duplicated:?}",

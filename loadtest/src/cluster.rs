@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use testkit::metrics::{errors_text, errorstats, info_counts, per_request, since};
-use testkit::{GatewayConfig, RedisCluster, RedisServer};
+use testkit::{panic_text, GatewayConfig, RedisCluster, RedisServer};
 
 use crate::bench::{human, Bench, Row};
 use crate::load::{self, Keys, Report};
@@ -66,12 +66,10 @@ pub async fn on_two_primaries(config: GatewayConfig, cluster: &RedisCluster) -> 
 
 /// A Redis fixture started, or why it did not start (its panic's message).
 pub async fn started<T>(start: impl Future<Output = T>) -> Result<T, String> {
-    AssertUnwindSafe(start).catch_unwind().await.map_err(|e| {
-        e.downcast_ref::<String>()
-            .cloned()
-            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "did not start".into())
-    })
+    AssertUnwindSafe(start)
+        .catch_unwind()
+        .await
+        .map_err(|e| panic_text(&*e))
 }
 
 /// Two gateways with `config`, on one store.

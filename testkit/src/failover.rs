@@ -58,7 +58,6 @@ impl<'a> Replicated<'a> {
             killed,
             killed_at: Instant::now(),
             failed_over_at: None,
-            restarting_at: None,
             restarted_at: None,
             healthy_at: None,
         }
@@ -137,8 +136,6 @@ pub struct Failover<'a> {
     pub killed_at: Instant,
     /// When the store was seen failed over (see [`Failover::wait_for_failover`]).
     pub failed_over_at: Option<Instant>,
-    /// When the supervisor began to start the killed node again.
-    pub restarting_at: Option<Instant>,
     /// When the killed node answered again, started as a replica.
     pub restarted_at: Option<Instant>,
     /// When the store was healthy again, the restarted node replicating.
@@ -168,7 +165,6 @@ impl Failover<'_> {
     /// store is healthy again. Returns how long that took.
     pub async fn restart_as_replica(&mut self) -> Duration {
         let started = Instant::now();
-        self.restarting_at = Some(started);
         match self.store {
             Replicated::Cluster(cluster) => cluster.start_again(self.killed).await,
             Replicated::Sentinel(set) => set.start_as_replica(self.killed).await,
@@ -209,8 +205,9 @@ pub struct Supervision<'a> {
     pub error: Option<String>,
 }
 
-/// A panic's message.
-fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
+/// A panic's message: what a fixture that failed says (caught to be reported, not to end a
+/// benchmark run).
+pub fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
     e.downcast_ref::<String>()
         .cloned()
         .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))

@@ -53,7 +53,7 @@ pub mod wait;
 
 pub use self::cluster::{query, RedisCluster, RedisSentinelSet, MASTER_NAME};
 pub use self::config::GatewayConfig;
-pub use self::failover::{Failover, Replicated, Steps, Supervision};
+pub use self::failover::{panic_text, Failover, Replicated, Steps, Supervision};
 pub use self::gateway::{GatewayProcess, Launch, Ports};
 pub use self::ports::{free_addr, free_port, ReservedPort};
 pub use self::postgres::PostgresServer;

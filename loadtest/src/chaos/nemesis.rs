@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use testkit::{GatewayConfig, GatewayProcess, PostgresServer, RedisCluster, RedisServer, Tmpfs};
+use testkit::{
+    panic_text, GatewayConfig, GatewayProcess, PostgresServer, RedisCluster, RedisServer, Tmpfs,
+};
 
 use super::check::{Fault, Process};
 use super::Regime;
@@ -402,12 +404,4 @@ const ADMIN: Duration = Duration::from_secs(30);
 /// Where gateway `slot` logs (every incarnation's after the last).
 pub fn log_file(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("gateway-{slot}.log"))
-}
-
-/// A panic's message.
-pub fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
-    e.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panicked".into())
 }
