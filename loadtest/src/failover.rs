@@ -188,8 +188,12 @@ async fn under_load(b: &mut Bench, store: Replicated<'_>, label: &str, wait: u32
             }
         },
     };
-    let ((report, samples), supervision) = store.under_load(None, load, &live.stop, steps).await;
+    let ((report, mut samples), supervision) =
+        store.under_load(None, load, &live.stop, steps).await;
     let (before_kill, capped) = (before_kill.get(), capped.get());
+    // When each kind of error reply was seen, from the supervisor's start on: replies before it
+    // (a script loaded at the first request) are not the failover's.
+    samples.retain(|(at, _)| *at >= watched_from.get());
     let t = Timeline::of(supervision.failover.as_ref(), live.start, supervision.error);
     let errors = since(&errors_before, errorstats(&all_nodes).await);
     let failed = since(&failed_before, failed_commands(&all_nodes).await);

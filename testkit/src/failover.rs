@@ -177,12 +177,6 @@ impl Failover<'_> {
         self.healthy_at = Some(Instant::now());
         started.elapsed()
     }
-
-    /// [`Failover::wait_for_failover`], then [`Failover::restart_as_replica`].
-    pub async fn supervise(&mut self) {
-        self.wait_for_failover().await;
-        self.restart_as_replica().await;
-    }
 }
 
 /// What the supervisor of [`Replicated::under_load`] waits for and does, step by step.
