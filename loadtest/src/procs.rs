@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use testkit::process::children;
 use testkit::{free_addr, GatewayConfig, GatewayProcess};
 
 /// A child process, stopped on drop: SIGTERM, then SIGKILL 3 s later.
@@ -54,17 +55,7 @@ impl Proc {
 
 /// `pid` and its direct children (nginx's workers, PostgreSQL's backends).
 pub fn with_children(pid: u32) -> Vec<u32> {
-    let mut pids = vec![pid];
-    match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-        Ok(children) => pids.extend(
-            children
-                .split_whitespace()
-                .filter_map(|c| c.parse::<u32>().ok()),
-        ),
-        // A kernel without CONFIG_PROC_CHILDREN: find them by their parent.
-        Err(_) => pids.extend(children_by_ppid(pid)),
-    }
-    pids
+    std::iter::once(pid).chain(children(pid)).collect()
 }
 
 impl Drop for Proc {
@@ -91,26 +82,6 @@ impl Drop for Proc {
             let _ = child.wait();
         }
     }
-}
-
-fn children_by_ppid(parent: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            // Field 4 of /proc/<pid>/stat, after the parenthesised command name.
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    let rest = &s[s.rfind(')')? + 1..];
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(parent)
-        })
-        .collect()
 }
 
 pub fn rss_kib(pid: u32) -> u64 {
@@ -394,26 +365,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn finds_children_by_their_parent_as_the_kernel_lists_them() {
+    fn counts_the_cpu_time_of_a_process_and_its_children() {
         let mut sh = Command::new("sh")
             .args(["-c", "sleep 5 & sleep 5 & wait"])
             .spawn()
             .unwrap();
-        let pid = sh.id();
         std::thread::sleep(Duration::from_millis(300));
-        let mut by_ppid = children_by_ppid(pid);
-        by_ppid.sort();
-        assert_eq!(by_ppid.len(), 2, "{by_ppid:?}");
-        if let Ok(listed) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-            let mut listed: Vec<u32> = listed
-                .split_whitespace()
-                .map(|c| c.parse().unwrap())
-                .collect();
-            listed.sort();
-            assert_eq!(by_ppid, listed);
-        }
-        for child in &by_ppid {
-            let _ = Command::new("kill").arg(child.to_string()).status();
+        let pids = with_children(sh.id());
+        assert_eq!(pids.len(), 3, "{pids:?}");
+        for pid in pids.iter().rev() {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
         }
         sh.wait().unwrap();
         assert!(cpu_ns(&[std::process::id()]) > 0);

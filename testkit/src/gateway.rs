@@ -15,10 +15,11 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::metrics::{scrape, scrape_blocking, sum_of};
+use crate::process::ChildProcess;
 use crate::redis::ATTEMPTS;
 use crate::{free_addr, wait_until, GatewayConfig};
 
@@ -96,11 +97,11 @@ impl Launch {
     pub async fn start(&self, config: &GatewayConfig) -> GatewayProcess {
         let dir = tempfile::tempdir().unwrap();
         let mut gateway = GatewayProcess {
+            child: ChildProcess::none(),
             ports: Ports::free(),
             launch: self.clone(),
             config: dir.path().join("idemgate.toml"),
             _dir: dir,
-            child: None,
         };
         for _ in 0..ATTEMPTS {
             if gateway.spawn(config).await {
@@ -116,11 +117,12 @@ impl Launch {
 
 /// The gateway binary running as a child process; killed on drop.
 pub struct GatewayProcess {
+    /// The process; first, so that it is killed before its config's directory goes.
+    child: ChildProcess,
     ports: Ports,
     launch: Launch,
     config: PathBuf,
     _dir: tempfile::TempDir,
-    child: Option<Child>,
 }
 
 impl GatewayProcess {
@@ -151,66 +153,51 @@ impl GatewayProcess {
 
     /// Its process id (that of the prefix's program, which execs the binary), while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.pid()
     }
 
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().unwrap().is_none())
+        self.child.running()
     }
 
     /// SIGKILL: no chance to clean up, as in a crash.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill9();
     }
 
     /// Send SIGTERM (a graceful shutdown).
     pub fn sigterm(&self) {
-        self.signal("-TERM");
+        self.child.signal("-TERM");
     }
 
     /// SIGSTOP: the process stalls, its connections open and unanswered, its clock running.
     pub fn pause(&self) {
-        self.signal("-STOP");
+        self.child.signal("-STOP");
     }
 
     /// SIGCONT after [`GatewayProcess::pause`].
     pub fn resume(&self) {
-        self.signal("-CONT");
-    }
-
-    fn signal(&self, sig: &str) {
-        let pid = self.pid().expect("running");
-        let ok = Command::new("kill")
-            .arg(sig)
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(ok.success(), "kill {sig} {pid}");
+        self.child.signal("-CONT");
     }
 
     /// Wait for the process to exit (up to `limit`), returning its exit status.
     pub async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
-        let child = self.child.as_mut().expect("running");
+        assert!(self.child.held(), "running");
         let mut status = None;
         wait_until(limit, "the gateway binary exits", async || {
-            status = child.try_wait().unwrap();
+            status = self.child.exit_status();
             status.is_some()
         })
         .await;
-        self.child = None;
+        self.child.forget();
         status.unwrap()
     }
 
     /// Start it again after a kill or an exit, on the same ports, with `config`; panics when
     /// it cannot listen there.
     pub async fn start_again(&mut self, config: &GatewayConfig) {
-        assert!(self.child.is_none(), "start_again while running");
+        assert!(!self.child.held(), "start_again while running");
         assert!(
             self.spawn(config).await,
             "the gateway binary did not start again on {}",
@@ -255,22 +242,23 @@ impl GatewayProcess {
                 command.stdout(file.try_clone().unwrap()).stderr(file);
             }
         }
-        let mut child = command
+        let child = command
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", launch.binary.display()));
+        self.child.hold(child);
         let addr = self.ports.listen;
         let mut exited = false;
         wait_until(
             STARTUP,
             "the gateway binary accepts connections",
             async || {
-                exited = child.try_wait().unwrap().is_some();
+                exited = self.child.exit_status().is_some();
                 exited || tokio::net::TcpStream::connect(addr).await.is_ok()
             },
         )
         .await;
-        if !exited {
-            self.child = Some(child);
+        if exited {
+            self.child.forget();
         }
         !exited
     }
@@ -303,11 +291,5 @@ impl GatewayProcess {
     /// labels) in its `/metrics`.
     pub async fn metric_sum(&self, family: &str) -> std::io::Result<f64> {
         Ok(sum_of(&self.scrape().await?, family))
-    }
-}
-
-impl Drop for GatewayProcess {
-    fn drop(&mut self) {
-        self.kill9();
     }
 }

@@ -32,6 +32,8 @@
 //! - [`postgres`]: [`PostgresServer`], a private PostgreSQL server (`initdb` on a free port) that
 //!   can be `stop()`ped, `kill()`ed, started again, `restart()`ed and `restart_immediate()`d.
 //! - [`ports`]: [`free_port`], [`free_addr`] and [`ReservedPort`].
+//! - [`process`]: what every fixture's child process shares (held, signalled, killed on drop),
+//!   and [`process::children`], the processes one started.
 //! - [`python`]: [`PythonEnv`], a Python virtual environment with client SDKs from PyPI.
 //! - [`store`]: [`StoreServer`], the server a behavioural test's backend needs.
 //! - [`tmpfs`]: [`Tmpfs`], a small tmpfs in a mount namespace of its own, to `fill()` and
@@ -45,6 +47,7 @@ pub mod gateway;
 pub mod metrics;
 pub mod ports;
 pub mod postgres;
+pub mod process;
 pub mod python;
 pub mod redis;
 pub mod store;
