@@ -27,7 +27,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, IntoConnectionInfo};
 
 use crate::process::ChildProcess;
-use crate::redis::{came_up, socket_in, ATTEMPTS};
+use crate::redis::{run_server, socket_in, ATTEMPTS};
 use crate::{free_port, wait_until};
 
 /// How long a cluster or Sentinel set may take to settle (form, fail over, take a node back).
@@ -595,13 +595,7 @@ impl Node {
             }
             _ => {}
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        self.child.hold(child);
-        came_up(&self.child, dir).await
+        run_server(&mut cmd, &self.child, dir).await
     }
 
     fn url(&self) -> String {

@@ -109,13 +109,7 @@ impl RedisServer {
         } else {
             cmd.args(["--appendonly", "no"]);
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        self.child.hold(child);
-        came_up(&self.child, self.dir.path()).await
+        run_server(&mut cmd, &self.child, self.dir.path()).await
     }
 
     /// `redis://127.0.0.1:PORT/0`
@@ -209,8 +203,8 @@ impl TlsRedisServer {
         let auth = if auth_clients { "yes" } else { "no" };
         for _ in 0..ATTEMPTS {
             let port = free_port();
-            let child = Command::new("redis-server")
-                .args(["--port", "0", "--bind", "127.0.0.1"])
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", "0", "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
                 .args(["--tls-port", &port.to_string(), "--tls-auth-clients", auth])
                 .arg("--tls-cert-file")
@@ -222,16 +216,11 @@ impl TlsRedisServer {
                 .arg("--unixsocket")
                 .arg(socket_in(dir.path()))
                 .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed");
-            let held = ChildProcess::none();
-            held.hold(child);
-            if came_up(&held, dir.path()).await {
+                .arg(dir.path());
+            let child = ChildProcess::none();
+            if run_server(&mut cmd, &child, dir.path()).await {
                 return TlsRedisServer {
-                    _child: held,
+                    _child: child,
                     port,
                     ca_file: ca_file.to_path_buf(),
                     _dir: dir,
@@ -246,9 +235,15 @@ pub(crate) fn socket_in(dir: &Path) -> PathBuf {
     dir.join("redis.sock")
 }
 
-/// Wait until the redis-server `child` answers PING on the unix socket in `dir` (`true`), or
-/// exits (`false`, and it is let go of).
-pub(crate) async fn came_up(child: &ChildProcess, dir: &Path) -> bool {
+/// Run the redis-server `cmd` (its unix socket in `dir`) as `child`, and wait until it answers
+/// PING there (`true`) or exits (`false`, and it is let go of).
+pub(crate) async fn run_server(cmd: &mut Command, child: &ChildProcess, dir: &Path) -> bool {
+    let started = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (scripts/test installs it)");
+    child.hold(started);
     let socket = socket_in(dir);
     let mut exited = false;
     wait_until(STARTUP, "redis-server answers PING", async || {
