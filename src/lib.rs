@@ -61,7 +61,8 @@
 //!   the store's own types, each value checked as it is read: `config/mod.rs` (the file, the
 //!   top-level fields, the environment overlay), `config/checked.rs` (a value read through its
 //!   rule, errors naming the field as written), `config/policy.rs` (`[defaults]` and
-//!   `[[routes]]` as checked fields merged over the built-in policy), `config/store.rs`
+//!   `[[routes]]`: the table made from the policy's one list of fields, merged over the
+//!   built-in policy), `config/store.rs`
 //!   (`[store]`, one table per backend), `config/upstream.rs` (`[upstreams.NAME]`, `[tls]`),
 //!   `config/telemetry.rs` (`[telemetry]`), `config/human.rs` (durations and sizes as people
 //!   write them).
@@ -119,7 +120,8 @@
 //!   branch of the protocol without sockets).
 //! - [`record`]: the vocabulary of the engine and the store: `record/mod.rs` (what a record
 //!   holds: token, stored response, entry state), `record/key.rs` (the key, read, derived and
-//!   scoped), `record/fingerprint.rs`, `record/policy.rs` ([`Policy`] and its rules),
+//!   scoped), `record/fingerprint.rs`, `record/policy.rs` ([`Policy`]: the one list of its fields, from which the struct, its
+//!   defaults, its builder and the TOML table come, and their rules),
 //!   `record/json/mod.rs` with `record/json/parse.rs`, `record/json/canonical.rs` and
 //!   `record/json/pointer.rs` (strict JSON, its canonical form, RFC 6901 pointers;
 //!   `record/json/differential.rs`: their property tests against serde_json and an exact

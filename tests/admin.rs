@@ -53,17 +53,6 @@ async fn status(req: reqwest::RequestBuilder) -> u16 {
     req.send().await.unwrap().status().as_u16()
 }
 
-async fn scrape(env: &TestEnv) -> String {
-    let resp = env
-        .client
-        .get(admin_url(env, "/metrics"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    resp.text().await.unwrap()
-}
-
 on_both_backends!(
     metrics_count_every_outcome,
     key_api_requires_the_token,
@@ -76,7 +65,7 @@ async fn metrics_count_every_outcome(b: Backend) {
         .await
         .delay(Duration::from_millis(300));
     let env = TestEnv::start_with(b, upstream, admin_config()).await;
-    let before = scrape(&env).await;
+    let before = env.gateway.metrics().await;
     for outcome in [
         "miss",
         "replayed",
@@ -112,7 +101,7 @@ async fn metrics_count_every_outcome(b: Backend) {
         400
     );
 
-    let after = scrape(&env).await;
+    let after = env.gateway.metrics().await;
     assert_eq!(requests(&after, "miss"), 1);
     assert_eq!(requests(&after, "in_flight_conflict"), 1);
     assert_eq!(requests(&after, "replayed"), 2);

@@ -21,7 +21,7 @@ use common::{
 };
 use idemgate::store::{NodeAuth, RedisSettings, RedisStore, Topology};
 use redis::AsyncCommands;
-use testkit::{Failover, Replicated};
+use testkit::{Replicated, Steps, Supervision};
 
 const TOKEN: &str = "cluster-admin-token-0123456789";
 const IN_FLIGHT: &str = "urn:idemgate:problem:in-flight";
@@ -667,27 +667,6 @@ async fn sentinel_exactly_once_replays_and_waiters() {
 
 // === failover, injected for real ===
 
-/// The gateways' config on `store`.
-fn on(store: Replicated<'_>, config: TestConfig) -> TestConfig {
-    match store {
-        Replicated::Cluster(cluster) => config.redis_cluster(cluster),
-        Replicated::Sentinel(set) => config.redis_sentinel(set),
-    }
-}
-
-/// SIGKILL a primary of `store` that holds some of the records written so far.
-async fn kill9_a_primary(store: Replicated<'_>) -> Failover<'_> {
-    let record = match store {
-        Replicated::Cluster(cluster) => {
-            let records = cluster.keys("test:*").await;
-            let (_, record) = records.first().expect("records before the kill").clone();
-            Some(record)
-        }
-        Replicated::Sentinel(_) => None,
-    };
-    store.kill9_primary(record.as_deref()).await
-}
-
 /// How long a client retries one key before the test fails.
 const KEY_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -735,16 +714,14 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(200));
-    let config = on(
-        store,
-        TestConfig::new()
-            .upstream(&upstream.url())
-            .set("store.wait_replicas", wait_replicas)
-            .set("store.timeout", "500ms")
-            // Longer than a failover and a restart: the lease that a stuck claim (and the
-            // background resending of a completion) lasts.
-            .set("defaults.lock_ttl", "10s"),
-    );
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .replicated(store)
+        .set("store.wait_replicas", wait_replicas)
+        .set("store.timeout", "500ms")
+        // Longer than a failover and a restart: the lease that a stuck claim (and the
+        // background resending of a completion) lasts.
+        .set("defaults.lock_ttl", "10s");
     let gateways = Gateways::start(2, &config).await;
     let log = Mutex::new(Storm::default());
     let stop = AtomicBool::new(false);
@@ -762,22 +739,20 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
         }
     };
     let clients = futures_util::future::join_all((0..6).map(client));
-    let failover = async {
-        let done = || log.lock().unwrap().keys.len();
-        wait_until(
-            Duration::from_secs(10),
-            "keys succeed before the kill",
-            async || done() >= 20,
-        )
-        .await;
-        let mut killed = kill9_a_primary(store).await;
-        let killed_at = killed.killed_at;
-        let failover = killed.wait_for_failover().await;
-        let mut probes_ran = 0;
-        if wait_replicas > 0 {
-            // The promoted primary has no replica until the supervisor acts: a claim on it is
-            // not acknowledged, so it is refused (and counted). New keys probe for it, as the
-            // clients' keys may all be waiting for their first execution's record.
+    let done = || log.lock().unwrap().keys.len();
+    let mut probes_ran = 0;
+    let steps = Steps {
+        under_way: async || {
+            let what = "keys succeed before the kill";
+            wait_until(Duration::from_secs(10), what, async || done() >= 20).await;
+        },
+        // The promoted primary has no replica until the supervisor acts: a claim on it is not
+        // acknowledged, so it is refused (and counted). New keys probe for it, as the clients'
+        // keys may all be waiting for their first execution's record.
+        failed_over: async || {
+            if wait_replicas == 0 {
+                return;
+            }
             let mut probe = 0;
             wait_until(
                 Duration::from_secs(5),
@@ -795,28 +770,34 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
                 },
             )
             .await;
-        }
-        let restarting = killed_at.elapsed();
-        let restart = killed.restart_as_replica().await;
-        let restarted_at = Instant::now();
-        wait_until(
-            Duration::from_secs(15),
-            "keys first sent after the restart succeed",
-            async || {
-                let log = log.lock().unwrap();
-                log.keys
-                    .iter()
-                    .filter(|(_, s, _)| *s > restarted_at)
-                    .count()
-                    >= 20
-            },
-        )
-        .await;
-        stop.store(true, Ordering::SeqCst);
-        (killed_at, failover, restarting, restart, probes_ran)
+        },
+        recovered: async |run: &Supervision<'_>| {
+            if let Some(e) = &run.error {
+                panic!("the supervisor: {e}");
+            }
+            let restarted_at = run.failover.as_ref().and_then(|f| f.healthy_at).unwrap();
+            wait_until(
+                Duration::from_secs(15),
+                "keys first sent after the restart succeed",
+                async || {
+                    let log = log.lock().unwrap();
+                    log.keys
+                        .iter()
+                        .filter(|(_, s, _)| *s > restarted_at)
+                        .count()
+                        >= 20
+                },
+            )
+            .await;
+        },
     };
-    let (_, (killed_at, failover, restarting, restart, probes_ran)) =
-        tokio::join!(clients, failover);
+    let (_, run) = store
+        .under_load(Some("test:*"), clients, &stop, steps)
+        .await;
+    let f = run.failover.expect("a primary killed");
+    let at = |step: Option<Instant>| step.unwrap().saturating_duration_since(f.killed_at);
+    let (killed_at, failover) = (f.killed_at, at(f.failed_over_at));
+    let (restarted, restart) = (at(f.restarted_at), at(f.healthy_at) - at(f.restarted_at));
 
     let log = log.into_inner().unwrap();
     let mut refused: BTreeMap<u16, usize> = BTreeMap::new();
@@ -839,7 +820,7 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
     let keys = log.keys.len();
     eprintln!(
         "{name}: wait_replicas = {wait_replicas}, {keys} keys each sent twice at once: \
-         failed over {failover:?} after the kill -9, restarted by the supervisor {restarting:?} \
+         failed over {failover:?} after the kill -9, restarted by the supervisor {restarted:?} \
          after it (a replica again {restart:?} later); {} requests refused {refused:?}, the \
          last {} after the kill; unacknowledged claims {}, completions {}; \
          {} duplicate execution(s) {duplicated:?}",
@@ -872,14 +853,12 @@ async fn cluster_a_failover_longer_than_the_rest_of_the_lease_still_records_the_
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(1000));
-    let config = on(
-        Replicated::Cluster(&cluster),
-        TestConfig::new()
-            .upstream(&upstream.url())
-            .set("store.wait_replicas", 1)
-            .set("store.timeout", "500ms")
-            .set("defaults.lock_ttl", "1s"),
-    );
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .redis_cluster(&cluster)
+        .set("store.wait_replicas", 1)
+        .set("store.timeout", "500ms")
+        .set("defaults.lock_ttl", "1s");
     let gateways = Gateways::start(1, &config).await;
     let first = tokio::spawn(send(gateways.post(0, "/v1/p", "fo").body("x")));
     upstream.wait_for_calls(1).await;
@@ -1130,19 +1109,17 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
 async fn new_keys_succeed_after_a_failover(store: Replicated<'_>, restart: bool) {
     let _one_at_a_time = KILLS.lock().await;
     let upstream = CountingUpstream::start().await;
-    let config = on(
-        store,
-        TestConfig::new()
-            .upstream(&upstream.url())
-            .set("store.timeout", "500ms"),
-    );
+    let config = TestConfig::new()
+        .upstream(&upstream.url())
+        .replicated(store)
+        .set("store.timeout", "500ms");
     let gateways = Gateways::start(2, &config).await;
     for i in 0..30 {
         let key = format!("before-{i}");
         let seen = send(gateways.post(i % 2, "/v1/p", &key).body("x")).await;
         assert_eq!(seen.status, 201);
     }
-    let mut killed = kill9_a_primary(store).await;
+    let mut killed = store.kill9_primary_holding("test:*").await;
     // Keyed requests go on while the store fails over (each refused 503, or served when its
     // key's shard is up).
     let ran_during = std::sync::atomic::AtomicUsize::new(0);

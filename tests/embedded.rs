@@ -6,9 +6,7 @@ use crate::common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{
-    client, send, wait_until, CountingUpstream, GatewayBinary, InProcessGateway, TestConfig,
-};
+use common::{binary, client, send, wait_until, CountingUpstream, InProcessGateway, TestConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
@@ -57,7 +55,7 @@ async fn every_acknowledged_request_survives_a_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = CountingUpstream::start().await;
     let config = config(&upstream, dir.path());
-    let mut gateway = GatewayBinary::start(&config).await;
+    let mut gateway = binary().start(&config).await;
     // Claims acknowledged and still running upstream when the process dies: each reached the
     // upstream, which the gateway does only once its claim is on disk.
     let slow: Vec<String> = (0..16).map(|i| format!("slow-{i}")).collect();
@@ -94,7 +92,7 @@ async fn every_acknowledged_request_survives_a_kill_9() {
     assert!(completed.len() >= 20, "only {} completed", completed.len());
     let calls = upstream.calls();
 
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     for key in &completed {
         let seen = send(keyed(&gateway.url("/v1/pay"), key)).await;
         assert!(
@@ -127,7 +125,7 @@ async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = CountingUpstream::start().await;
     let config = config(&upstream, dir.path()).set("store.fsync", false);
-    let mut gateway = GatewayBinary::start(&config).await;
+    let mut gateway = binary().start(&config).await;
     // Requests without a pause, so that the writer is never idle, for 3.5 s; then the kill.
     let start = std::time::Instant::now();
     let mut lanes = Vec::new();
@@ -156,7 +154,7 @@ async fn without_fsync_a_kill_9_under_load_loses_at_most_the_last_second() {
         early.extend(lane.await.unwrap());
     }
     assert!(early.len() >= 20, "only {} early", early.len());
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     let mut lost = 0;
     for key in &early {
         if !send(keyed(&gateway.url("/v1/pay"), key)).await.replayed() {
@@ -176,7 +174,7 @@ async fn a_full_disk_is_a_store_error_and_the_store_works_again_once_there_is_ro
     let disk = Tmpfs::mount("8m").await;
     let upstream = CountingUpstream::start().await;
     let config = config(&upstream, &disk.path().join("store"));
-    let mut gateway = GatewayBinary::start_via(&config, &disk.enter()).await;
+    let mut gateway = binary().via(&disk.enter()).start(&config).await;
     let acknowledged: Vec<String> = (0..10).map(|i| format!("before-{i}")).collect();
     for key in &acknowledged {
         let first = send(keyed(&gateway.url("/v1/pay"), key)).await;
@@ -308,7 +306,7 @@ async fn a_second_process_on_the_directory_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = CountingUpstream::start().await;
     let config = config(&upstream, dir.path());
-    let _first = GatewayBinary::start(&config).await;
+    let _first = binary().start(&config).await;
     let second = run_binary(&config.clone().set("listen", "127.0.0.1:0"), "");
     assert_eq!(second.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&second.stderr);
@@ -542,7 +540,7 @@ async fn records_kept_forever_replay_after_a_restart_with_no_expiry() {
         .set("defaults.ttl", "forever")
         .set("defaults.expiry_header", "idempotency-expires")
         .route("/v1/day", toml::toml! { ttl = "1d" });
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     let first = send(keyed(&gateway.url("/v1/pay"), "kept")).await;
     assert_eq!(first.status, 201);
     assert_eq!(
@@ -554,7 +552,7 @@ async fn records_kept_forever_replay_after_a_restart_with_no_expiry() {
     assert!(day.header("idempotency-expires").is_some(), "{day:?}");
     drop(gateway);
 
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     let again = send(keyed(&gateway.url("/v1/pay"), "kept")).await;
     assert!(again.replayed(), "{again:?}");
     assert_eq!(again.header("idempotency-expires"), None);

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use common::raw::RawUpstream;
 use common::{
-    send, wait_until, Backend, CountingUpstream, GatewayBinary, InProcessGateway, RedisServer,
-    Seen, TestConfig, TestEnv,
+    binary, send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, Seen,
+    TestConfig, TestEnv,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -182,7 +182,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
         .upstream(&upstream.url())
         .redis(&redis)
         .set("defaults.lock_ttl", "2s");
-    let mut crashed = GatewayBinary::start(&config).await;
+    let mut crashed = binary().start(&config).await;
     let client = common::client();
     let req = client
         .post(crashed.url("/v1/p"))
@@ -197,7 +197,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     );
     let killed_at = Instant::now();
 
-    let survivor = GatewayBinary::start(&config).await;
+    let survivor = binary().start(&config).await;
     let retry = send(
         client
             .post(survivor.url("/v1/p"))
@@ -355,7 +355,7 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
         .await
         .delay(Duration::from_millis(1000));
     let config = TestConfig::new().upstream(&upstream.url()).redis(&redis);
-    let mut gateway = GatewayBinary::start(&config).await;
+    let mut gateway = binary().start(&config).await;
     let client = common::client();
     let pending = tokio::spawn(send(
         client
@@ -368,14 +368,18 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
     wait_until(
         Duration::from_millis(100),
         "the gateway refuses new connections after SIGTERM",
-        async || tokio::net::TcpStream::connect(gateway.addr).await.is_err(),
+        async || {
+            tokio::net::TcpStream::connect(gateway.addr())
+                .await
+                .is_err()
+        },
     )
     .await;
     let seen = pending.await.unwrap();
     assert_eq!(seen.status, 201);
     assert!(gateway.wait_exit(Duration::from_secs(5)).await.success());
     // What it answered was recorded: another gateway replays it.
-    let next = GatewayBinary::start(&config).await;
+    let next = binary().start(&config).await;
     let replay = send(
         client
             .post(next.url("/v1/p"))
@@ -400,7 +404,7 @@ async fn sigterm_while_starting_still_exits_cleanly() {
         .upstream(&upstream.url())
         .redis(&redis)
         .set("store.timeout", "1s");
-    let mut gateway = GatewayBinary::start(&config).await;
+    let mut gateway = binary().start(&config).await;
     gateway.sigterm();
     let status = gateway.wait_exit(Duration::from_secs(5)).await;
     redis.resume();
@@ -416,7 +420,7 @@ async fn shutdown_grace_bounds_the_wait() {
     let config = TestConfig::new()
         .upstream(&upstream.url())
         .set("shutdown_grace", "1s");
-    let mut gateway = GatewayBinary::start(&config).await;
+    let mut gateway = binary().start(&config).await;
     let client = common::client();
     let _pending = tokio::spawn(
         client

@@ -19,8 +19,8 @@ use prost::Message;
 use sha2::{Digest, Sha256};
 
 use common::{
-    client, free_port, send, wait_until, CountingUpstream, GatewayBinary, TestCa, TestConfig,
-    Validity,
+    binary, client, free_port, send, wait_until, CountingUpstream, GatewayProcess, TestCa,
+    TestConfig, Validity,
 };
 
 /// An OTLP/HTTP receiver: every export's raw bytes, kept for the test to decode, and the
@@ -147,7 +147,7 @@ fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (T
 /// What the gateway whose admin listener is on `admin` says it dropped.
 async fn dropped(admin: u16) -> f64 {
     let series = "idemgate_trace_spans_dropped_total";
-    common::gateway::metric_at(([127, 0, 0, 1], admin).into(), series).await
+    common::metrics::metric(([127, 0, 0, 1], admin).into(), series).await
 }
 
 /// The one span named `name` whose parent is `parent`.
@@ -166,7 +166,7 @@ async fn a_miss_and_its_replay_are_exported_with_parent_attributes_and_link() {
     let upstream = CountingUpstream::start().await;
     let (receiver, addr) = Receiver::start().await;
     let (config, _) = traced(&upstream, &format!("http://{addr}"), 0.0);
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     let http = client();
     let pay = |trace: &str, span: &str| {
         http.post(gateway.url("/v1/payments"))
@@ -284,7 +284,7 @@ async fn a_collector_that_is_down_drops_and_counts_spans_and_requests_are_answer
     // Nothing listens there.
     let down = format!("http://127.0.0.1:{}", free_port());
     let (config, admin) = traced(&upstream, &down, 1.0);
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     let http = client();
     for i in 0..20 {
         let pay = http
@@ -309,7 +309,7 @@ async fn an_https_collector_with_a_private_ca_and_mutual_tls_gets_the_spans() {
     let (receiver, addr) = Receiver::start_tls(ca.server_config(&server, true)).await;
     let collector = format!("https://localhost:{}", addr.port());
     let upstream = CountingUpstream::start().await;
-    let pay = |gateway: &GatewayBinary, key: &str| {
+    let pay = |gateway: &GatewayProcess, key: &str| {
         client()
             .post(gateway.url("/v1/payments"))
             .header("idempotency-key", key)
@@ -324,7 +324,7 @@ async fn an_https_collector_with_a_private_ca_and_mutual_tls_gets_the_spans() {
         .set("telemetry.client_cert_file", presented.cert())
         .set("telemetry.client_key_file", presented.key_path())
         .env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=collector-secret");
-    let gateway = GatewayBinary::start(&config).await;
+    let gateway = binary().start(&config).await;
     assert_eq!(send(pay(&gateway, "tls-1")).await.status, 201);
     wait_until(
         Duration::from_secs(10),
@@ -345,7 +345,9 @@ async fn an_https_collector_with_a_private_ca_and_mutual_tls_gets_the_spans() {
     // Without the client certificate the collector refuses the connection: the spans are
     // dropped and counted, and the request is answered all the same.
     let (config, admin) = traced(&upstream, &collector, 1.0);
-    let gateway = GatewayBinary::start(&config.set("telemetry.ca_file", ca.ca())).await;
+    let gateway = binary()
+        .start(&config.set("telemetry.ca_file", ca.ca()))
+        .await;
     let before = receiver.spans().len();
     assert_eq!(send(pay(&gateway, "tls-2")).await.status, 201);
     wait_until(

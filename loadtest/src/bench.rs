@@ -1,13 +1,14 @@
 //! The run's state and the measuring every section shares: warm-up, a closed-loop phase with the
 //! CPU time per request of each process, a fixed-rate phase, and the sanity checks.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use std::collections::HashMap;
+use testkit::metrics::{commandstats, per_request};
 
 use crate::load::{self, CpuPerRequest, Keys, Pace, Report};
-use crate::metrics::{commandstats, round_trips};
+use crate::metrics::round_trips;
 use crate::procs;
 
 /// One row of the results table.
@@ -225,12 +226,16 @@ pub async fn phase(
     let keys = b.warm_up(&[addr], keys, "miss").await;
     let r = match redis {
         Some((conn, admin)) => {
-            let (before, trips_before) = (commandstats(conn).await, round_trips(admin));
+            let (before, trips_before) = (commandstats(conn, "calls").await, round_trips(admin));
             let r = b.closed(addr, keys, proxy).await;
-            let (after, trips_after) = (commandstats(conn).await, round_trips(admin));
+            let (after, trips_after) = (commandstats(conn, "calls").await, round_trips(admin));
             let trips = (trips_after - trips_before) as f64 / r.requests.max(1) as f64;
-            b.notes.push(per_request(
-                scenario, size, trips, &before, &after, r.requests,
+            b.notes.push(per_request_note(
+                scenario,
+                size,
+                trips,
+                (&before, &after),
+                r.requests,
             ));
             r
         }
@@ -302,29 +307,16 @@ pub fn human(size: usize) -> String {
 }
 
 /// The note of a phase on Redis: round trips and commands per request.
-fn per_request(
+fn per_request_note(
     what: &str,
     size: usize,
     trips: f64,
-    before: &HashMap<String, u64>,
-    after: &HashMap<String, u64>,
+    (before, after): (&HashMap<String, u64>, &HashMap<String, u64>),
     requests: u64,
 ) -> String {
-    let mut parts: Vec<(String, f64)> = after
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                (*v - before.get(k).copied().unwrap_or(0)) as f64 / requests.max(1) as f64,
-            )
-        })
-        .filter(|(k, v)| *v > 0.001 && k != "info")
-        .collect();
-    parts.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let detail: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
     format!(
         "{} body, {what}: {trips:.2} Redis round trips per request (the gateway's store operations not answered by its local cache); Redis commands per request, incl. those run inside the scripts: {}",
         human(size),
-        detail.join(", ")
+        per_request(before, after, requests)
     )
 }

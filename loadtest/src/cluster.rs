@@ -5,15 +5,15 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::path::Path;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use testkit::{RedisCluster, RedisServer};
+use testkit::metrics::{errors_text, errorstats, info_counts, per_request, since};
+use testkit::{panic_text, GatewayConfig, RedisCluster, RedisServer};
 
 use crate::bench::{human, Bench, Row};
 use crate::load::{self, Keys, Report};
-use crate::metrics::{errors_text, errorstats, info_counts, round_trips, since};
+use crate::metrics::round_trips;
 use crate::procs::{self, Proc};
 
 /// One measured setup: two gateways and the Redis processes behind them.
@@ -50,66 +50,31 @@ impl Setup {
     }
 }
 
-/// `name n, ...` of the commands run per request between two `commandstats`, most first.
-fn per_request(
-    before: &HashMap<String, u64>,
-    after: &HashMap<String, u64>,
-    requests: u64,
-) -> String {
-    let mut parts: Vec<(&String, f64)> = after
-        .iter()
-        .map(|(k, v)| {
-            let d = v.saturating_sub(before.get(k).copied().unwrap_or(0));
-            (k, d as f64 / requests.max(1) as f64)
-        })
-        .filter(|(k, v)| *v > 0.001 && !matches!(k.as_str(), "info" | "ping"))
-        .collect();
-    parts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
-    let parts: Vec<String> = parts.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
-    if parts.is_empty() {
-        "none".into()
-    } else {
-        parts.join(", ")
-    }
-}
-
 /// `INFO commandstats` of the nodes on `ports`: calls by command, summed.
 async fn commandstats(ports: &[u16]) -> HashMap<String, u64> {
     info_counts(ports, "commandstats", "cmdstat_", "calls").await
 }
 
-/// The `[store]` table of a standalone Redis.
-fn standalone_toml(redis: &RedisServer) -> String {
-    format!(
-        "backend = \"redis\"\nurl = \"redis://127.0.0.1:{}\"",
-        redis.port
-    )
-}
-
-/// The `[store]` table of a gateway on `cluster`, two primaries as its seed nodes.
-pub async fn cluster_toml(cluster: &RedisCluster) -> String {
+/// `config` on `cluster`, two of its primaries as the seed nodes.
+pub async fn on_two_primaries(config: GatewayConfig, cluster: &RedisCluster) -> GatewayConfig {
     let seeds: Vec<String> = cluster.primaries().await[..2]
         .iter()
-        .map(|&i| format!("\"redis://127.0.0.1:{}\"", cluster.port(i)))
+        .map(|&i| format!("redis://127.0.0.1:{}", cluster.port(i)))
         .collect();
-    format!("backend = \"redis-cluster\"\nurls = [{}]", seeds.join(", "))
+    config.redis_cluster_seeds(seeds)
 }
 
 /// A Redis fixture started, or why it did not start (its panic's message).
 pub async fn started<T>(start: impl Future<Output = T>) -> Result<T, String> {
-    AssertUnwindSafe(start).catch_unwind().await.map_err(|e| {
-        e.downcast_ref::<String>()
-            .cloned()
-            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "did not start".into())
-    })
+    AssertUnwindSafe(start)
+        .catch_unwind()
+        .await
+        .map_err(|e| panic_text(&*e))
 }
 
-/// Two gateways on `store` (a `[store]` table's body) in front of `upstream`.
-pub fn two_gateways(dir: &Path, store: &str, upstream: SocketAddr, prefix: &str) -> Vec<Proc> {
-    (0..2)
-        .map(|_| procs::gateway_with_prefix(dir, store, upstream, "", prefix))
-        .collect()
+/// Two gateways with `config`, on one store.
+pub async fn two_gateways(config: &GatewayConfig) -> Vec<Proc> {
+    vec![procs::gateway(config).await, procs::gateway(config).await]
 }
 
 /// Warm up, then one measured closed-loop phase through `setup`'s gateways with the Redis
@@ -172,7 +137,7 @@ async fn phase(b: &mut Bench, setup: &Setup, scenario: &str, keys: Keys) -> usiz
 /// Cluster of 3 primaries and 3 replicas against the same two gateways on one standalone Redis,
 /// and the miss with `wait_replicas = 1` on the cluster; rounds interleaved; the Redis round
 /// trips and commands per request, and the MOVED/ASK redirections over every node (must be 0).
-pub async fn run(b: &mut Bench, dir: &Path, quick: bool) {
+pub async fn run(b: &mut Bench, quick: bool) {
     // With --quick, a smoke run: 0.5 s phases.
     let secs = b.secs;
     if quick {
@@ -195,14 +160,12 @@ pub async fn run(b: &mut Bench, dir: &Path, quick: bool) {
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
     let prefix = format!("c{}:", b.prefix("cl"));
-    let on_redis = two_gateways(dir, &standalone_toml(&standalone), up.addr, &prefix);
-    let store = cluster_toml(&cluster).await;
-    let on_cluster = two_gateways(dir, &store, up.addr, &prefix);
-    let waiting = two_gateways(
-        dir,
-        &format!("{store}\nwait_replicas = 1"),
-        up.addr,
-        &prefix,
+    let config = procs::config(up.addr);
+    let on_redis = two_gateways(&config.clone().redis_url(&standalone.url()).prefix(&prefix)).await;
+    let config = on_two_primaries(config, &cluster).await.prefix(&prefix);
+    let (on_cluster, waiting) = (
+        two_gateways(&config).await,
+        two_gateways(&config.set("store.wait_replicas", 1)).await,
     );
     let p = cluster.primaries().await;
     let replica_nodes: Vec<usize> = (0..all_nodes.len()).filter(|i| !p.contains(i)).collect();

@@ -43,19 +43,20 @@ pub async fn run(b: &mut Bench, dir: &Path, quick: bool) {
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
     let nginx = procs::nginx(dir, up.addr);
-    let mem = procs::gateway(dir, "memory", up.addr, "");
+    let mem = procs::gateway(&procs::config(up.addr)).await;
     let embedded = |name: &str, fsync: bool| {
-        let path = disk.path().join(name);
-        let store = format!(
-            "backend = \"embedded\"\npath = \"{}\"\nfsync = {fsync}",
-            path.display()
-        );
-        procs::gateway(dir, &store, up.addr, "")
+        let config = procs::config(up.addr)
+            .embedded(&disk.path().join(name))
+            .set("store.fsync", fsync);
+        async move { procs::gateway(&config).await }
     };
     let mut gws = vec![&nginx, &mem];
-    let durable = embedded("fsync", true);
+    let durable = embedded("fsync", true).await;
     gws.push(&durable);
-    let lazy = (!quick).then(|| embedded("no-fsync", false));
+    let lazy = match quick {
+        true => None,
+        false => Some(embedded("no-fsync", false).await),
+    };
     gws.extend(lazy.as_ref());
     let scenarios = scenarios(lazy.is_some());
     let mut rows = Vec::new();

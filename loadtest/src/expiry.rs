@@ -6,13 +6,14 @@
 //! rounds at one fixed rate for both, so that their CPU per miss is compared at the same load.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use redis::aio::MultiplexedConnection;
 
 use crate::bench::{human, keep_round, medians, Bench};
 use crate::load::{self, Keys, Pace, Report};
-use crate::metrics::{commandstats_field, moved, store_operations};
+use testkit::metrics::commandstats;
+
+use crate::metrics::{moved, store_operations};
 use crate::procs::{self, Proc};
 
 /// The routes' `after_expiry`, in the order of the rows.
@@ -41,7 +42,6 @@ impl Moved {
 /// keeps the run's rounds (one); a full run has three at least, as the figure is a few per cent.
 pub async fn run(
     b: &mut Bench,
-    dir: &Path,
     (redis_conn, redis_url): (&mut MultiplexedConnection, &str),
     quick: bool,
 ) {
@@ -50,13 +50,17 @@ pub async fn run(
     flush(redis_conn).await;
     let up = procs::upstream(b.size, 0);
     b.upstream_pids = up.pids();
-    let route = |mode: &str| {
-        format!("[[routes]]\npath = \"/v1/payments\"\nmethods = [\"POST\"]\nafter_expiry = \"{mode}\"\n")
-    };
-    let gws: Vec<Proc> = MODES
-        .iter()
-        .map(|m| procs::gateway(dir, redis_url, up.addr, &route(m)))
-        .collect();
+    let mut gws: Vec<Proc> = Vec::new();
+    for mode in MODES {
+        let config = procs::config(up.addr)
+            .redis_url(redis_url)
+            .prefix("bench:")
+            .route(
+                "/v1/payments",
+                toml::toml! { methods = ["POST"] after_expiry = mode },
+            );
+        gws.push(procs::gateway(&config).await);
+    }
     let rounds = if quick { b.rounds } else { b.rounds.max(3) };
     let mut rows = Vec::new();
     let mut phases: Vec<Vec<(Report, Moved)>> = vec![Vec::new(); MODES.len()];
@@ -193,15 +197,15 @@ async fn phase(
     };
     let admin = gw.admin.expect("the gateway has an admin listener");
     let ops = store_operations(admin);
-    let commands = commandstats_field(conn, "calls").await;
-    let usec = commandstats_field(conn, "usec").await;
+    let commands = commandstats(conn, "calls").await;
+    let usec = commandstats(conn, "usec").await;
     let sleeps = || (procs::sleeps(&gw.pids()), procs::sleeps(&b.redis_pids));
     let slept = sleeps();
     let r = b.closed(gw.addr, keys, &gw.pids()).await;
     let now = sleeps();
     let slept = (now.0 - slept.0, now.1 - slept.1);
-    let mut commands = moved(&commands, &commandstats_field(conn, "calls").await);
-    let mut usec = moved(&usec, &commandstats_field(conn, "usec").await);
+    let mut commands = moved(&commands, &commandstats(conn, "calls").await);
+    let mut usec = moved(&usec, &commandstats(conn, "usec").await);
     // The harness's own INFO calls.
     commands.remove("info");
     usec.remove("info");

@@ -5,18 +5,18 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::panic::AssertUnwindSafe;
-use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
-use testkit::{Failover, RedisCluster, RedisSentinelSet, Replicated, MASTER_NAME};
+use testkit::metrics::{errors_text, errorstats, failed_commands, since};
+use testkit::{
+    Failover, GatewayConfig, RedisCluster, RedisSentinelSet, Replicated, Steps, Supervision,
+};
 
 use crate::bench::Bench;
-use crate::cluster::{cluster_toml, started, two_gateways};
+use crate::cluster::{on_two_primaries, started, two_gateways};
 use crate::load::{self, Live};
-use crate::metrics::{errors_text, errorstats, executions_per_key, failed_commands, since};
+use crate::metrics::executions_per_key;
 use crate::procs;
 
 /// What the supervisor did and saw, in time from the load's start.
@@ -54,23 +54,17 @@ impl Timeline {
     }
 }
 
-/// The `[store]` table of a gateway on `store`.
-async fn store_toml(store: Replicated<'_>) -> String {
+/// `config` on `store` (a cluster seeded with two of its primaries).
+async fn on(store: Replicated<'_>, config: GatewayConfig) -> GatewayConfig {
     match store {
-        Replicated::Cluster(cluster) => cluster_toml(cluster).await,
-        Replicated::Sentinel(set) => {
-            let urls: Vec<String> = set.urls().iter().map(|u| format!("\"{u}\"")).collect();
-            format!(
-                "backend = \"redis-sentinel\"\nurls = [{}]\nmaster_name = \"{MASTER_NAME}\"",
-                urls.join(", ")
-            )
-        }
+        Replicated::Cluster(cluster) => on_two_primaries(config, cluster).await,
+        Replicated::Sentinel(set) => config.redis_sentinel(set),
     }
 }
 
 /// Section `failover`: for a cluster and a Sentinel set, each with `wait_replicas` 1 and 0 (with
 /// `--quick`, the cluster with 1 only), or the runs `--failover` names.
-pub async fn run(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
+pub async fn run(b: &mut Bench, quick: bool, runs: &[String]) {
     let default: &[&str] = if quick {
         &["redis-cluster:1"]
     } else {
@@ -92,7 +86,7 @@ pub async fn run(b: &mut Bench, dir: &Path, quick: bool, runs: &[String]) {
             .and_then(|(kind, wait)| Some((kind, wait.parse::<u32>().ok()?)))
             .filter(|(kind, _)| matches!(*kind, "redis-cluster" | "redis-sentinel"));
         match parsed {
-            Some((kind, wait)) => failover_run(b, dir, kind, wait, quick).await,
+            Some((kind, wait)) => failover_run(b, kind, wait, quick).await,
             None => b.insane.push(format!(
                 "--failover {run}: not redis-cluster:N or redis-sentinel:N"
             )),
@@ -107,7 +101,7 @@ const BACKOFF: Duration = Duration::from_millis(50);
 const QUIET: Duration = Duration::from_secs(2);
 const CAP: Duration = Duration::from_secs(40);
 
-async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: bool) {
+async fn failover_run(b: &mut Bench, kind: &str, wait: u32, quick: bool) {
     let label = format!("failover, {kind}, wait_replicas {wait}");
     let (cluster, set);
     let store = if kind == "redis-sentinel" {
@@ -123,22 +117,15 @@ async fn failover_run(b: &mut Bench, dir: &Path, kind: &str, wait: u32, quick: b
         };
         Replicated::Cluster(&cluster)
     };
-    under_load(b, dir, store, &label, wait, quick).await;
+    under_load(b, store, &label, wait, quick).await;
 }
 
 /// Two gateways on `store` with `wait_replicas = wait`, the retrying clients on them, and a
 /// primary killed once they are under way; the figures as a note, and what is wrong as insane.
-async fn under_load(
-    b: &mut Bench,
-    dir: &Path,
-    store: Replicated<'_>,
-    label: &str,
-    wait: u32,
-    quick: bool,
-) {
+async fn under_load(b: &mut Bench, store: Replicated<'_>, label: &str, wait: u32, quick: bool) {
     let up = procs::upstream_with(1024, 0, true);
-    let toml = format!("{}\nwait_replicas = {wait}", store_toml(store).await);
-    let gateways = two_gateways(dir, &toml, up.addr, "fo:");
+    let config = on(store, procs::config(up.addr)).await;
+    let gateways = two_gateways(&config.prefix("fo:").set("store.wait_replicas", wait)).await;
     let addrs: Vec<SocketAddr> = gateways.iter().map(|g| g.addr).collect();
     let all_nodes = store.data_ports();
     let errors_before = errorstats(&all_nodes).await;
@@ -152,34 +139,6 @@ async fn under_load(
         BACKOFF,
         live.clone(),
     ));
-    tokio::time::sleep(if quick {
-        Duration::from_millis(500)
-    } else {
-        Duration::from_secs(3)
-    })
-    .await;
-    let before_kill = live.succeeded.load(Ordering::Relaxed);
-    let supervised = Cell::new(false);
-    // The supervisor: kill -9 the primary (on a cluster, the first seed node the gateways have),
-    // see the failover, start the killed node again as a replica, see the store healthy.
-    let mut failover = None;
-    let supervisor = async {
-        let outcome = AssertUnwindSafe(async {
-            failover
-                .insert(store.kill9_primary(None).await)
-                .supervise()
-                .await
-        })
-        .catch_unwind()
-        .await;
-        supervised.set(true);
-        outcome.err().map(|e| {
-            e.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".into())
-        })
-    };
     // The nodes' error replies every 250 ms, to tell when each kind was answered.
     let sampler = async {
         let mut samples = Vec::new();
@@ -190,29 +149,52 @@ async fn under_load(
         }
         samples
     };
-    // Until the supervisor is done, and then no refusal for QUIET; at most CAP after the kill.
-    let watch = async {
-        let quiet_for = if quick { QUIET / 2 } else { QUIET };
-        let started = live.start.elapsed();
-        let capped = loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let now = live.start.elapsed();
-            let quiet = now.saturating_sub(Duration::from_millis(
-                live.last_refusal_ms.load(Ordering::Relaxed),
-            ));
-            if supervised.get() && quiet >= quiet_for {
-                break false;
-            }
-            if now - started > CAP {
-                break true;
-            }
-        };
-        live.stop.store(true, Ordering::Relaxed);
-        capped
+    let load = async {
+        let (report, samples) = tokio::join!(clients, sampler);
+        (report.unwrap(), samples)
     };
-    let (error, samples, capped) = tokio::join!(supervisor, sampler, watch);
-    let report = clients.await.unwrap();
-    let t = Timeline::of(failover.as_ref(), live.start, error);
+    let (before_kill, watched_from, capped) =
+        (Cell::new(0), Cell::new(Duration::ZERO), Cell::new(false));
+    // The supervisor kills -9 the primary (on a cluster, the first seed node the gateways have)
+    // once the clients are under way, sees the failover, starts the killed node again as a
+    // replica and sees the store healthy; the clients go on until no refusal for QUIET, at most
+    // CAP after the kill.
+    let steps = Steps {
+        under_way: async || {
+            let pause = match quick {
+                true => Duration::from_millis(500),
+                false => Duration::from_secs(3),
+            };
+            tokio::time::sleep(pause).await;
+            before_kill.set(live.succeeded.load(Ordering::Relaxed));
+            watched_from.set(live.start.elapsed());
+        },
+        failed_over: async || {},
+        recovered: async |_: &Supervision<'_>| {
+            let quiet_for = if quick { QUIET / 2 } else { QUIET };
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let now = live.start.elapsed();
+                let quiet = now.saturating_sub(Duration::from_millis(
+                    live.last_refusal_ms.load(Ordering::Relaxed),
+                ));
+                if quiet >= quiet_for {
+                    break;
+                }
+                if now - watched_from.get() > CAP {
+                    capped.set(true);
+                    break;
+                }
+            }
+        },
+    };
+    let ((report, mut samples), supervision) =
+        store.under_load(None, load, &live.stop, steps).await;
+    let (before_kill, capped) = (before_kill.get(), capped.get());
+    // When each kind of error reply was seen, from the supervisor's start on: replies before it
+    // (a script loaded at the first request) are not the failover's.
+    samples.retain(|(at, _)| *at >= watched_from.get());
+    let t = Timeline::of(supervision.failover.as_ref(), live.start, supervision.error);
     let errors = since(&errors_before, errorstats(&all_nodes).await);
     let failed = since(&failed_before, failed_commands(&all_nodes).await);
     let run = Run {

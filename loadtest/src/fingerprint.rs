@@ -1,7 +1,5 @@
 //! Section `fingerprint`: what `fingerprint = "json"` costs over "exact" on the miss path.
 
-use std::path::Path;
-
 use crate::bench::{human, phase, Bench};
 use crate::load::{self, Keys, Report};
 use crate::procs;
@@ -10,17 +8,22 @@ use crate::procs;
 /// JSON request body of each size (a payments order with line items, see
 /// [`load::json_request`]) and two ignored fields, one inside the items array; interleaved
 /// rounds, the CPU per miss of the gateway side by side. The upstream answers 1 KiB.
-pub async fn run(b: &mut Bench, dir: &Path, sizes: &[usize]) {
+pub async fn run(b: &mut Bench, sizes: &[usize]) {
     let up = procs::upstream(1024, 0);
     b.upstream_pids = up.pids();
     b.redis_pids = Vec::new();
-    let route = |mode: &str| {
-        format!(
-            "[[routes]]\npath = \"/v1/payments\"\nmethods = [\"POST\"]\nfingerprint = \"{mode}\"\nfingerprint_ignore = [\"/request_id\", \"/items/*/client_ts\"]\n"
+    let on = |mode: &str| {
+        procs::config(up.addr).route(
+            "/v1/payments",
+            toml::toml! {
+                methods = ["POST"]
+                fingerprint = mode
+                fingerprint_ignore = ["/request_id", "/items/*/client_ts"]
+            },
         )
     };
-    let exact = procs::gateway(dir, "memory", up.addr, &route("exact"));
-    let json = procs::gateway(dir, "memory", up.addr, &route("json"));
+    let exact = procs::gateway(&on("exact")).await;
+    let json = procs::gateway(&on("json")).await;
     let (exact_pids, json_pids) = (exact.pids(), json.pids());
     // Three rounds at least: the figure is a difference of a few per cent.
     let rounds = b.rounds.max(3);

@@ -10,7 +10,7 @@ use crate::procs;
 /// the same gateway: the throughput ratio, and the gateway's CPU per request.
 pub async fn run(b: &mut Bench, dir: &Path) {
     let up = procs::upstream(1024, 0);
-    let gw = procs::gateway(dir, "memory", up.addr, "");
+    let gw = procs::gateway(&procs::config(up.addr)).await;
     let body = dir.join("h2load-body.json");
     std::fs::write(&body, b"{\"amount\":1000}").unwrap();
     let pids = gw.pids();

@@ -17,15 +17,17 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     let files = tls::write(&dir.join("tls"));
     let up = procs::upstream_tls(b.size, &dir.join("tls"));
     let nginx = procs::nginx_tls(dir, up.addr, &files);
-    let upstream = format!(
-        "upstream = \"https://{}\"\n[upstreams.default]\nserver_name = \"{}\"\nca_file = {:?}\nclient_cert_file = {:?}\nclient_key_file = {:?}\n",
-        up.addr,
-        tls::UPSTREAM_NAME,
-        files.ca,
-        files.client_cert,
-        files.client_key
-    );
-    let gw = procs::gateway_to(dir, "memory", &upstream);
+    let path = |p: &Path| p.display().to_string();
+    let config = procs::config(up.addr)
+        .upstream(&format!("https://{}", up.addr))
+        .set("upstreams.default.server_name", tls::UPSTREAM_NAME)
+        .set("upstreams.default.ca_file", path(&files.ca))
+        .set(
+            "upstreams.default.client_cert_file",
+            path(&files.client_cert),
+        )
+        .set("upstreams.default.client_key_file", path(&files.client_key));
+    let gw = procs::gateway(&config).await;
     b.upstream_pids = up.pids();
     let (nginx_pids, gw_pids) = (nginx.pids(), gw.pids());
     let before = upstream_counters(gw.admin.unwrap());

@@ -266,36 +266,29 @@ async fn bench(cli: Cli) -> ExitCode {
         library::run(&mut b).await;
     }
     if run("fingerprint") {
-        fingerprint::run(&mut b, dir.path(), sizes).await;
+        fingerprint::run(&mut b, sizes).await;
     }
     if run("expiry") {
         // The run's Redis, for its CPU per miss: a section before may have set others (none).
         b.redis_pids = redis.pid().into_iter().collect();
-        expiry::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
+        expiry::run(&mut b, (&mut redis_conn, &redis_url), cli.quick).await;
     }
     if run("seal") {
         b.redis_pids = redis.pid().into_iter().collect();
-        seal::run(
-            &mut b,
-            dir.path(),
-            (&mut redis_conn, &redis_url),
-            sizes,
-            cli.quick,
-        )
-        .await;
+        seal::run(&mut b, (&mut redis_conn, &redis_url), sizes, cli.quick).await;
     }
     if run("stream") {
         b.redis_pids = redis.pid().into_iter().collect();
         stream::run(&mut b, dir.path(), (&mut redis_conn, &redis_url), cli.quick).await;
     }
     if run("telemetry") {
-        telemetry::run(&mut b, dir.path()).await;
+        telemetry::run(&mut b).await;
     }
     if run("storm") {
-        storm::run(&mut b, dir.path(), &redis_url).await;
+        storm::run(&mut b, &redis_url).await;
     }
     if run("cluster") {
-        cluster::run(&mut b, dir.path(), cli.quick).await;
+        cluster::run(&mut b, cli.quick).await;
     }
     if run("postgres") {
         postgres::run(&mut b, dir.path()).await;
@@ -304,14 +297,14 @@ async fn bench(cli: Cli) -> ExitCode {
         embedded::run(&mut b, dir.path(), cli.quick).await;
     }
     if run("failover") {
-        failover::run(&mut b, dir.path(), cli.quick, &cli.failover).await;
+        failover::run(&mut b, cli.quick, &cli.failover).await;
     }
     if run("chaos") {
         let plan = chaos::Plan::new(cli.quick, &cli.chaos, cli.chaos_secs, cli.seed);
         chaos::run(&mut b, &plan).await;
     }
     if soak > 0 && run("soak") {
-        soak::run(&mut b, dir.path(), &redis_url, soak).await;
+        soak::run(&mut b, &redis_url, soak).await;
     }
     table::print(&b);
     charts::after_run(&b, !cli.quick && cli.only.is_empty());

@@ -1,40 +1,23 @@
-//! What the harness reads from the processes it runs: the gateway's `/metrics`, the upstream's
-//! counters (over HTTP), and Redis's `INFO` counters.
+//! What the harness reads from the processes it runs, on top of testkit's readers of a
+//! gateway's `/metrics` and a Redis's `INFO`: the gateway's round trips and store operations,
+//! and the upstream's counters (over HTTP).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-/// The gateway's metrics, as text.
+use testkit::metrics::{scrape_blocking, sum_of};
+
+/// The gateway's metrics, as text; panics when it does not answer.
 pub fn scrape(admin: SocketAddr) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(admin).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    text
+    scrape_blocking(admin).unwrap()
 }
 
 /// The gateway's own count of Redis round trips so far: its store operations (each one round
 /// trip) minus the reads its local cache answered. From its `/metrics`.
 pub fn round_trips(admin: SocketAddr) -> u64 {
     let text = scrape(admin);
-    let value = |line: &str| -> u64 {
-        line.rsplit(' ')
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0) as u64
-    };
-    let ops: u64 = text
-        .lines()
-        .filter(|l| l.starts_with("idemgate_store_operation_seconds_count"))
-        .map(value)
-        .sum();
-    let hits: u64 = text
-        .lines()
-        .filter(|l| l.starts_with("idemgate_local_cache_hits_total"))
-        .map(value)
-        .sum();
-    ops - hits
+    let ops = sum_of(&text, "idemgate_store_operation_seconds_count") as u64;
+    ops - sum_of(&text, "idemgate_local_cache_hits_total") as u64
 }
 
 /// The gateway's store operations so far by operation (`claim`, `complete`, ...), from the
@@ -110,124 +93,6 @@ pub async fn get_text(addr: SocketAddr, path: &str) -> String {
     use http_body_util::BodyExt;
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8_lossy(&body).to_string()
-}
-
-/// `INFO commandstats` of the Redis behind `conn`: calls by command.
-pub async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> HashMap<String, u64> {
-    commandstats_field(conn, "calls").await
-}
-
-/// `INFO commandstats` of the Redis behind `conn`: `field` (`calls`, `usec`: µs spent in the
-/// command, for `evalsha` those of the commands its script ran included) by command.
-pub async fn commandstats_field(
-    conn: &mut redis::aio::MultiplexedConnection,
-    field: &str,
-) -> HashMap<String, u64> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap();
-    info.lines()
-        .filter_map(|l| {
-            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let n = rest
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))?
-                .parse()
-                .ok()?;
-            Some((name.to_string(), n))
-        })
-        .collect()
-}
-
-/// `INFO <section>` of each node (by its port), its `<prefix><name>:...,<field>=<n>,...` lines summed by name.
-pub async fn info_counts(
-    ports: &[u16],
-    section: &str,
-    prefix: &str,
-    field: &str,
-) -> HashMap<String, u64> {
-    let mut sum = HashMap::new();
-    for &port in ports {
-        let Ok(text) = testkit::query::<String>(port, redis::cmd("INFO").arg(section)).await else {
-            continue;
-        };
-        for l in text.lines() {
-            let Some((name, rest)) = l.strip_prefix(prefix).and_then(|l| l.split_once(':')) else {
-                continue;
-            };
-            let n = rest
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-            *sum.entry(name.to_string()).or_default() += n;
-        }
-    }
-    sum
-}
-
-/// Error replies by their first word (MOVED, ASK, CLUSTERDOWN, ...), of each node.
-pub async fn errorstats(ports: &[u16]) -> Vec<HashMap<String, u64>> {
-    let mut each = Vec::new();
-    for &port in ports {
-        each.push(info_counts(&[port], "errorstats", "errorstat_", "count").await);
-    }
-    each
-}
-
-/// Commands answered with an error, by command, of each node: `<command> rejected` (refused
-/// before running: a redirection, READONLY, CLUSTERDOWN) and `<command> failed` (an error
-/// while running).
-pub async fn failed_commands(ports: &[u16]) -> Vec<HashMap<String, u64>> {
-    let mut each = Vec::new();
-    for &port in ports {
-        let mut m = HashMap::new();
-        for field in ["rejected", "failed"] {
-            let calls = info_counts(
-                &[port],
-                "commandstats",
-                "cmdstat_",
-                &format!("{field}_calls"),
-            )
-            .await;
-            m.extend(calls.into_iter().map(|(k, v)| (format!("{k} {field}"), v)));
-        }
-        each.push(m);
-    }
-    each
-}
-
-/// The error replies of [`errorstats`] `after` less `before`, summed over the nodes. A count
-/// lower than before is a node started again (its counts start from 0): all of it is new.
-pub fn since(
-    before: &[HashMap<String, u64>],
-    after: Vec<HashMap<String, u64>>,
-) -> HashMap<String, u64> {
-    let mut sum: HashMap<String, u64> = HashMap::new();
-    for (b, a) in before.iter().zip(after) {
-        for (k, v) in a {
-            let was = b.get(&k).copied().unwrap_or(0);
-            *sum.entry(k).or_default() += if v >= was { v - was } else { v };
-        }
-    }
-    sum
-}
-
-/// `KIND n, ...` of the error replies counted, or `none`.
-pub fn errors_text(errors: &HashMap<String, u64>) -> String {
-    let mut e: Vec<String> = errors
-        .iter()
-        .filter(|(_, &n)| n > 0)
-        .map(|(k, n)| format!("{k} {n}"))
-        .collect();
-    e.sort();
-    if e.is_empty() {
-        "none".into()
-    } else {
-        e.join(", ")
-    }
 }
 
 #[cfg(test)]

@@ -70,16 +70,13 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     b.upstream_pids = up.pids();
     let nginx = procs::nginx(dir, up.addr);
     let c = b.connections;
-    let gws: Vec<Proc> = [(c, FAST), (16, FAST), (c, DURABLE)]
-        .iter()
-        .map(|&(pool, on)| {
-            let store = format!(
-                "backend = \"postgres\"\nurl = \"{}\"\npool_size = {pool}",
-                servers[on].url()
-            );
-            procs::gateway(dir, &store, up.addr, "")
-        })
-        .collect();
+    let mut gws: Vec<Proc> = Vec::new();
+    for (pool, on) in [(c, FAST), (16, FAST), (c, DURABLE)] {
+        let config = procs::config(up.addr)
+            .postgres(&servers[on])
+            .set("store.pool_size", pool as i64);
+        gws.push(procs::gateway(&config).await);
+    }
     let procs_of: Vec<&Proc> = std::iter::once(&nginx).chain(&gws).collect();
     let scenarios = scenarios(c);
     let mut rows = Vec::new();

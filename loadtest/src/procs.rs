@@ -1,24 +1,45 @@
-//! The processes a benchmark run needs besides Redis (whose fixtures come from `testkit`): the
-//! upstream, nginx, the axum app and the gateway. Each is stopped when its handle drops.
+//! The processes a benchmark run measures: the upstream, nginx, the axum app, and the gateway
+//! (testkit's [`GatewayProcess`], configured with a [`GatewayConfig`], as in the tests). Each
+//! is stopped when its handle drops.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::free_addr;
+use testkit::process::children;
+use testkit::{free_addr, GatewayConfig, GatewayProcess};
 
-/// A child process killed on drop.
+/// A child process, stopped on drop: SIGTERM, then SIGKILL 3 s later.
 pub struct Proc {
     pub addr: SocketAddr,
     /// The gateway's admin listener (metrics).
     pub admin: Option<SocketAddr>,
-    child: Child,
+    child: Running,
+}
+
+/// What a [`Proc`] runs.
+enum Running {
+    /// One of the benchmark's own processes, or nginx.
+    Child(Child),
+    /// The gateway.
+    Gateway(Box<GatewayProcess>),
 }
 
 impl Proc {
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        match &self.child {
+            Running::Child(child) => child.id(),
+            Running::Gateway(gateway) => gateway.pid().expect("the gateway runs"),
+        }
+    }
+
+    /// Whether it still runs.
+    fn running(&mut self) -> bool {
+        match &mut self.child {
+            Running::Child(child) => matches!(child.try_wait(), Ok(None)),
+            Running::Gateway(gateway) => gateway.running(),
+        }
     }
 
     /// This process and its direct children (nginx's workers).
@@ -34,23 +55,13 @@ impl Proc {
 
 /// `pid` and its direct children (nginx's workers, PostgreSQL's backends).
 pub fn with_children(pid: u32) -> Vec<u32> {
-    let mut pids = vec![pid];
-    match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-        Ok(children) => pids.extend(
-            children
-                .split_whitespace()
-                .filter_map(|c| c.parse::<u32>().ok()),
-        ),
-        // A kernel without CONFIG_PROC_CHILDREN: find them by their parent.
-        Err(_) => pids.extend(children_by_ppid(pid)),
-    }
-    pids
+    std::iter::once(pid).chain(children(pid)).collect()
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         // Already gone: its pid may be reused by now.
-        if let Ok(Some(_)) = self.child.try_wait() {
+        if !self.running() {
             return;
         }
         // SIGTERM first, so that a master process (nginx) stops its workers too; a SIGKILLed
@@ -60,34 +71,17 @@ impl Drop for Proc {
             .status();
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if !self.running() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // The gateway is killed as its handle drops.
+        if let Running::Child(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
-}
-
-fn children_by_ppid(parent: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            // Field 4 of /proc/<pid>/stat, after the parenthesised command name.
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    let rest = &s[s.rfind(')')? + 1..];
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(parent)
-        })
-        .collect()
 }
 
 pub fn rss_kib(pid: u32) -> u64 {
@@ -158,7 +152,7 @@ fn spawn(name: &str, cmd: &mut Command, addr: SocketAddr) -> Proc {
     let proc = Proc {
         addr,
         admin: None,
-        child,
+        child: Running::Child(child),
     };
     let deadline = Instant::now() + Duration::from_secs(15);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -342,95 +336,28 @@ pub fn gateway_bin() -> PathBuf {
     me.with_file_name("idemgate")
 }
 
-/// Start the gateway with `store` ("memory" or a redis URL) in front of `upstream`.
-pub fn gateway(dir: &Path, store: &str, upstream: SocketAddr, extra: &str) -> Proc {
-    gateway_with_prefix(dir, store, upstream, extra, "bench:")
+/// The benchmark's gateway in front of `upstream`: POST requests keyed, records in memory (the
+/// store methods of [`GatewayConfig`] change that), an admin listener for its metrics.
+pub fn config(upstream: SocketAddr) -> GatewayConfig {
+    GatewayConfig::new()
+        .upstream(&format!("http://{upstream}"))
+        .set("defaults.methods", vec!["POST"])
+        .admin()
 }
 
-/// The gateway with `store` and `upstream`, the TOML of its upstream (the top-level `upstream`
-/// and any `[upstreams.default]` table).
-pub fn gateway_to(dir: &Path, store: &str, upstream: &str) -> Proc {
-    gateway_config(dir, store, upstream, ("", "bench:"), &[])
-}
-
-/// [`gateway`] with Redis keys under `prefix`.
-pub fn gateway_with_prefix(
-    dir: &Path,
-    store: &str,
-    upstream: SocketAddr,
-    extra: &str,
-    prefix: &str,
-) -> Proc {
-    gateway_with_env(dir, store, upstream, (extra, prefix), &[])
-}
-
-/// [`gateway_with_prefix`] with `env` added to the gateway's environment (the sealing keys,
-/// which it reads from there only).
-pub fn gateway_with_env(
-    dir: &Path,
-    store: &str,
-    upstream: SocketAddr,
-    (extra, prefix): (&str, &str),
-    env: &[(&str, &str)],
-) -> Proc {
-    gateway_config(
-        dir,
-        store,
-        &format!("upstream = \"http://{upstream}\"\n"),
-        (extra, prefix),
-        env,
-    )
-}
-
-/// The one place a gateway starts: its config written to `dir`, `env` added to its environment.
-fn gateway_config(
-    dir: &Path,
-    store: &str,
-    upstream: &str,
-    (extra, prefix): (&str, &str),
-    env: &[(&str, &str)],
-) -> Proc {
-    let addr = free_addr();
-    // "memory", a Redis URL, or the `[store]` table's body as written (`backend = ...` first;
-    // PostgreSQL's and the embedded store's have no key prefix).
-    let unprefixed = ["postgres", "embedded"]
-        .into_iter()
-        .find(|b| store.starts_with(&format!("backend = \"{b}\"")));
-    let store_toml = if store == "memory" {
-        "backend = \"memory\"".to_string()
-    } else if unprefixed.is_some() {
-        store.to_string()
-    } else if store.starts_with("backend") {
-        format!("{store}\nprefix = \"{prefix}\"")
-    } else {
-        format!("backend = \"redis\"\nurl = \"{store}\"\nprefix = \"{prefix}\"")
-    };
-    let admin = free_addr();
-    let conf = format!(
-        "listen = \"{addr}\"\n{upstream}\n[store]\n{store_toml}\n{extra}\n\n[defaults]\nmethods = [\"POST\"]\n\n[admin]\nlisten = \"{admin}\"\n"
-    );
-    let path = dir.join(format!("gateway-{}.toml", addr.port()));
-    std::fs::write(&path, conf).unwrap();
-    let name = if store == "memory" {
-        "gateway (memory)"
-    } else if unprefixed == Some("postgres") {
-        "gateway (postgres)"
-    } else if unprefixed == Some("embedded") {
-        "gateway (embedded)"
-    } else {
-        "gateway (redis)"
-    };
-    let mut proc = spawn(
-        name,
-        Command::new(gateway_bin())
-            .arg("--config")
-            .arg(&path)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied()),
-        addr,
-    );
-    proc.admin = Some(admin);
-    proc
+/// The gateway with `config`, logging at `info` to nowhere: [`gateway_bin`] started, its
+/// listener accepting.
+pub async fn gateway(config: &GatewayConfig) -> Proc {
+    let process = GatewayProcess::binary(gateway_bin())
+        .env("RUST_LOG", "info")
+        .quiet()
+        .start(config)
+        .await;
+    Proc {
+        addr: process.addr(),
+        admin: config.get("admin.listen").map(|_| process.admin()),
+        child: Running::Gateway(Box::new(process)),
+    }
 }
 
 #[cfg(test)]
@@ -438,28 +365,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn finds_children_by_their_parent_as_the_kernel_lists_them() {
-        let mut sh = Command::new("sh")
-            .args(["-c", "sleep 5 & sleep 5 & wait"])
-            .spawn()
-            .unwrap();
-        let pid = sh.id();
-        std::thread::sleep(Duration::from_millis(300));
-        let mut by_ppid = children_by_ppid(pid);
-        by_ppid.sort();
-        assert_eq!(by_ppid.len(), 2, "{by_ppid:?}");
-        if let Ok(listed) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
-            let mut listed: Vec<u32> = listed
-                .split_whitespace()
-                .map(|c| c.parse().unwrap())
-                .collect();
-            listed.sort();
-            assert_eq!(by_ppid, listed);
-        }
-        for child in &by_ppid {
-            let _ = Command::new("kill").arg(child.to_string()).status();
-        }
-        sh.wait().unwrap();
-        assert!(cpu_ns(&[std::process::id()]) > 0);
+    fn counts_the_cpu_time_of_a_process() {
+        let me = std::process::id();
+        assert_eq!(with_children(me).first(), Some(&me));
+        assert!(cpu_ns(&[me]) > 0);
     }
 }

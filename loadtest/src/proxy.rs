@@ -27,8 +27,9 @@ pub async fn run(
         .unwrap();
     let up = procs::upstream(size, 0);
     let nginx = procs::nginx(dir, up.addr);
-    let mem = procs::gateway(dir, "memory", up.addr, "");
-    let red = procs::gateway(dir, redis_url, up.addr, "");
+    let mem = procs::gateway(&procs::config(up.addr)).await;
+    let on_redis = procs::config(up.addr).redis_url(redis_url);
+    let red = procs::gateway(&on_redis.clone().prefix("bench:")).await;
     b.upstream_pids = up.pids();
     let (nginx_pids, mem_pids, red_pids) = (nginx.pids(), mem.pids(), red.pids());
 
@@ -65,7 +66,7 @@ pub async fn run(
     )
     .await;
     stored_bytes(b, &mut *redis_conn, red.addr, size).await;
-    incompressible_stored_bytes(b, &mut *redis_conn, (dir, redis_url, up.addr), size).await;
+    incompressible_stored_bytes(b, &mut *redis_conn, (redis_url, up.addr), size).await;
     phase(
         b,
         "gateway replay, memory",
@@ -219,10 +220,13 @@ async fn record_usage(
 async fn incompressible_stored_bytes(
     b: &mut Bench,
     conn: &mut redis::aio::MultiplexedConnection,
-    (dir, redis_url, upstream): (&Path, &str, SocketAddr),
+    (redis_url, upstream): (&str, SocketAddr),
     size: usize,
 ) {
-    let gw = procs::gateway_with_prefix(dir, redis_url, upstream, "", "noise:");
+    let config = procs::config(upstream)
+        .redis_url(redis_url)
+        .prefix("noise:");
+    let gw = procs::gateway(&config).await;
     let headers = post_for_headers(gw.addr, "/incompressible", Some("noise-1")).await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg("noise:*")

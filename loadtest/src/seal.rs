@@ -8,9 +8,7 @@
 //! round; req/s and CPU per request of each, and the ratios on / off.
 
 use std::net::SocketAddr;
-use std::path::Path;
 
-use idemgate::store::SEAL_KEYS_VAR;
 use redis::aio::MultiplexedConnection;
 
 use crate::bench::{human, keep_round, medians, Bench};
@@ -85,33 +83,30 @@ struct Gateways {
 }
 
 impl Gateways {
-    fn start(dir: &Path, redis_url: &str, upstream: SocketAddr) -> Gateways {
-        let start = |cached: bool| -> Vec<Proc> {
-            MODES
-                .iter()
-                .map(|mode| {
-                    let cache = if cached { "" } else { "\nlocal_cache = \"0\"" };
-                    let store = format!(
-                        "backend = \"redis\"\nurl = \"{redis_url}\"\nseal = \"{mode}\"{cache}"
-                    );
-                    let prefix = format!(
-                        "seal-{mode}-{}:",
-                        if cached { "cached" } else { "uncached" }
-                    );
-                    procs::gateway_with_env(
-                        dir,
-                        &store,
-                        upstream,
-                        ("", &prefix),
-                        &[(SEAL_KEYS_VAR, SEAL_KEYS)],
-                    )
-                })
-                .collect()
+    async fn start(redis_url: &str, upstream: SocketAddr) -> Gateways {
+        let mut gateways = Gateways {
+            cached: Vec::new(),
+            uncached: Vec::new(),
         };
-        Gateways {
-            cached: start(true),
-            uncached: start(false),
+        for cached in [true, false] {
+            for mode in MODES {
+                let config = procs::config(upstream)
+                    .redis_url(redis_url)
+                    .seal(mode, SEAL_KEYS);
+                let config = match cached {
+                    true => config.prefix(&format!("seal-{mode}-cached:")),
+                    false => config
+                        .prefix(&format!("seal-{mode}-uncached:"))
+                        .set("store.local_cache", "0"),
+                };
+                let gateway = procs::gateway(&config).await;
+                match cached {
+                    true => gateways.cached.push(gateway),
+                    false => gateways.uncached.push(gateway),
+                }
+            }
         }
+        gateways
     }
 
     fn of(&self, scenario: Scenario) -> &[Proc] {
@@ -128,7 +123,6 @@ impl Gateways {
 /// one comes first can move a pair's ratio by 10%).
 pub async fn run(
     b: &mut Bench,
-    dir: &Path,
     (redis_conn, redis_url): (&mut MultiplexedConnection, &str),
     sizes: &[usize],
     quick: bool,
@@ -143,7 +137,7 @@ pub async fn run(
         flush(redis_conn).await;
         let up = procs::upstream(size, 0);
         b.upstream_pids = up.pids();
-        let gws = Gateways::start(dir, redis_url, up.addr);
+        let gws = Gateways::start(redis_url, up.addr).await;
         prime(b, &gws).await;
         let mut rows = Vec::new();
         let mut phases: Vec<Vec<Phase>> = vec![Vec::new(); Scenario::ALL.len() * MODES.len()];

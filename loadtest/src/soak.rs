@@ -1,6 +1,5 @@
 //! Section `soak`: the gateway's RSS over a long run of unique keys on Redis.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::bench::Bench;
@@ -8,9 +7,9 @@ use crate::load::{self, Keys, Pace};
 use crate::procs;
 
 /// The gateway's RSS across a long run of unique keys on Redis, sampled every 10 s.
-pub async fn run(b: &mut Bench, dir: &Path, redis_url: &str, secs: u64) {
+pub async fn run(b: &mut Bench, redis_url: &str, secs: u64) {
     let up = procs::upstream(1024, 0);
-    let gw = procs::gateway(dir, redis_url, up.addr, "");
+    let gw = procs::gateway(&procs::config(up.addr).redis_url(redis_url).prefix("bench:")).await;
     let prefix = b.prefix("soak");
     let addr = gw.addr;
     let connections = b.connections;

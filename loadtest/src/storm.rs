@@ -1,7 +1,6 @@
 //! Section `storm`: many clients on few keys through a slow upstream, on both stores.
 
 use std::net::SocketAddr;
-use std::path::Path;
 
 use crate::bench::{Bench, Row};
 use crate::load::{self, Keys, Pace};
@@ -9,11 +8,14 @@ use crate::metrics::get_text;
 use crate::procs;
 
 /// Many clients, few keys, a slow upstream: every key must run exactly once.
-pub async fn run(b: &mut Bench, dir: &Path, redis_url: &str) {
+pub async fn run(b: &mut Bench, redis_url: &str) {
     let up = procs::upstream(1024, 20);
-    for store in ["memory", redis_url] {
-        let gw = procs::gateway(dir, store, up.addr, "");
-        let label = if store == "memory" { "memory" } else { "redis" };
+    for label in ["memory", "redis"] {
+        let config = match label {
+            "memory" => procs::config(up.addr),
+            _ => procs::config(up.addr).redis_url(redis_url).prefix("bench:"),
+        };
+        let gw = procs::gateway(&config).await;
         let before = upstream_count(up.addr).await;
         let prefix = b.prefix("storm");
         let r = load::run(

@@ -24,6 +24,7 @@ use std::path::Path;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use redis::aio::MultiplexedConnection;
+use testkit::GatewayConfig;
 
 use crate::bench::{keep_round, medians, Bench, FirstByteRow, PAYMENTS};
 use crate::expiry::flush;
@@ -71,16 +72,18 @@ fn path(size: usize, events: usize, gap_ms: u64) -> String {
 }
 
 /// A gateway on the run's Redis with `ROUTE` streamed; without the local cache unless `cached`.
-fn gateway(dir: &Path, redis_url: &str, upstream: SocketAddr, cached: bool) -> Proc {
-    let cache = if cached { "" } else { "\nlocal_cache = \"0\"" };
-    let store = format!("backend = \"redis\"\nurl = \"{redis_url}\"{cache}");
-    let prefix = if cached { "stream:" } else { "stream-nc:" };
-    procs::gateway_with_prefix(dir, &store, upstream, &streamed_route(), prefix)
+async fn gateway(redis_url: &str, upstream: SocketAddr, cached: bool) -> Proc {
+    let config = streamed(upstream).redis_url(redis_url);
+    let config = match cached {
+        true => config.prefix("stream:"),
+        false => config.prefix("stream-nc:").set("store.local_cache", "0"),
+    };
+    procs::gateway(&config).await
 }
 
-/// The gateways' `[[routes]]` entry: `ROUTE`, streamed.
-fn streamed_route() -> String {
-    format!("\n[[routes]]\npath = \"{ROUTE}\"\nstream = true\n")
+/// A gateway in front of `upstream` with `ROUTE` streamed.
+fn streamed(upstream: SocketAddr) -> GatewayConfig {
+    procs::config(upstream).route(ROUTE, toml::toml! { stream = true })
 }
 
 /// Section `stream`: the first byte at a fixed rate, then the replays against nginx; `quick`
@@ -99,11 +102,11 @@ pub async fn run(
     let up = procs::upstream_with(EVENTS.0, 0, true);
     b.upstream_pids = up.pids();
     let gws = [
-        gateway(dir, redis_url, up.addr, true),
-        gateway(dir, redis_url, up.addr, false),
+        gateway(redis_url, up.addr, true).await,
+        gateway(redis_url, up.addr, false).await,
     ];
     streams(b, &gws[0]).await;
-    let memory = procs::gateway(dir, "memory", up.addr, &streamed_route());
+    let memory = procs::gateway(&streamed(up.addr)).await;
     first_byte(b, [&gws[0], &memory], &up).await;
     drop(memory);
     replay(b, dir, &gws, &up).await;

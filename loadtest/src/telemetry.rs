@@ -7,7 +7,6 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -39,7 +38,7 @@ const KINDS: [&str; 2] = ["miss", "replay"];
 
 /// Section `telemetry`: the four gateways' miss and replay; the ratios to "off", CPU per
 /// request, the miss's p50 with the collector down, and what reached the sink or was dropped.
-pub async fn run(b: &mut Bench, dir: &Path) {
+pub async fn run(b: &mut Bench) {
     let redis_pids = std::mem::take(&mut b.redis_pids);
     b.size = 1024;
     b.request = load::small_request();
@@ -49,16 +48,17 @@ pub async fn run(b: &mut Bench, dir: &Path) {
     let collector = procs::collector();
     // Nothing listens there.
     let down = testkit::free_addr();
-    let gws: Vec<Proc> = SETUPS
-        .iter()
-        .map(|&(_, ratio, is_down)| {
-            let at = if is_down { down } else { collector.addr };
-            let table = ratio.map_or(String::new(), |r| {
-                format!("[telemetry]\notlp_endpoint = \"http://{at}\"\nsample_ratio = {r:?}\n")
-            });
-            procs::gateway(dir, "memory", up.addr, &table)
-        })
-        .collect();
+    let mut gws: Vec<Proc> = Vec::new();
+    for (_, ratio, is_down) in SETUPS {
+        let at = if is_down { down } else { collector.addr };
+        let config = match ratio {
+            None => procs::config(up.addr),
+            Some(r) => procs::config(up.addr)
+                .set("telemetry.otlp_endpoint", format!("http://{at}"))
+                .set("telemetry.sample_ratio", r),
+        };
+        gws.push(procs::gateway(&config).await);
+    }
     let mut rows = Vec::new();
     // By kind, then setup: every round's report.
     let mut rounds = vec![vec![Vec::new(); SETUPS.len()]; KINDS.len()];

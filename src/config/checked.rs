@@ -3,16 +3,15 @@
 //! turned into [`ConfigError::Invalid`] naming the field as written (`routes[1].ttl`), whether the
 //! value came from the file or the environment.
 
-use std::marker::PhantomData;
-use std::time::Duration;
-
 use serde::de::{self, DeserializeOwned, Deserializer};
 use serde::Deserialize;
 
 pub(super) use super::human::refused;
 use super::human::{HumanDuration, HumanSize, HumanTtl, REFUSED};
 use super::ConfigError;
-use crate::record::policy::{check, Ttl};
+use crate::record::policy::check;
+// The record's rules the other tables use too, read as `written!` says.
+pub(super) use crate::record::policy::check::{AtLeastOne, NonZero, NonZeroSize};
 
 /// A rule for one kind of value: what is read, what it becomes, and why it may be refused.
 pub(super) trait Rule {
@@ -94,17 +93,6 @@ pub(super) fn fields_of<T: DeserializeOwned>() -> &'static [&'static str] {
     let mut fields: &'static [&'static str] = &[];
     let _ = T::deserialize(Fields(&mut fields));
     fields
-}
-
-/// Any value of `T`, as written.
-pub(super) struct Any<T>(PhantomData<T>);
-
-impl<T: DeserializeOwned + Clone> Rule for Any<T> {
-    type Raw = T;
-    type Value = T;
-    fn check(raw: T) -> Result<T, String> {
-        Ok(raw)
-    }
 }
 
 /// Defines rules as `Name: Raw => Value = check_fn;`, each a unit type.
@@ -198,16 +186,38 @@ fn field_name(keys: &[impl AsRef<str>]) -> String {
     name
 }
 
-rules! {
-    /// A duration greater than zero.
-    NonZero: HumanDuration => Duration = |d: HumanDuration| check::non_zero(d.0);
-    /// A record lifetime: a duration greater than zero, or `"forever"`.
-    Lifetime: HumanTtl => Ttl = |t: HumanTtl| check::lifetime(t.0);
-    /// A size greater than zero.
-    NonZeroSize: HumanSize => u64 = |s: HumanSize| check::non_zero_size(s.0);
-    /// A count of at least 1.
-    AtLeastOne: usize => usize = |n: usize| match n {
-        0 => Err("must be at least 1".to_string()),
-        n => Ok(n),
+/// The record's rules (`record::policy::check`) as the TOML writes what they read: the `human`
+/// ones from a human string (`"30s"`, `"forever"`, `"1MiB"`), a newtype whose `.0` the rule
+/// checks; the others from the value itself. A new rule there takes its name here.
+macro_rules! written {
+    (human: $($human:ident($raw:ty)),*; as_is: $($as_is:ident),*;) => {
+        $(impl Rule for check::$human {
+            type Raw = $raw;
+            type Value = <check::$human as check::Rule>::Value;
+            fn check(raw: $raw) -> Result<Self::Value, String> {
+                <check::$human as check::Rule>::check(raw.0)
+            }
+        })*
+        $(impl Rule for check::$as_is {
+            type Raw = <check::$as_is as check::Rule>::Input;
+            type Value = <check::$as_is as check::Rule>::Value;
+            fn check(raw: Self::Raw) -> Result<Self::Value, String> {
+                <check::$as_is as check::Rule>::check(raw)
+            }
+        })*
     };
+}
+
+written! {
+    human: NonZero(HumanDuration), Lifetime(HumanTtl), NonZeroSize(HumanSize);
+    as_is: AtLeastOne, KeyMaxLen, MismatchStatus, Methods, HeaderNames, KeyHeaders,
+        OptionalHeaderName, OptionalPointer, Pointers, IgnoredPointers, CookieNames, UpstreamName;
+}
+
+impl<T: DeserializeOwned + Clone> Rule for check::Any<T> {
+    type Raw = T;
+    type Value = T;
+    fn check(raw: T) -> Result<T, String> {
+        Ok(raw)
+    }
 }

@@ -180,7 +180,7 @@ pub struct Config {
     pub tls: Option<ListenerTls>,
     /// The secret derived keys are made with (`IDEMGATE_KEY_SECRET`), when set.
     pub key_secret: Option<KeySecret>,
-    /// The store and its settings. Default: the embedded store.
+    /// The store and its settings. Default: the memory store (`[store]` without `backend`).
     pub store: StoreConfig,
     /// The policy for requests that match no route.
     pub defaults: Arc<Policy>,

@@ -1,11 +1,37 @@
-//! The idempotency policy of a route: its fields, their built-in defaults (written once, in
-//! [`Policy::default`]), and the rules each field's value follows (`check`), shared by
-//! [`Policy::builder`] and the TOML configuration.
+//! The idempotency policy of a route: its fields, their built-in defaults, the rules their
+//! values follow, and the builder, all from one list.
+//!
+//! `policy_fields!` is that list: each policy field once, with its doc, its type, its
+//! built-in default, the rule its value follows (a unit type in `check`) and the shape of its
+//! builder setter. It hands the list to a callback macro: here `policy_struct!` makes
+//! [`Policy`] (field docs included), [`Policy::default`] and the [`PolicyBuilder`] setters;
+//! `config/policy.rs` makes the TOML table of `[defaults]` and `[[routes]]` and its merge. The
+//! list's order is the struct's, so `check-config` shows the fields in it.
+//!
+//! A row reads `field: Type = default, rule Rule, set<'a>(arg: ArgType) => input;`:
+//! - no `rule`: the field is not in TOML and has no setter (`route`, `key_secret`);
+//! - `rule` without `set`: the setter is written by hand below the list (`derived_key` also
+//!   takes the secret, `max_ttl` notes it was given);
+//! - `set(arg: ArgType)` gives the setter's argument to the rule as it is; `=> input` converts
+//!   it first (`strings(names)`, `ttl.into()`), written in terms of `arg`.
+//!
+//! A rule checks what the builder gives it (a [`Duration`], a `Vec<String>` of header names);
+//! the TOML reads the same through the rule, from the value as written: `config/checked.rs`
+//! says, once per rule, what that is (durations, lifetimes and sizes as human strings, anything
+//! else as itself).
+//!
+//! Adding a field: its row here, its row in docs/configuration.md and its line in
+//! config/example.toml; a new rule also takes its definition in `check` and its line in
+//! `config/checked.rs`.
 
 use std::time::Duration;
 
+use http::header::{AUTHORIZATION, SET_COOKIE};
 use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
+
+// The list names its rules bare; they resolve here and where config expands the list.
+use check::*;
 
 use super::json::Pointer;
 pub use super::key::KeySecret;
@@ -64,125 +90,158 @@ pub enum AfterExpiry {
     Refuse,
 }
 
-/// The effective idempotency policy of one route: `[defaults]` merged over the built-in defaults,
-/// then the route's own fields merged over that.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Policy {
-    /// Where this policy came from: `"defaults"` or the route's path; used in logs and metrics.
-    pub route: String,
-    /// Methods where idempotency applies; others pass through untouched.
-    pub methods: Vec<Method>,
-    /// How long a completed response is replayed.
-    pub ttl: Ttl,
-    /// Lease of an in-flight claim.
-    pub lock_ttl: Duration,
-    /// Whether a request without a key is refused with 400.
-    pub require_key: bool,
-    /// Largest keyed request body accepted and largest response recorded for replay.
-    pub max_body: u64,
-    /// Longest key accepted.
-    pub key_max_len: usize,
-    /// Request headers whose values scope the key (lower-case names).
-    pub scope_headers: Vec<HeaderName>,
-    /// Status for a key reused with a different request (409 or 422).
-    pub mismatch_status: StatusCode,
-    /// Store 5xx responses too (Stripe's behaviour) instead of releasing the key.
-    pub cache_server_errors: bool,
-    /// How long to wait for the upstream's full response.
-    pub upstream_timeout: Duration,
-    /// What a duplicate of an in-flight request gets.
-    pub on_in_flight: OnInFlight,
-    /// With `on_in_flight = "wait"`: the longest a duplicate waits.
-    pub wait_timeout: Duration,
-    /// With `on_in_flight = "wait"`: most duplicates waiting at once on this route.
-    pub max_waiters: usize,
-    /// What a keyed request gets when the store is unreachable.
-    pub on_store_error: OnStoreError,
-    /// The named upstream the gateway forwards these requests to (`[upstreams.NAME]`); a
-    /// library user's inner service may read it from the `Arc<Policy>` request extension.
-    pub upstream: String,
-    /// Request headers that carry the key, tried in order (lower-case names).
-    pub key_headers: Vec<HeaderName>,
-    /// Where in a JSON body the key is, when no header carries one.
-    pub key_from_body: Option<Pointer>,
-    /// Fields of a JSON body whose canonical values, with [`Policy::key_secret`], make the key
-    /// (an HMAC-SHA256) when no header or body key is present.
-    pub derived_key: Vec<Pointer>,
-    /// The secret of derived keys; set when `derived_key` is (from `IDEMGATE_KEY_SECRET`).
-    pub key_secret: Option<KeySecret>,
-    /// What "the same request" means for the body.
-    pub fingerprint: FingerprintMode,
-    /// JSON pointers left out of a `"json"` fingerprint (`*` matches any array index).
-    pub fingerprint_ignore: Vec<Pointer>,
-    /// Cookies whose values scope the key, like `scope_headers`.
-    pub scope_cookies: Vec<String>,
-    /// Request headers that are part of the fingerprint.
-    pub fingerprint_headers: Vec<HeaderName>,
-    /// How long a stored 4xx (or, with `cache_server_errors`, 5xx) response is replayed.
-    pub failure_ttl: Ttl,
-    /// The longest any record lives: `ttl`, `failure_ttl` and an upstream's
-    /// `Idempotency-Control: max-age` are bounded by it. Forever when `ttl` or `failure_ttl` is
-    /// and no `max_ttl` was given.
-    pub max_ttl: Ttl,
-    /// Response headers recorded but never replayed.
-    pub replay_drop_headers: Vec<HeaderName>,
-    /// If set, every recorded or replayed answer carries this header with the record's expiry.
-    pub expiry_header: Option<HeaderName>,
-    /// The shape of the gateway's own refusals and failures on this route.
-    pub error_format: ErrorFormat,
-    /// What a retry gets after its key's record has expired.
-    pub after_expiry: AfterExpiry,
-    /// With `after_expiry = "refuse"`: how long a key is remembered after its record expires.
-    pub tombstone_ttl: Duration,
-    /// OASIS Repeatable Requests: the key from `Repeatability-Request-ID`, scoped by
-    /// `Repeatability-Client-ID`, with `Repeatability-First-Sent` checked against `ttl`.
-    pub repeatability: bool,
-    /// Send a keyed answer to the client as it arrives while recording it, instead of buffering
-    /// it whole first; with `on_in_flight = "wait"`, duplicates attach to the live answer.
-    pub stream: bool,
+/// The policy's fields, each once: `$callback! { rows }`, one row per field in the struct's
+/// order (the row syntax is in the module doc). A callback matches the rows with the pattern
+/// `policy_struct!` has.
+macro_rules! policy_fields {
+    ($callback:ident) => {
+        $callback! {
+            /// Where this policy came from: `"defaults"` or the route's path; used in logs and
+            /// metrics.
+            route: String = "defaults".into();
+            /// Methods where idempotency applies; others pass through untouched.
+            methods: Vec<Method> = vec![Method::POST, Method::PATCH], rule Methods,
+                set(methods: impl IntoIterator<Item = Method>)
+                    => methods.into_iter().map(|m| m.to_string()).collect();
+            /// How long a completed response is replayed (a [`Duration`] or [`Ttl::Forever`]).
+            ttl: Ttl = Ttl::For(Duration::from_secs(24 * 3600)), rule Lifetime,
+                set(ttl: impl Into<Ttl>) => ttl.into();
+            /// Lease of an in-flight claim.
+            lock_ttl: Duration = Duration::from_secs(30), rule NonZero, set(lease: Duration);
+            /// Whether a request without a key is refused with 400.
+            require_key: bool = false, rule Any<bool>, set(required: bool);
+            /// Largest keyed request body accepted and largest response recorded for replay.
+            max_body: u64 = 1024 * 1024, rule NonZeroSize, set(bytes: u64);
+            /// Longest key accepted.
+            key_max_len: usize = 255, rule KeyMaxLen, set(len: usize);
+            /// Request headers whose values scope the key (lower-case names).
+            scope_headers: Vec<HeaderName> = vec![AUTHORIZATION], rule HeaderNames,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
+            /// Status for a key reused with a different request (409 or 422).
+            mismatch_status: StatusCode = StatusCode::CONFLICT, rule MismatchStatus,
+                set(status: StatusCode) => status.as_u16();
+            /// Store 5xx responses too (Stripe's behaviour) instead of releasing the key.
+            cache_server_errors: bool = false, rule Any<bool>, set(cache: bool);
+            /// How long to wait for the upstream's full response.
+            upstream_timeout: Duration = Policy::DEFAULT_UPSTREAM_TIMEOUT, rule NonZero,
+                set(timeout: Duration);
+            /// What a duplicate of an in-flight request gets.
+            on_in_flight: OnInFlight = OnInFlight::Reject, rule Any<OnInFlight>,
+                set(on: OnInFlight);
+            /// With `on_in_flight = "wait"`: the longest a duplicate waits.
+            wait_timeout: Duration = Duration::from_secs(10), rule NonZero,
+                set(timeout: Duration);
+            /// With `on_in_flight = "wait"`: most duplicates waiting at once on this route.
+            max_waiters: usize = 1024, rule AtLeastOne, set(n: usize);
+            /// What a keyed request gets when the store is unreachable.
+            on_store_error: OnStoreError = OnStoreError::Reject, rule Any<OnStoreError>,
+                set(on: OnStoreError);
+            /// The named upstream the gateway forwards these requests to (`[upstreams.NAME]`);
+            /// a library user's inner service may read it from the `Arc<Policy>` request
+            /// extension.
+            upstream: String = DEFAULT_UPSTREAM.to_string(), rule UpstreamName,
+                set(name: &str) => name.to_string();
+            /// Request headers that carry the key, tried in order (lower-case names).
+            key_headers: Vec<HeaderName> = vec![IDEMPOTENCY_KEY], rule KeyHeaders,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
+            /// Where in a JSON body the key is, when no header carries one (`""`: nowhere).
+            key_from_body: Option<Pointer> = None, rule OptionalPointer,
+                set(pointer: &str) => pointer.to_string();
+            /// Fields of a JSON body whose canonical values, with [`Policy::key_secret`], make
+            /// the key (an HMAC-SHA256) when no header or body key is present.
+            derived_key: Vec<Pointer> = Vec::new(), rule Pointers;
+            /// The secret of derived keys; set when `derived_key` is (from
+            /// `IDEMGATE_KEY_SECRET`).
+            key_secret: Option<KeySecret> = None;
+            /// What "the same request" means for the body.
+            fingerprint: FingerprintMode = FingerprintMode::Exact, rule Any<FingerprintMode>,
+                set(mode: FingerprintMode);
+            /// JSON pointers left out of a `"json"` fingerprint (`*` matches any array index).
+            fingerprint_ignore: Vec<Pointer> = Vec::new(), rule IgnoredPointers,
+                set<'a>(pointers: impl IntoIterator<Item = &'a str>) => strings(pointers);
+            /// Cookies whose values scope the key, like `scope_headers`.
+            scope_cookies: Vec<String> = Vec::new(), rule CookieNames,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
+            /// Request headers that are part of the fingerprint.
+            fingerprint_headers: Vec<HeaderName> = Vec::new(), rule HeaderNames,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
+            /// How long a stored 4xx (or, with `cache_server_errors`, 5xx) response is
+            /// replayed.
+            failure_ttl: Ttl = Ttl::For(Duration::from_secs(24 * 3600)), rule Lifetime,
+                set(ttl: impl Into<Ttl>) => ttl.into();
+            /// The longest any record lives: `ttl`, `failure_ttl` and an upstream's
+            /// `Idempotency-Control: max-age` are bounded by it. Forever when `ttl` or
+            /// `failure_ttl` is and no `max_ttl` was given.
+            max_ttl: Ttl = Ttl::For(Duration::from_secs(7 * 24 * 3600)), rule Lifetime;
+            /// Response headers recorded but never replayed.
+            replay_drop_headers: Vec<HeaderName> = vec![SET_COOKIE], rule HeaderNames,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
+            /// If set, every recorded or replayed answer carries this header with the record's
+            /// expiry (`""`: none).
+            expiry_header: Option<HeaderName> = None, rule OptionalHeaderName,
+                set(name: &str) => name.to_string();
+            /// The shape of the gateway's own refusals and failures on this route.
+            error_format: ErrorFormat = ErrorFormat::Problem, rule Any<ErrorFormat>,
+                set(format: ErrorFormat);
+            /// What a retry gets after its key's record has expired.
+            after_expiry: AfterExpiry = AfterExpiry::Run, rule Any<AfterExpiry>,
+                set(after: AfterExpiry);
+            /// With `after_expiry = "refuse"`: how long a key is remembered after its record
+            /// expires.
+            tombstone_ttl: Duration = Duration::from_secs(30 * 24 * 3600), rule NonZero,
+                set(ttl: Duration);
+            /// OASIS Repeatable Requests: the key from `Repeatability-Request-ID`, scoped by
+            /// `Repeatability-Client-ID`, with `Repeatability-First-Sent` checked against
+            /// `ttl`.
+            repeatability: bool = false, rule Any<bool>, set(on: bool);
+            /// Send a keyed answer to the client as it arrives while recording it, instead of
+            /// buffering it whole first; with `on_in_flight = "wait"`, duplicates attach to the
+            /// live answer.
+            stream: bool = false, rule Any<bool>, set(stream: bool);
+        }
+    };
 }
+pub(crate) use policy_fields;
+
+/// Makes, from the rows of [`policy_fields!`], [`Policy`] with its built-in defaults and the
+/// setters of [`PolicyBuilder`] for the rows that have `set`.
+macro_rules! policy_struct {
+    ($(
+        $(#[doc = $doc:literal])*
+        $field:ident: $ty:ty = $default:expr
+        $(, rule $rule:ty $(, set $(<$lt:lifetime>)? ($arg:ident: $arg_ty:ty) $(=> $input:expr)?)?)?;
+    )*) => {
+        /// The effective idempotency policy of one route: `[defaults]` merged over the built-in
+        /// defaults, then the route's own fields merged over that.
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub struct Policy {
+            $($(#[doc = $doc])* pub $field: $ty,)*
+        }
+
+        impl Policy {
+            fn builtin() -> Self {
+                Policy { $($field: $default,)* }
+            }
+        }
+
+        impl PolicyBuilder {
+            $($($(
+                #[doc = concat!("`", stringify!($field), "`: sets [`Policy::", stringify!($field),
+                    "`], checked as the TOML's is.")]
+                pub fn $field $(<$lt>)? (self, $arg: $arg_ty) -> Self {
+                    $(let $arg = $input;)?
+                    self.set(stringify!($field), <$rule as Rule>::check($arg), |p, v| p.$field = v)
+                }
+            )?)?)*
+        }
+    };
+}
+
+policy_fields!(policy_struct);
 
 impl Policy {
     /// The built-in `upstream_timeout`.
     pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
-
-    fn builtin() -> Self {
-        Policy {
-            route: "defaults".into(),
-            methods: vec![Method::POST, Method::PATCH],
-            ttl: Ttl::For(Duration::from_secs(24 * 3600)),
-            lock_ttl: Duration::from_secs(30),
-            require_key: false,
-            max_body: 1024 * 1024,
-            key_max_len: 255,
-            scope_headers: vec![http::header::AUTHORIZATION],
-            mismatch_status: StatusCode::CONFLICT,
-            cache_server_errors: false,
-            upstream_timeout: Self::DEFAULT_UPSTREAM_TIMEOUT,
-            on_in_flight: OnInFlight::Reject,
-            wait_timeout: Duration::from_secs(10),
-            max_waiters: 1024,
-            on_store_error: OnStoreError::Reject,
-            upstream: DEFAULT_UPSTREAM.to_string(),
-            key_headers: vec![IDEMPOTENCY_KEY],
-            key_from_body: None,
-            derived_key: Vec::new(),
-            key_secret: None,
-            fingerprint: FingerprintMode::Exact,
-            fingerprint_ignore: Vec::new(),
-            scope_cookies: Vec::new(),
-            fingerprint_headers: Vec::new(),
-            failure_ttl: Ttl::For(Duration::from_secs(24 * 3600)),
-            max_ttl: Ttl::For(Duration::from_secs(7 * 24 * 3600)),
-            replay_drop_headers: vec![http::header::SET_COOKIE],
-            expiry_header: None,
-            error_format: ErrorFormat::Problem,
-            after_expiry: AfterExpiry::Run,
-            tombstone_ttl: Duration::from_secs(30 * 24 * 3600),
-            repeatability: false,
-            stream: false,
-        }
-    }
 
     /// The shortest life the route's own settings give a record: `ttl` or `failure_ttl`,
     /// whichever is shorter (an upstream's `max-age` aside).
@@ -287,151 +346,161 @@ impl Default for Policy {
 /// refused (the caller names the field). [`PolicyBuilder`] and the TOML configuration both apply
 /// these, so a policy built in code is checked exactly as one written in a file.
 pub(crate) mod check {
+    use std::marker::PhantomData;
     use std::time::Duration;
 
     use http::{HeaderName, Method, StatusCode};
 
     use super::super::json::{Pointer, MAX_IGNORED};
+    use super::{Ttl, MAX_DURATION};
 
-    /// `ttl`, `lock_ttl` and the other durations.
-    pub(crate) fn non_zero(d: Duration) -> Result<Duration, String> {
-        match d.is_zero() {
-            true => Err("must be greater than zero".into()),
-            false => Ok(d),
+    /// A rule for one kind of value: what it reads, what it makes of it, and why it may refuse.
+    pub(crate) trait Rule {
+        /// The value as given to the builder (the TOML reads it from its written form).
+        type Input;
+        /// The value as the policy holds it.
+        type Value;
+        /// `input` as a value, or the reason it is refused.
+        fn check(input: Self::Input) -> Result<Self::Value, String>;
+    }
+
+    /// Any value of `T`, as given.
+    pub(crate) struct Any<T>(PhantomData<T>);
+
+    impl<T> Rule for Any<T> {
+        type Input = T;
+        type Value = T;
+        fn check(input: T) -> Result<T, String> {
+            Ok(input)
         }
     }
 
-    /// `ttl`, `failure_ttl`, `max_ttl`: a duration greater than zero, or forever.
-    pub(crate) fn lifetime(ttl: super::Ttl) -> Result<super::Ttl, String> {
-        match ttl {
-            super::Ttl::For(d) => non_zero(d).map(super::Ttl::For),
-            super::Ttl::Forever => Ok(ttl),
-        }
+    /// Defines rules as `Name: Input => Value = check;`, each a unit type; `check` is a function
+    /// or a closure.
+    macro_rules! rules {
+        ($($(#[$doc:meta])* $name:ident: $input:ty => $value:ty = $check:expr;)*) => {$(
+            $(#[$doc])*
+            pub(crate) struct $name;
+
+            impl Rule for $name {
+                type Input = $input;
+                type Value = $value;
+                fn check(input: $input) -> Result<$value, String> {
+                    let check: fn($input) -> Result<$value, String> = $check;
+                    check(input)
+                }
+            }
+        )*};
     }
 
-    /// `max_body`.
-    pub(crate) fn non_zero_size(bytes: u64) -> Result<u64, String> {
-        match bytes {
+    rules! {
+        /// A duration greater than zero, once clamped to [`MAX_DURATION`] as a written one is.
+        NonZero: Duration => Duration = |d| match d.min(MAX_DURATION) {
+            d if d.is_zero() => Err("must be greater than zero".into()),
+            d => Ok(d),
+        };
+        /// A record lifetime: a duration as [`NonZero`] has it, or forever.
+        Lifetime: Ttl => Ttl = |ttl| match ttl {
+            Ttl::For(d) => NonZero::check(d).map(Ttl::For),
+            Ttl::Forever => Ok(ttl),
+        };
+        /// A size greater than zero.
+        NonZeroSize: u64 => u64 = |bytes| match bytes {
             0 => Err("must be greater than zero".into()),
             n => Ok(n),
-        }
-    }
-
-    /// `key_max_len`.
-    pub(crate) fn key_max_len(len: usize) -> Result<usize, String> {
-        match len {
-            1..=8192 => Ok(len),
-            _ => Err("must be between 1 and 8192".into()),
-        }
-    }
-
-    /// `max_waiters`.
-    pub(crate) fn max_waiters(n: usize) -> Result<usize, String> {
-        match n {
+        };
+        /// A count of at least 1.
+        AtLeastOne: usize => usize = |n| match n {
             0 => Err("must be at least 1".into()),
             n => Ok(n),
-        }
-    }
-
-    /// `mismatch_status`.
-    pub(crate) fn mismatch_status(status: u16) -> Result<StatusCode, String> {
-        match status {
+        };
+        /// A key length between 1 and 8192.
+        KeyMaxLen: usize => usize = |len| match len {
+            1..=8192 => Ok(len),
+            _ => Err("must be between 1 and 8192".into()),
+        };
+        /// 409 or 422.
+        MismatchStatus: u16 => StatusCode = |status| match status {
             409 => Ok(StatusCode::CONFLICT),
             422 => Ok(StatusCode::UNPROCESSABLE_ENTITY),
             _ => Err("must be 409 or 422".into()),
-        }
-    }
-
-    /// `methods`: at least one, any case.
-    pub(crate) fn methods(names: Vec<String>) -> Result<Vec<Method>, String> {
-        if names.is_empty() {
-            return Err("must name at least one method".into());
-        }
-        names
-            .iter()
-            .map(|m| {
-                let upper = m.trim().to_ascii_uppercase();
-                match Method::from_bytes(upper.as_bytes()) {
-                    Ok(method) if !upper.is_empty() => Ok(method),
-                    _ => Err(format!("{m:?} is not an HTTP method")),
-                }
-            })
-            .collect()
-    }
-
-    /// `scope_headers`, `fingerprint_headers`, `replay_drop_headers`: lower-cased names.
-    pub(crate) fn header_names(names: Vec<String>) -> Result<Vec<HeaderName>, String> {
-        names
-            .iter()
-            .map(|n| {
-                HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes())
-                    .map_err(|_| format!("{n:?} is not a header name"))
-            })
-            .collect()
-    }
-
-    /// `key_headers`: at least one header name.
-    pub(crate) fn key_headers(names: Vec<String>) -> Result<Vec<HeaderName>, String> {
-        match names.is_empty() {
+        };
+        /// HTTP methods, at least one, any case.
+        Methods: Vec<String> => Vec<Method> = |names| {
+            if names.is_empty() {
+                return Err("must name at least one method".into());
+            }
+            names
+                .iter()
+                .map(|m| {
+                    let upper = m.trim().to_ascii_uppercase();
+                    match Method::from_bytes(upper.as_bytes()) {
+                        Ok(method) if !upper.is_empty() => Ok(method),
+                        _ => Err(format!("{m:?} is not an HTTP method")),
+                    }
+                })
+                .collect()
+        };
+        /// Header names, lower-cased.
+        HeaderNames: Vec<String> => Vec<HeaderName> = |names| {
+            names
+                .iter()
+                .map(|n| {
+                    HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes())
+                        .map_err(|_| format!("{n:?} is not a header name"))
+                })
+                .collect()
+        };
+        /// Header names, at least one.
+        KeyHeaders: Vec<String> => Vec<HeaderName> = |names| match names.is_empty() {
             true => Err("must name at least one header".into()),
-            false => header_names(names),
-        }
-    }
-
-    /// `expiry_header`: a header name, or `""` for none.
-    pub(crate) fn optional_header_name(name: String) -> Result<Option<HeaderName>, String> {
-        match name.trim() {
+            false => HeaderNames::check(names),
+        };
+        /// A header name, or `""` for none.
+        OptionalHeaderName: String => Option<HeaderName> = |name| match name.trim() {
             "" => Ok(None),
-            n => Ok(header_names(vec![n.to_string()])?.pop()),
-        }
-    }
-
-    /// `key_from_body`: an RFC 6901 pointer, or `""` for none.
-    pub(crate) fn optional_pointer(text: String) -> Result<Option<Pointer>, String> {
-        match text.as_str() {
+            n => Ok(HeaderNames::check(vec![n.to_string()])?.pop()),
+        };
+        /// An RFC 6901 pointer, or `""` for none.
+        OptionalPointer: String => Option<Pointer> = |text| match text.as_str() {
             "" => Ok(None),
             p => Pointer::parse(p).map(Some),
-        }
-    }
-
-    /// `derived_key`: RFC 6901 pointers.
-    pub(crate) fn pointers(texts: Vec<String>) -> Result<Vec<Pointer>, String> {
-        texts.iter().map(|t| Pointer::parse(t)).collect()
-    }
-
-    /// `fingerprint_ignore`: pointers (`*` for any array index), at most [`MAX_IGNORED`].
-    pub(crate) fn ignored_pointers(texts: Vec<String>) -> Result<Vec<Pointer>, String> {
-        match texts.len() > MAX_IGNORED {
-            true => Err(format!("at most {MAX_IGNORED} pointers")),
-            false => pointers(texts),
-        }
-    }
-
-    /// `scope_cookies`: cookie names (RFC 6265 tokens).
-    pub(crate) fn cookie_names(names: Vec<String>) -> Result<Vec<String>, String> {
-        let token = |c: &String| {
-            !c.is_empty()
-                && c.bytes()
-                    .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b))
         };
-        match names.iter().find(|c| !token(c)) {
-            Some(bad) => Err(format!("{bad:?} is not a cookie name")),
-            None => Ok(names),
-        }
-    }
-
-    /// `upstream`: the name of an `[upstreams.NAME]` table.
-    pub(crate) fn upstream_name(name: String) -> Result<String, String> {
-        let valid = !name.is_empty()
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-        match valid {
-            true => Ok(name),
-            false => Err(format!(
-                "{name:?} is not an upstream name (letters, digits, '-' and '_')"
-            )),
-        }
+        /// RFC 6901 pointers.
+        Pointers: Vec<String> => Vec<Pointer> = |texts| {
+            texts.iter().map(|t| Pointer::parse(t)).collect()
+        };
+        /// Pointers left out of a fingerprint (`*` for any array index), at most
+        /// [`MAX_IGNORED`].
+        IgnoredPointers: Vec<String> => Vec<Pointer> = |texts| match texts.len() > MAX_IGNORED {
+            true => Err(format!("at most {MAX_IGNORED} pointers")),
+            false => Pointers::check(texts),
+        };
+        /// Cookie names (RFC 6265 tokens).
+        CookieNames: Vec<String> => Vec<String> = |names| {
+            let token = |c: &String| {
+                !c.is_empty()
+                    && c.bytes()
+                        .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b))
+            };
+            match names.iter().find(|c| !token(c)) {
+                Some(bad) => Err(format!("{bad:?} is not a cookie name")),
+                None => Ok(names),
+            }
+        };
+        /// The name of an `[upstreams.NAME]` table.
+        UpstreamName: String => String = |name| {
+            let valid = !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            match valid {
+                true => Ok(name),
+                false => Err(format!(
+                    "{name:?} is not an upstream name (letters, digits, '-' and '_')"
+                )),
+            }
+        };
     }
 }
 
@@ -479,119 +548,7 @@ impl PolicyBuilder {
         self
     }
 
-    /// A duration as the TOML reads it: clamped to [`MAX_DURATION`], then non-zero.
-    fn duration(d: Duration) -> Result<Duration, String> {
-        check::non_zero(d.min(MAX_DURATION))
-    }
-
-    /// A record lifetime as the TOML reads it: a duration as [`Self::duration`], or forever.
-    fn lifetime(ttl: impl Into<Ttl>) -> Result<Ttl, String> {
-        match ttl.into() {
-            Ttl::For(d) => Self::duration(d).map(Ttl::For),
-            Ttl::Forever => Ok(Ttl::Forever),
-        }
-    }
-
-    /// `methods`: the methods idempotency applies to.
-    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let names = methods.into_iter().map(|m| m.to_string()).collect();
-        self.set("methods", check::methods(names), |p, v| p.methods = v)
-    }
-
-    /// `ttl`: how long a completed response is replayed (a [`Duration`] or [`Ttl::Forever`]).
-    pub fn ttl(self, ttl: impl Into<Ttl>) -> Self {
-        self.set("ttl", Self::lifetime(ttl), |p, v| p.ttl = v)
-    }
-
-    /// `lock_ttl`: the lease of an in-flight claim.
-    pub fn lock_ttl(self, lease: Duration) -> Self {
-        self.set("lock_ttl", Self::duration(lease), |p, v| p.lock_ttl = v)
-    }
-
-    /// `require_key`: refuse keyless requests with 400.
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.policy.require_key = required;
-        self
-    }
-
-    /// `max_body`: the largest keyed request body accepted and response recorded.
-    pub fn max_body(self, bytes: u64) -> Self {
-        let value = check::non_zero_size(bytes);
-        self.set("max_body", value, |p, v| p.max_body = v)
-    }
-
-    /// `key_max_len`: the longest key accepted.
-    pub fn key_max_len(self, len: usize) -> Self {
-        let value = check::key_max_len(len);
-        self.set("key_max_len", value, |p, v| p.key_max_len = v)
-    }
-
-    /// `scope_headers`: request headers whose values scope the key.
-    pub fn scope_headers<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::header_names(strings(names));
-        self.set("scope_headers", value, |p, v| p.scope_headers = v)
-    }
-
-    /// `mismatch_status`: 409 or 422.
-    pub fn mismatch_status(self, status: StatusCode) -> Self {
-        let value = check::mismatch_status(status.as_u16());
-        self.set("mismatch_status", value, |p, v| p.mismatch_status = v)
-    }
-
-    /// `cache_server_errors`: store 5xx responses too.
-    pub fn cache_server_errors(mut self, cache: bool) -> Self {
-        self.policy.cache_server_errors = cache;
-        self
-    }
-
-    /// `upstream_timeout`: how long the inner service may take to answer.
-    pub fn upstream_timeout(self, timeout: Duration) -> Self {
-        let value = Self::duration(timeout);
-        self.set("upstream_timeout", value, |p, v| p.upstream_timeout = v)
-    }
-
-    /// `stream`: send a keyed answer as it arrives while recording it.
-    pub fn stream(mut self, stream: bool) -> Self {
-        self.policy.stream = stream;
-        self
-    }
-
-    /// `on_in_flight`: what a duplicate of an in-flight request gets.
-    pub fn on_in_flight(mut self, on: OnInFlight) -> Self {
-        self.policy.on_in_flight = on;
-        self
-    }
-
-    /// `wait_timeout`: the longest a duplicate waits.
-    pub fn wait_timeout(self, timeout: Duration) -> Self {
-        let value = Self::duration(timeout);
-        self.set("wait_timeout", value, |p, v| p.wait_timeout = v)
-    }
-
-    /// `max_waiters`: most duplicates waiting at once.
-    pub fn max_waiters(self, n: usize) -> Self {
-        self.set("max_waiters", check::max_waiters(n), |p, v| {
-            p.max_waiters = v
-        })
-    }
-
-    /// `on_store_error`: what a keyed request gets when the store fails.
-    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
-        self.policy.on_store_error = on;
-        self
-    }
-
-    /// `key_headers`: the headers that carry the key, tried in order.
-    pub fn key_headers<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::key_headers(strings(names));
-        self.set("key_headers", value, |p, v| p.key_headers = v)
-    }
-
-    /// `key_from_body`: a JSON pointer to the key in a JSON body (`""`: none).
-    pub fn key_from_body(self, pointer: &str) -> Self {
-        let value = check::optional_pointer(pointer.to_string());
-        self.set("key_from_body", value, |p, v| p.key_from_body = v)
-    }
+    // The setters the list does not make: these two also keep what the policy alone cannot.
 
     /// `derived_key`: the JSON fields whose canonical values, with `secret`, make the key.
     pub fn derived_key<'a>(
@@ -600,90 +557,14 @@ impl PolicyBuilder {
         secret: KeySecret,
     ) -> Self {
         self.secret = Some(secret);
-        let value = check::pointers(strings(fields));
+        let value = Pointers::check(strings(fields));
         self.set("derived_key", value, |p, v| p.derived_key = v)
-    }
-
-    /// `fingerprint`: `Exact` bytes or canonical `Json`.
-    pub fn fingerprint(mut self, mode: FingerprintMode) -> Self {
-        self.policy.fingerprint = mode;
-        self
-    }
-
-    /// `fingerprint_ignore`: JSON pointers left out of a `Json` fingerprint.
-    pub fn fingerprint_ignore<'a>(self, pointers: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::ignored_pointers(strings(pointers));
-        self.set("fingerprint_ignore", value, |p, v| p.fingerprint_ignore = v)
-    }
-
-    /// `scope_cookies`: cookies whose values scope the key.
-    pub fn scope_cookies<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::cookie_names(strings(names));
-        self.set("scope_cookies", value, |p, v| p.scope_cookies = v)
-    }
-
-    /// `fingerprint_headers`: request headers that are part of the fingerprint.
-    pub fn fingerprint_headers<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::header_names(strings(names));
-        self.set("fingerprint_headers", value, |p, v| {
-            p.fingerprint_headers = v
-        })
-    }
-
-    /// `failure_ttl`: how long a stored 4xx is replayed.
-    pub fn failure_ttl(self, ttl: impl Into<Ttl>) -> Self {
-        let value = Self::lifetime(ttl);
-        self.set("failure_ttl", value, |p, v| p.failure_ttl = v)
     }
 
     /// `max_ttl`: the longest any record lives.
     pub fn max_ttl(mut self, ttl: impl Into<Ttl>) -> Self {
         self.max_ttl_given = true;
-        self.set("max_ttl", Self::lifetime(ttl), |p, v| p.max_ttl = v)
-    }
-
-    /// `replay_drop_headers`: response headers recorded but never replayed.
-    pub fn replay_drop_headers<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let value = check::header_names(strings(names));
-        self.set("replay_drop_headers", value, |p, v| {
-            p.replay_drop_headers = v
-        })
-    }
-
-    /// `expiry_header`: the header that carries a record's expiry (`""`: none).
-    pub fn expiry_header(self, name: &str) -> Self {
-        let value = check::optional_header_name(name.to_string());
-        self.set("expiry_header", value, |p, v| p.expiry_header = v)
-    }
-
-    /// `error_format`: the shape of the gateway's own refusals and failures.
-    pub fn error_format(mut self, format: ErrorFormat) -> Self {
-        self.policy.error_format = format;
-        self
-    }
-
-    /// `after_expiry`: what a retry gets after its key's record has expired.
-    pub fn after_expiry(mut self, after: AfterExpiry) -> Self {
-        self.policy.after_expiry = after;
-        self
-    }
-
-    /// `tombstone_ttl`: how long a key is remembered after its record expires.
-    pub fn tombstone_ttl(self, ttl: Duration) -> Self {
-        let value = Self::duration(ttl);
-        self.set("tombstone_ttl", value, |p, v| p.tombstone_ttl = v)
-    }
-
-    /// `repeatability`: OASIS Repeatable Requests on this route.
-    pub fn repeatability(mut self, on: bool) -> Self {
-        self.policy.repeatability = on;
-        self
-    }
-
-    /// `upstream`: the named upstream the gateway forwards to.
-    pub fn upstream(self, name: &str) -> Self {
-        let value = check::upstream_name(name.to_string());
-        self.set("upstream", value, |p, v| p.upstream = v)
+        self.set("max_ttl", Lifetime::check(ttl.into()), |p, v| p.max_ttl = v)
     }
 
     /// The policy, or the first field refused (named as `policy.<field>`).

@@ -21,13 +21,13 @@
 //! redis-server exits when it cannot bind its ports, including a cluster node's bus port).
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use redis::{FromRedisValue, IntoConnectionInfo};
 
-use crate::redis::{came_up, socket_in, ATTEMPTS};
+use crate::process::ChildProcess;
+use crate::redis::{run_server, socket_in, ATTEMPTS};
 use crate::{free_port, wait_until};
 
 /// How long a cluster or Sentinel set may take to settle (form, fail over, take a node back).
@@ -517,10 +517,11 @@ enum Role {
 /// One redis-server process in its own temporary directory, on a port (and for a cluster node
 /// a bus port) of its own; killed on drop.
 struct Node {
+    /// The process; first, so that it is killed before its directory goes.
+    child: ChildProcess,
     port: u16,
     bus_port: u16,
     dir: tempfile::TempDir,
-    child: Mutex<Option<Child>>,
 }
 
 impl Node {
@@ -528,10 +529,10 @@ impl Node {
     async fn start(role: Role) -> Self {
         for _ in 0..ATTEMPTS {
             let node = Node {
+                child: ChildProcess::none(),
                 port: free_port(),
                 bus_port: free_port(),
                 dir: tempfile::tempdir().unwrap(),
-                child: Mutex::new(None),
             };
             if node.spawn(&role).await {
                 return node;
@@ -594,17 +595,7 @@ impl Node {
             }
             _ => {}
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        *self.child.lock().unwrap() = Some(child);
-        let up = came_up(&self.child, dir).await;
-        if !up {
-            self.child.lock().unwrap().take();
-        }
-        up
+        run_server(&mut cmd, &self.child, dir).await
     }
 
     fn url(&self) -> String {
@@ -612,18 +603,15 @@ impl Node {
     }
 
     fn running(&self) -> bool {
-        self.child.lock().unwrap().is_some()
+        self.child.held()
     }
 
     fn pid(&self) -> Option<u32> {
-        self.child.lock().unwrap().as_ref().map(Child::id)
+        self.child.pid()
     }
 
     fn kill9(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill9();
     }
 
     /// One command on a fresh connection (see [`query`]).
@@ -710,12 +698,6 @@ impl Node {
             }
             cursor = next;
         }
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill9();
     }
 }
 

@@ -11,10 +11,11 @@
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::process::{children, signal, ChildProcess};
 use crate::redis::ATTEMPTS;
 use crate::{free_port, wait_until};
 
@@ -31,7 +32,7 @@ pub struct PostgresServer {
     /// Its TCP port on 127.0.0.1.
     pub port: u16,
     dir: tempfile::TempDir,
-    child: Mutex<Option<Child>>,
+    child: ChildProcess,
     /// With TLS: the PEM certificate clients must trust (self-signed for 127.0.0.1), or the
     /// certificate it was given.
     pub ca_file: Option<PathBuf>,
@@ -147,7 +148,7 @@ impl PostgresServer {
         PostgresServer {
             port,
             dir,
-            child: Mutex::new(None),
+            child: ChildProcess::none(),
             ca_file: None,
             client_ca: None,
             durable: false,
@@ -156,7 +157,7 @@ impl PostgresServer {
 
     /// The server's main process (the postmaster; its backends are its children), while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.lock().unwrap().as_ref().map(Child::id)
+        self.child.pid()
     }
 
     /// `postgres://idemgate:s3cret@127.0.0.1:PORT/idemgate?sslmode=disable`
@@ -209,16 +210,16 @@ impl PostgresServer {
                 ));
         }
         as_server_user(&mut cmd);
-        *self.child.lock().unwrap() = Some(cmd.spawn().expect("postgres must be installed"));
+        self.child
+            .hold(cmd.spawn().expect("postgres must be installed"));
         let mut exited = false;
         wait_until(STARTUP, "postgres answers", async || {
-            let status = self.child.lock().unwrap().as_mut().unwrap().try_wait();
-            exited = status.unwrap().is_some();
+            exited = self.child.exit_status().is_some();
             exited || self.try_psql("SELECT 1").is_some()
         })
         .await;
         if exited {
-            self.child.lock().unwrap().take();
+            self.child.forget();
         }
         !exited
     }
@@ -254,20 +255,16 @@ impl PostgresServer {
     /// A fast shutdown: connections closed, committed work on disk. The port stays free for
     /// [`PostgresServer::start_again`].
     pub fn stop(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            signal(c.id(), "-INT");
-            let _ = c.wait();
-        }
+        self.child.stop_with("-INT");
     }
 
     /// SIGKILL the server and its backends: no shutdown at all (the next start recovers from
     /// the WAL).
     pub fn kill(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let backends = children(c.id());
-            let _ = c.kill();
-            let _ = c.wait();
-            backends.into_iter().for_each(|pid| signal(pid, "-KILL"));
+        let backends = self.child.pid().map(children).unwrap_or_default();
+        self.child.kill9();
+        for pid in backends {
+            signal(pid, "-KILL");
         }
     }
 
@@ -282,9 +279,10 @@ impl PostgresServer {
     }
 
     fn signal_all(&self, sig: &str) {
-        let pid = self.child.lock().unwrap().as_ref().expect("running").id();
-        signal(pid, sig);
-        children(pid).into_iter().for_each(|c| signal(c, sig));
+        let pid = self.child.pid().expect("running");
+        for pid in std::iter::once(pid).chain(children(pid)) {
+            signal(pid, sig);
+        }
     }
 
     /// Start again on the same port and data after [`PostgresServer::stop`] or
@@ -301,10 +299,7 @@ impl PostgresServer {
     /// without a checkpoint (the next start recovers from the WAL), then a start on the same port
     /// and data.
     pub async fn restart_immediate(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            signal(c.id(), "-QUIT");
-            let _ = c.wait();
-        }
+        self.child.stop_with("-QUIT");
         self.start_again().await;
     }
 
@@ -319,23 +314,6 @@ impl Drop for PostgresServer {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// The processes `pid` started (a server's backends and helpers).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
-fn signal(pid: u32, sig: &str) {
-    let _ = Command::new("kill")
-        .arg(sig)
-        .arg(pid.to_string())
-        .stderr(Stdio::null())
-        .status();
 }
 
 /// A PostgreSQL program: from the newest /usr/lib/postgresql/*/bin (Debian's packages), else

@@ -6,12 +6,12 @@
 //! cannot, so a port that another process took in the meantime is never mistaken for it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::process::ChildProcess;
 use crate::{free_port, wait_until};
 
 /// Which store a behavioural test runs against.
@@ -37,11 +37,12 @@ const STARTUP: Duration = Duration::from_secs(10);
 /// A redis-server on a loopback port. Its methods take `&self`, so a test can `kill()` it through
 /// a shared handle (the tests' `TestEnv`).
 pub struct RedisServer {
+    /// The process; first, so that it is killed before its directory goes.
+    child: ChildProcess,
     /// Its TCP port on 127.0.0.1.
     pub port: u16,
     dir: tempfile::TempDir,
     appendonly: bool,
-    child: Mutex<Option<Child>>,
 }
 
 impl RedisServer {
@@ -89,7 +90,7 @@ impl RedisServer {
             port,
             dir: tempfile::tempdir().unwrap(),
             appendonly,
-            child: Mutex::new(None),
+            child: ChildProcess::none(),
         }
     }
 
@@ -108,17 +109,7 @@ impl RedisServer {
         } else {
             cmd.args(["--appendonly", "no"]);
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        *self.child.lock().unwrap() = Some(child);
-        let up = came_up(&self.child, self.dir.path()).await;
-        if !up {
-            self.child.lock().unwrap().take();
-        }
-        up
+        run_server(&mut cmd, &self.child, self.dir.path()).await
     }
 
     /// `redis://127.0.0.1:PORT/0`
@@ -128,35 +119,22 @@ impl RedisServer {
 
     /// The process id, while it runs (for its CPU time).
     pub fn pid(&self) -> Option<u32> {
-        self.child.lock().unwrap().as_ref().map(Child::id)
+        self.child.pid()
     }
 
     /// SIGKILL the server (no shutdown save).
     pub fn kill(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill9();
     }
 
     /// SIGSTOP: the server stalls (connections stay open, nothing is answered).
     pub fn pause(&self) {
-        self.signal("-STOP");
+        self.child.signal("-STOP");
     }
 
     /// SIGCONT after [`RedisServer::pause`].
     pub fn resume(&self) {
-        self.signal("-CONT");
-    }
-
-    fn signal(&self, sig: &str) {
-        let pid = self.child.lock().unwrap().as_ref().expect("running").id();
-        assert!(Command::new("kill")
-            .arg(sig)
-            .arg(pid.to_string())
-            .status()
-            .unwrap()
-            .success());
+        self.child.signal("-CONT");
     }
 
     /// Kill and start again on the same port and directory (AOF, if on, is reloaded).
@@ -179,16 +157,10 @@ impl RedisServer {
     }
 }
 
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// A redis-server that speaks only TLS on its port, with a fresh self-signed certificate for
 /// 127.0.0.1, or certificates it is given (and then asking clients for theirs). Killed on drop.
 pub struct TlsRedisServer {
-    child: Mutex<Option<Child>>,
+    _child: ChildProcess,
     /// Its TLS port on 127.0.0.1.
     pub port: u16,
     /// The PEM certificate clients must trust.
@@ -231,8 +203,8 @@ impl TlsRedisServer {
         let auth = if auth_clients { "yes" } else { "no" };
         for _ in 0..ATTEMPTS {
             let port = free_port();
-            let child = Command::new("redis-server")
-                .args(["--port", "0", "--bind", "127.0.0.1"])
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", "0", "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
                 .args(["--tls-port", &port.to_string(), "--tls-auth-clients", auth])
                 .arg("--tls-cert-file")
@@ -244,15 +216,11 @@ impl TlsRedisServer {
                 .arg("--unixsocket")
                 .arg(socket_in(dir.path()))
                 .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed");
-            let child = Mutex::new(Some(child));
-            if came_up(&child, dir.path()).await {
+                .arg(dir.path());
+            let child = ChildProcess::none();
+            if run_server(&mut cmd, &child, dir.path()).await {
                 return TlsRedisServer {
-                    child,
+                    _child: child,
                     port,
                     ca_file: ca_file.to_path_buf(),
                     _dir: dir,
@@ -263,30 +231,29 @@ impl TlsRedisServer {
     }
 }
 
-impl Drop for TlsRedisServer {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 pub(crate) fn socket_in(dir: &Path) -> PathBuf {
     dir.join("redis.sock")
 }
 
-/// Wait until the redis-server `child` answers PING on the unix socket in `dir` (`true`), or
-/// exits (`false`, and it is reaped).
-pub(crate) async fn came_up(child: &Mutex<Option<Child>>, dir: &Path) -> bool {
+/// Run the redis-server `cmd` (its unix socket in `dir`) as `child`, and wait until it answers
+/// PING there (`true`) or exits (`false`, and it is let go of).
+pub(crate) async fn run_server(cmd: &mut Command, child: &ChildProcess, dir: &Path) -> bool {
+    let started = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (scripts/test installs it)");
+    child.hold(started);
     let socket = socket_in(dir);
     let mut exited = false;
     wait_until(STARTUP, "redis-server answers PING", async || {
-        let status = child.lock().unwrap().as_mut().unwrap().try_wait().unwrap();
-        exited = status.is_some();
+        exited = child.exit_status().is_some();
         exited || pong(&socket).await
     })
     .await;
+    if exited {
+        child.forget();
+    }
     !exited
 }
 

@@ -4,16 +4,17 @@
 //!   Redis backend, and the gateway between them; `env.post_keyed("/v1/p", "k")` sends through it.
 //! - [`InProcessGateway::start(&config)`](InProcessGateway::start): another gateway in this
 //!   process, e.g. a second replica on the same Redis (`env.config()` is the first one's config).
-//! - [`GatewayBinary::start(&config)`](GatewayBinary::start): the `idemgate` binary as a child
-//!   process, for what needs a real process: `kill9()`, `sigterm()`, `wait_exit(limit)`.
+//! - [`binary()`](binary)`.start(&config)`: the `idemgate` binary as a child process (testkit's
+//!   [`GatewayProcess`]), for what needs a real process: `kill9()`, `sigterm()`,
+//!   `wait_exit(limit)`.
 
 use std::net::SocketAddr;
-use std::process::ExitStatus;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use testkit::GatewayProcess;
+use testkit::metrics::{metric, scrape};
+use testkit::{GatewayProcess, Launch};
 
 use super::{
     client, send, wait_until, Backend, CountingUpstream, PostgresServer, RedisServer, Seen,
@@ -43,7 +44,7 @@ impl InProcessGateway {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = idemgate::App::new(config.parse()).await?;
+        let app = idemgate::App::new(parse(config)).await?;
         let admin = app.admin_addr();
         let task = tokio::spawn(async move {
             app.serve(listener, async {
@@ -91,12 +92,14 @@ impl InProcessGateway {
 
     /// What its admin listener's `GET /metrics` says (the config must have `admin.listen`).
     pub async fn metrics(&self) -> String {
-        scrape(self.admin.expect("an admin listener in the config")).await
+        scrape(self.admin.expect("an admin listener in the config"))
+            .await
+            .unwrap()
     }
 
-    /// The value of one series of its `GET /metrics` (see [`metric_at`]).
+    /// The value of one series of its `GET /metrics` (see [`testkit::metrics::metric`]).
     pub async fn metric(&self, series: &str) -> f64 {
-        metric_at(self.admin.expect("an admin listener in the config"), series).await
+        metric(self.admin.expect("an admin listener in the config"), series).await
     }
 
     /// Stop accepting and wait for the server task to end.
@@ -118,94 +121,23 @@ impl Drop for InProcessGateway {
     }
 }
 
-/// What the admin listener at `admin` says at `GET /metrics`.
-pub async fn scrape(admin: SocketAddr) -> String {
-    testkit::gateway::scrape(admin).await.unwrap()
+/// The config as the gateway library parses it, with the secrets a gateway process would find
+/// in its environment.
+fn parse(config: &TestConfig) -> idemgate::config::Config {
+    let secrets = idemgate::config::Secrets {
+        key_secret: config.key_secret.as_ref().map(|s| s.as_bytes()),
+        seal_keys: config.seal_keys.as_deref(),
+    };
+    idemgate::config::Config::from_toml_with_secrets(&config.to_toml(), secrets)
+        .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", config.to_toml()))
 }
 
-/// The value of one series the admin listener at `admin` exposes, named as it is exposed,
-/// labels and all: `idemgate_client_connections`,
-/// `idemgate_records_unreadable_total{reason="tampered"}`.
-pub async fn metric_at(admin: SocketAddr, series: &str) -> f64 {
-    let metrics = scrape(admin).await;
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("{series} not in {metrics}"))
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-/// The real `idemgate` binary running with a config file (testkit's [`GatewayProcess`]); killed
-/// on drop. Its log goes where `TEST_LOG` says (a `RUST_LOG` filter; off by default).
-pub struct GatewayBinary {
-    pub addr: SocketAddr,
-    process: GatewayProcess,
-}
-
-impl GatewayBinary {
-    /// Start the binary with `config` on a free port, and wait until it accepts connections.
-    pub async fn start(config: &TestConfig) -> Self {
-        Self::start_via(config, &[]).await
-    }
-
-    /// [`start`](Self::start) through the command `prefix` (a program and its arguments), which
-    /// ends by running the binary and its arguments given after it, e.g. `Tmpfs::enter()`.
-    pub async fn start_via(config: &TestConfig, prefix: &[String]) -> Self {
-        let mut launch = GatewayProcess::binary(env!("CARGO_BIN_EXE_idemgate"))
-            .via(prefix)
-            .env(
-                "RUST_LOG",
-                &std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()),
-            )
-            .env_remove("IDEMGATE_KEY_SECRET")
-            .env_remove("IDEMGATE_SEAL_KEYS");
-        if let Some(secret) = &config.key_secret {
-            launch = launch.env("IDEMGATE_KEY_SECRET", secret);
-        }
-        if let Some(keys) = &config.seal_keys {
-            launch = launch.env("IDEMGATE_SEAL_KEYS", keys);
-        }
-        for (name, value) in &config.env {
-            launch = launch.env(name, value);
-        }
-        let process = launch
-            .start(|ports| {
-                let listen = ports.listen.to_string();
-                config.clone().set("listen", &*listen).to_toml()
-            })
-            .await;
-        GatewayBinary {
-            addr: process.addr(),
-            process,
-        }
-    }
-
-    /// `http://ADDR/path`
-    pub fn url(&self, path: &str) -> String {
-        format!("http://{}{}", self.addr, path)
-    }
-
-    /// Whether the process is still running.
-    pub fn running(&mut self) -> bool {
-        self.process.running()
-    }
-
-    /// SIGKILL: no chance to clean up, as in a crash.
-    pub fn kill9(&mut self) {
-        self.process.kill9();
-    }
-
-    /// Send SIGTERM.
-    pub fn sigterm(&self) {
-        self.process.sigterm();
-    }
-
-    /// Wait for the process to exit (up to `limit`), returning its exit status.
-    pub async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
-        self.process.wait_exit(limit).await
-    }
+/// The `idemgate` binary of this build, to start as a child process:
+/// `binary().start(&config).await`. Its log goes where `TEST_LOG` says (a `RUST_LOG` filter;
+/// off by default).
+pub fn binary() -> Launch {
+    let log = std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into());
+    GatewayProcess::binary(env!("CARGO_BIN_EXE_idemgate")).env("RUST_LOG", &log)
 }
 
 /// One test's world: a [`CountingUpstream`], a [`RedisServer`] on the Redis backend, and an

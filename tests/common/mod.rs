@@ -11,20 +11,22 @@
 //! env.redis().kill();
 //! ```
 //!
-//! The fixtures, by module (the Redis ones, ports and waiting from `testkit`, which the benchmark
-//! shares):
-//! - [`config`]: [`TestConfig`], the gateway's TOML config built in code
-//!   (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
+//! The fixtures, by module (the stores, the gateway's config and process, metrics, ports and
+//! waiting from `testkit`, which the benchmark shares):
+//! - [`config`]: [`TestConfig`] (testkit's `GatewayConfig`), the gateway's TOML config built in
+//!   code (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
 //!   `pause()`, `resume()` and `restart()`; [`TlsRedisServer`], one that speaks only TLS.
 //! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
 //!   (a primary, a replica, three sentinels), whose primaries a test can `kill9` and fail over;
-//!   `testkit::Replicated` kills a primary as a failover run does and times each step.
+//!   `testkit::Replicated` kills a primary as a failover run does and times each step, and
+//!   runs a failover under load (`under_load`) as the benchmark does.
 //! - [`upstream`]: [`CountingUpstream`], an HTTP upstream that counts its calls and answers by
 //!   query string (`?status=503`, `?delay_ms=400`, `?read_delay_ms=N`, `/echo`, `/big?bytes=N`).
 //! - [`gateway`]: [`InProcessGateway`], the gateway on a socket of this process;
-//!   [`GatewayBinary`], the `idemgate` binary as a child process (for `kill9()` and SIGTERM);
-//!   [`TestEnv`], the three together.
+//!   [`binary`], the `idemgate` binary to start as a [`GatewayProcess`] (for `kill9()` and
+//!   SIGTERM); [`TestEnv`], the three together.
+//! - [`metrics`]: a gateway's `/metrics` and a Redis's `INFO` counters, read.
 //! - [`client`]: [`send`] a request and read it whole as [`Seen`] (`seen.replayed()`,
 //!   `seen.problem_type()`).
 //! - [`raw`]: raw sockets on both sides, for framing tests.
@@ -38,7 +40,6 @@
 #![allow(unreachable_pub)]
 
 pub mod client;
-pub mod config;
 pub mod gateway;
 pub mod raw;
 pub mod tls;
@@ -46,16 +47,17 @@ pub mod upstream;
 
 // The fixture modules named above; the tests use their items through the re-exports below.
 #[allow(unused_imports)]
-pub use testkit::{cluster, ports, postgres, redis, wait};
+pub use testkit::{cluster, config, metrics, ports, postgres, redis, wait};
 
 pub use self::client::{client, send, Seen};
-pub use self::config::TestConfig;
-pub use self::gateway::{GatewayBinary, InProcessGateway, TestEnv};
+pub use self::gateway::{binary, InProcessGateway, TestEnv};
 pub use self::tls::{TestCa, Validity};
 pub use self::upstream::CountingUpstream;
+/// The gateway's config, built in code: the tests' name for testkit's `GatewayConfig`.
+pub use testkit::GatewayConfig as TestConfig;
 pub use testkit::{
-    free_port, wait_until, Backend, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
-    ReservedPort, StoreServer, TlsRedisServer,
+    free_port, wait_until, Backend, GatewayProcess, PostgresServer, RedisCluster, RedisSentinelSet,
+    RedisServer, ReservedPort, StoreServer, TlsRedisServer,
 };
 
 /// Generate one test per backend (memory, Redis, embedded) for each named `async fn(Backend)`.

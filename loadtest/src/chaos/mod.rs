@@ -24,7 +24,8 @@ use futures_util::FutureExt;
 use crate::bench::Bench;
 use check::{check, History, Verdict};
 use client::Clients;
-use nemesis::{panic_text, Backend, System};
+use nemesis::{Backend, System};
+use testkit::panic_text;
 use upstream::Upstream;
 
 /// The lease, the upstream's pace and the length of the faults.

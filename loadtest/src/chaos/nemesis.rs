@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use testkit::{GatewayProcess, Ports, PostgresServer, RedisCluster, RedisServer, Tmpfs};
+use testkit::{
+    panic_text, GatewayConfig, GatewayProcess, PostgresServer, RedisCluster, RedisServer, Tmpfs,
+};
 
 use super::check::{Fault, Process};
 use super::Regime;
@@ -128,26 +130,19 @@ impl Store {
         }
     }
 
-    /// The `[store]` table's body.
-    fn toml(&self) -> String {
+    /// `config` on this store.
+    fn config(&self, config: GatewayConfig) -> GatewayConfig {
         match self {
-            Store::Memory => "backend = \"memory\"".into(),
-            Store::Embedded(disk) => format!(
-                "backend = \"embedded\"\npath = \"{}\"\nfsync = true",
-                disk.path().join("store").display()
-            ),
-            Store::Redis(redis) => format!(
-                "backend = \"redis\"\nurl = \"{}\"\nprefix = \"chaos:\"",
-                redis.url()
-            ),
-            Store::Cluster(cluster) => {
-                let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
-                format!(
-                    "backend = \"redis-cluster\"\nurls = [{}]\nprefix = \"chaos:\"\nwait_replicas = 1",
-                    urls.join(", ")
-                )
-            }
-            Store::Postgres(pg) => format!("backend = \"postgres\"\nurl = \"{}\"", pg.url()),
+            Store::Memory => config,
+            Store::Embedded(disk) => config
+                .embedded(&disk.path().join("store"))
+                .set("store.fsync", true),
+            Store::Redis(redis) => config.redis_url(&redis.url()).prefix("chaos:"),
+            Store::Cluster(cluster) => config
+                .redis_cluster_seeds(cluster.urls())
+                .prefix("chaos:")
+                .set("store.wait_replicas", 1),
+            Store::Postgres(pg) => config.postgres(pg),
         }
     }
 }
@@ -157,7 +152,6 @@ pub struct System {
     pub backend: Backend,
     regime: Regime,
     store: Store,
-    store_toml: String,
     upstream: std::net::SocketAddr,
     gateways: Vec<GatewayProcess>,
     /// The incarnation each slot runs now (shared with the clients).
@@ -179,12 +173,10 @@ impl System {
         start: Instant,
     ) -> System {
         let store = Store::start(backend).await;
-        let store_toml = store.toml();
         let mut system = System {
             backend,
             regime,
             store,
-            store_toml,
             upstream,
             gateways: Vec::new(),
             incarnations: (0..backend.gateways()).map(|_| AtomicU32::new(0)).collect(),
@@ -201,8 +193,7 @@ impl System {
             if let Store::Embedded(disk) = &system.store {
                 launch = launch.via(&disk.enter());
             }
-            let config = system.config(id);
-            let gateway = launch.start(config).await;
+            let gateway = launch.start(&system.config(id)).await;
             gateway.wait_for_admin(ADMIN).await;
             system.gateways.push(gateway);
         }
@@ -210,17 +201,19 @@ impl System {
     }
 
     /// The config of incarnation `id`: its upstream path names it.
-    fn config(&self, id: u32) -> impl Fn(Ports) -> String {
-        let (upstream, store, r) = (self.upstream, self.store_toml.clone(), self.regime);
-        move |ports: Ports| {
-            format!(
-                "listen = \"{}\"\nupstream = \"http://{upstream}/p{id}\"\nshutdown_grace = \"2s\"\n\n[store]\n{store}\n\n[defaults]\nmethods = [\"POST\"]\nlock_ttl = \"{}ms\"\nupstream_timeout = \"{}ms\"\n\n[admin]\nlisten = \"{}\"\n",
-                ports.listen,
-                r.lease.as_millis(),
-                r.upstream_timeout.as_millis(),
-                ports.admin
+    fn config(&self, id: u32) -> GatewayConfig {
+        let r = self.regime;
+        let config = GatewayConfig::new()
+            .upstream(&format!("http://{}/p{id}", self.upstream))
+            .set("shutdown_grace", "2s")
+            .set("defaults.methods", vec!["POST"])
+            .set("defaults.lock_ttl", format!("{}ms", r.lease.as_millis()))
+            .set(
+                "defaults.upstream_timeout",
+                format!("{}ms", r.upstream_timeout.as_millis()),
             )
-        }
+            .admin();
+        self.store.config(config)
     }
 
     /// A new incarnation for `slot`; its number.
@@ -279,7 +272,7 @@ impl System {
                 tokio::time::sleep(down).await;
                 let id = self.new_process(slot);
                 let config = self.config(id);
-                self.gateways[slot].start_again(config).await;
+                self.gateways[slot].start_again(&config).await;
                 // Its count can be read before it is killed again.
                 self.gateways[slot].wait_for_admin(ADMIN).await;
             }
@@ -411,12 +404,4 @@ const ADMIN: Duration = Duration::from_secs(30);
 /// Where gateway `slot` logs (every incarnation's after the last).
 pub fn log_file(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("gateway-{slot}.log"))
-}
-
-/// A panic's message.
-pub fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
-    e.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panicked".into())
 }

@@ -299,26 +299,32 @@ impl RedisStore {
         &self,
         call: &redis::ScriptInvocation<'_>,
     ) -> Result<T, StoreError> {
-        match call.invoke_async(&mut self.conn.clone()).await {
-            Err(e) if reconnects(&e) => Ok(call.invoke_async(&mut self.conn.clone()).await?),
-            result => Ok(result?),
-        }
+        let answer = within(self.options.timeout, async {
+            match call.invoke_async(&mut self.conn.clone()).await {
+                Err(e) if reconnects(&e) => call.invoke_async(&mut self.conn.clone()).await,
+                result => result,
+            }
+        });
+        Ok(answer.await?)
     }
 
     /// [`RedisStore::invoke`] for a pipeline of plain commands (sent in one write). A pipeline
     /// ended by `WAIT` goes on a connection of the wait pool, which it has to itself.
     async fn query<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> RedisResult<T> {
-        let (mut conn, _exclusive) = match &self.wait {
+        let (mut conn, _exclusive, budget) = match &self.wait {
             Some(pool) => {
                 let guard = pool.get().await;
-                (guard.clone(), Some(guard))
+                (guard.clone(), Some(guard), self.options.timeout * 2)
             }
-            None => (self.conn.clone(), None),
+            None => (self.conn.clone(), None, self.options.timeout),
         };
-        match pipe.query_async(&mut conn).await {
-            Err(e) if reconnects(&e) => pipe.query_async(&mut conn).await,
-            result => result,
-        }
+        within(budget, async {
+            match pipe.query_async(&mut conn).await {
+                Err(e) if reconnects(&e) => pipe.query_async(&mut conn).await,
+                result => result,
+            }
+        })
+        .await
     }
 
     /// [`RedisStore::query`] for a pipeline that runs `script` by its hash: when Redis lost its
@@ -502,6 +508,22 @@ impl RedisStore {
     pub fn claim_with_script(self) -> Self {
         self.native_claim.store(false, Ordering::Relaxed);
         self
+    }
+}
+
+/// `call` (a command and its one retry on a fresh connection) bounded by `budget` as a whole:
+/// redis-rs bounds each response, but a connection opened on the way (after a reconnect, to a
+/// server that accepts and never answers) adds its own timeouts.
+async fn within<T>(
+    budget: Duration,
+    call: impl std::future::Future<Output = RedisResult<T>>,
+) -> RedisResult<T> {
+    match tokio::time::timeout(budget, call).await {
+        Ok(result) => result,
+        Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no answer within store.timeout",
+        ))),
     }
 }
 
