@@ -5,9 +5,9 @@
 //! asking the store: after the first replay through a process, the next ones cost no round
 //! trip. (Records enter the cache when first read back, not when written: most keys are never
 //! retried.) Everything that can change (claims, in-flight and mismatch decisions) always goes
-//! to the store underneath. An entry lives at most
-//! as long as the record in the store and at most `max_age`, and the cache holds at most
-//! `max_bytes` of responses (cold entries first out: quick_cache's CLOCK-Pro).
+//! to the store underneath. An entry lives at most as long as the record in the store and at
+//! most `max_age`, and the cache holds at most `max_bytes` of responses (cold entries first out:
+//! quick_cache's CLOCK-Pro).
 
 use std::sync::Arc;
 use std::time::Duration;
