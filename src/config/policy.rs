@@ -77,6 +77,8 @@ mod tests {
         let rows: Vec<&str> = section
             .lines()
             .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+            // A route's `path` has its row too, though it is no policy field.
+            .filter(|f| *f != "path")
             .collect();
         let mut sorted = fields.clone();
         sorted.sort_unstable();
