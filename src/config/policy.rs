@@ -6,6 +6,7 @@ use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 
 use super::checked::{rules, Any, Checked, Lifetime, NonZero, NonZeroSize};
+use super::human::HumanDuration;
 use crate::idempotency::json::Pointer;
 use crate::idempotency::policy::{
     check, AfterExpiry, ErrorFormat, FingerprintMode, OnInFlight, OnStoreError, Policy,
@@ -47,7 +48,7 @@ macro_rules! policy_table {
 policy_table! {
     methods: Methods,
     ttl: Lifetime,
-    lock_ttl: NonZero,
+    lock_ttl: LockTtl,
     require_key: Any<bool>,
     max_body: NonZeroSize,
     key_max_len: KeyMaxLen,
@@ -79,6 +80,8 @@ policy_table! {
 }
 
 rules! {
+    /// A lease of at least `Policy::MIN_LOCK_TTL`.
+    LockTtl: HumanDuration => std::time::Duration = |d: HumanDuration| check::lock_ttl(d.0);
     /// HTTP methods, at least one.
     Methods: Vec<String> => Vec<Method> = check::methods;
     /// Between 1 and 8192.

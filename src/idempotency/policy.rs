@@ -146,6 +146,11 @@ impl Policy {
     /// The built-in `upstream_timeout`.
     pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
 
+    /// The shortest `lock_ttl`: the lease is renewed every third of it, and a renewal takes a
+    /// store round trip and a timer tick (a millisecond), so a lease of a few milliseconds
+    /// would run out before it could be renewed.
+    pub const MIN_LOCK_TTL: Duration = Duration::from_millis(30);
+
     fn builtin() -> Self {
         Policy {
             route: "defaults".into(),
@@ -306,6 +311,17 @@ pub(crate) mod check {
         match ttl {
             super::Ttl::For(d) => non_zero(d).map(super::Ttl::For),
             super::Ttl::Forever => Ok(ttl),
+        }
+    }
+
+    /// `lock_ttl`: at least [`Policy::MIN_LOCK_TTL`](super::Policy::MIN_LOCK_TTL).
+    pub(crate) fn lock_ttl(d: Duration) -> Result<Duration, String> {
+        match d < super::Policy::MIN_LOCK_TTL {
+            true => Err(format!(
+                "must be at least {:?}: the lease is renewed every third of it, so a shorter one runs out before it can be renewed",
+                super::Policy::MIN_LOCK_TTL
+            )),
+            false => Ok(d),
         }
     }
 
@@ -503,9 +519,10 @@ impl PolicyBuilder {
         self.set("ttl", Self::lifetime(ttl), |p, v| p.ttl = v)
     }
 
-    /// `lock_ttl`: the lease of an in-flight claim.
+    /// `lock_ttl`: the lease of an in-flight claim, at least [`Policy::MIN_LOCK_TTL`].
     pub fn lock_ttl(self, lease: Duration) -> Self {
-        self.set("lock_ttl", Self::duration(lease), |p, v| p.lock_ttl = v)
+        let value = check::lock_ttl(lease.min(MAX_DURATION));
+        self.set("lock_ttl", value, |p, v| p.lock_ttl = v)
     }
 
     /// `require_key`: refuse keyless requests with 400.
