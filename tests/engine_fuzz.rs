@@ -41,7 +41,14 @@ const DEFAULT_SEED: u64 = 20_250_531;
 
 /// Cases that once broke an invariant, as the fuzzer printed them (shrunk), with what they
 /// found.
-const REGRESSIONS: &[(&str, &str)] = &[];
+const REGRESSIONS: &[(&str, &str)] = &[
+    (
+        // A streamed answer whose body panics in the claimed call's task: its reader (here
+        // the client itself) waited for the next chunk forever.
+        "a_streamed_answer_whose_recording_panics",
+        r#"{"routes":[{"lock_ttl":30,"upstream_timeout":30,"ttl":{"Ms":1},"failure_ttl":{"Ms":1},"max_ttl":null,"refuse_after":null,"stream":true,"max_body":16,"json":false,"wait":null,"cache_server_errors":false,"mismatch_422":false,"expiry_header":false,"drop":"Default","put":false}],"requests":[{"at":0,"route":0,"method":"Post","key":{"Valid":0},"auth":0,"body":2,"answer":{"Responds":{"head_after":0,"status":200,"headers":[],"body":{"Chunks":[[],"Panics"]}}},"client":"Stays"}]}"#,
+    ),
+];
 
 #[test]
 fn engine_fuzz_regressions() {
