@@ -32,6 +32,7 @@ mod check;
 mod world;
 
 use self::case::{Case, SCRIPTED_PANIC};
+use self::check::Tally;
 
 /// Generated cases when `ENGINE_FUZZ_CASES` is not set.
 const DEFAULT_CASES: u32 = 300;
@@ -55,7 +56,7 @@ fn engine_fuzz_regressions() {
     quiet_scripted_panics();
     for (name, json) in REGRESSIONS {
         let case: Case = serde_json::from_str(json).unwrap();
-        if let Err(why) = check::check(&case, &world::run(&case)) {
+        if let Err(why) = check::check(&case, &world::run(&case), &Tally::default()) {
             panic!("the regression case {name} fails: {why}");
         }
     }
@@ -75,13 +76,16 @@ fn engine_fuzz_generated() {
         ..Config::default()
     };
     let mut runner = TestRunner::new(config);
+    let tally = Tally::default();
     let result = runner.run(&case::cases(), |case| {
-        check::check(&case, &world::run(&case)).map_err(TestCaseError::fail)
+        check::check(&case, &world::run(&case), &tally).map_err(TestCaseError::fail)
     });
     match result {
         Ok(()) => eprintln!(
-            "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed})",
-            began.elapsed()
+            "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed}); \
+             seen: {:?}",
+            began.elapsed(),
+            tally.lock().unwrap()
         ),
         Err(TestError::Fail(why, case)) => panic!(
             "the engine broke an invariant (ENGINE_FUZZ_SEED={seed}): {why}\n\

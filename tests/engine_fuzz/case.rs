@@ -438,8 +438,8 @@ fn delay() -> impl Strategy<Value = u64> {
 
 fn life() -> impl Strategy<Value = Life> {
     prop_oneof![
-        8 => prop::sample::select(vec![1u64, 2, 20, 50, 100, 300, 1000, 2500, 3_600_000])
-            .prop_map(Life::Ms),
+        4 => prop::sample::select(vec![1u64, 2, 20, 50, 100, 300]).prop_map(Life::Ms),
+        6 => prop::sample::select(vec![1000u64, 2500, 3_600_000]).prop_map(Life::Ms),
         1 => Just(Life::Forever),
     ]
 }
@@ -447,7 +447,7 @@ fn life() -> impl Strategy<Value = Life> {
 fn route() -> impl Strategy<Value = Route> {
     let times = (
         prop::sample::select(vec![30u64, 31, 33, 45, 60, 100, 300, 1000]),
-        prop::sample::select(vec![10u64, 30, 50, 100, 300, 1000, 5000]),
+        prop::sample::select(vec![10u64, 30, 50, 100, 300, 1000, 5000, 5000]),
         life(),
         life(),
         prop::option::weighted(0.3, life()),
@@ -455,7 +455,7 @@ fn route() -> impl Strategy<Value = Route> {
     );
     let shape = (
         any::<bool>(),
-        prop::sample::select(vec![1u64, 4, 16, 64, 1024]),
+        prop::sample::select(vec![1u64, 4, 16, 64, 64, 1024, 1024]),
         any::<bool>(),
         prop::option::weighted(
             0.4,
@@ -533,8 +533,8 @@ fn text() -> impl Strategy<Value = String> {
 
 fn resp_body() -> impl Strategy<Value = RespBody> {
     let end = prop_oneof![
-        6 => Just(End::Whole),
-        2 => Just(End::Trailers),
+        10 => Just(End::Whole),
+        3 => Just(End::Trailers),
         2 => Just(End::Fails),
         1 => Just(End::Panics),
     ];
@@ -563,7 +563,7 @@ fn answer() -> impl Strategy<Value = Answer> {
         },
     );
     prop_oneof![
-        12 => resp,
+        16 => resp,
         2 => (delay(), any::<bool>()).prop_map(|(after, not_sent)| Answer::Fails { after, not_sent }),
         1 => delay().prop_map(|after| Answer::Panics { after }),
     ]
@@ -611,11 +611,24 @@ fn request() -> impl Strategy<Value = Req> {
     )
 }
 
-/// Cases of one to three routes besides the defaults and up to 24 requests.
+/// Cases of one to three routes besides the defaults and up to 24 requests, most of them
+/// retries of an earlier one (the same route, method, key, caller and body; their own time,
+/// answer and client).
 pub(super) fn cases() -> impl Strategy<Value = Case> {
-    (
-        prop::collection::vec(route(), 1..4),
-        prop::collection::vec(request(), 1..24),
-    )
-        .prop_map(|(routes, requests)| Case { routes, requests })
+    let requests = prop::collection::vec(
+        (request(), prop::option::weighted(0.7, any::<u8>())),
+        1..24,
+    );
+    (prop::collection::vec(route(), 1..4), requests).prop_map(|(routes, drawn)| {
+        let mut requests: Vec<Req> = Vec::with_capacity(drawn.len());
+        for (mut req, retry_of) in drawn {
+            if let (Some(of), false) = (retry_of, requests.is_empty()) {
+                let of = &requests[usize::from(of) % requests.len()];
+                (req.route, req.method, req.key, req.auth, req.body) =
+                    (of.route, of.method, of.key, of.auth, of.body);
+            }
+            requests.push(req);
+        }
+        Case { routes, requests }
+    })
 }

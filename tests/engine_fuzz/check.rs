@@ -43,16 +43,25 @@ pub(super) enum Fate {
 struct Call {
     req: usize,
     at: Duration,
+    /// Its place in the log.
+    step: usize,
     /// The last thing the call did (its end, its error, or being dropped).
     last: Duration,
     key: Option<ScopedKey>,
     token: Option<Token>,
-    /// What the store was told of its key, and when.
+    /// What the store was told of its key, when, and at which step of the log.
     fate: Option<(Duration, Fate)>,
+    settled: usize,
 }
 
-/// Check a run of `case`; the first broken invariant, said in a sentence.
-pub(super) fn check(case: &Case, run: &Run) -> Result<(), String> {
+/// How often each kind of thing happened over a run's cases: that the cases reach every
+/// branch shows here.
+pub(super) type Tally = std::sync::Mutex<std::collections::BTreeMap<&'static str, u32>>;
+
+/// Check a run of `case`, counting into `tally`; the first broken invariant, said in a
+/// sentence.
+pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String> {
+    let count = |what: &'static str| *tally.lock().unwrap().entry(what).or_default() += 1;
     let (_, policies) = case.build_routes();
     let policy = |n: usize| &policies[case.route_of(&case.requests[n])];
     if run.tasks_hung {
@@ -68,10 +77,12 @@ pub(super) fn check(case: &Case, run: &Run) -> Result<(), String> {
     // Per request, its call (an index into `calls`), and its answer.
     let mut call_of: HashMap<usize, usize> = HashMap::new();
     let mut seen: HashMap<usize, Seen> = HashMap::new();
+    // Per request, the step of the log at which its client got its answer's head.
+    let mut responded: HashMap<usize, usize> = HashMap::new();
     // Claims granted and not yet tied to a call, by key.
     let mut granted: HashMap<ScopedKey, Vec<(Duration, Token)>> = HashMap::new();
     let mut by_token: HashMap<Token, usize> = HashMap::new();
-    for (at, ev) in &run.log {
+    for (step, (at, ev)) in run.log.iter().enumerate() {
         let at = *at;
         match ev {
             Ev::Claim { key, token, answer } => {
@@ -110,10 +121,12 @@ pub(super) fn check(case: &Case, run: &Run) -> Result<(), String> {
                 calls.push(Call {
                     req: *req,
                     at,
+                    step,
                     last: at,
                     key,
                     token,
                     fate: None,
+                    settled: usize::MAX,
                 });
             }
             Ev::Head { req } | Ev::Chunk { req } | Ev::Ended { req, .. } | Ev::Dropped { req } => {
@@ -152,6 +165,10 @@ pub(super) fn check(case: &Case, run: &Run) -> Result<(), String> {
                     _ => Fate::Released,
                 };
                 calls[c].fate = Some((at, fate));
+                calls[c].settled = step;
+            }
+            Ev::Responded { req } => {
+                responded.insert(*req, step);
             }
             Ev::Answered { req, seen: s } => {
                 seen.insert(*req, s.clone());
@@ -177,12 +194,34 @@ pub(super) fn check(case: &Case, run: &Run) -> Result<(), String> {
             ));
         }
     }
-    once_per_key(case, &policies, &calls)?;
+    for call in &calls {
+        count(match (call.key, call.fate) {
+            (None, _) => "call passed through",
+            (_, None) => "call kept claimed",
+            (_, Some((_, Fate::Released))) => "call released",
+            (_, Some((_, Fate::Recorded { replayable: true, .. }))) => "call recorded",
+            (_, Some((_, Fate::Recorded { .. }))) => "call recorded not replayable",
+            (_, Some((_, Fate::Kept))) => unreachable!("never written"),
+        });
+    }
+    for s in seen.values() {
+        count(match s {
+            Seen::Response(a) if a.replayed() && a.broken => "answer replayed, broken",
+            Seen::Response(a) if a.replayed() => "answer replayed",
+            Seen::Response(a) if a.is_problem() => "answer problem",
+            Seen::Response(_) => "answer from its call",
+            Seen::Error { .. } => "answer error",
+            Seen::GaveUp => "client gave up",
+            Seen::Panicked(_) => "client got the inner panic",
+            Seen::Hung => "client hung",
+        });
+    }
+    once_per_key(case, &policies, &calls, &count)?;
     for n in 0..case.requests.len() {
         let Some(s) = seen.get(&n) else {
             return Err(format!("request {n}: its client never finished"));
         };
-        answer(case, &policies, &calls, &call_of, n, s)?;
+        answer(case, &policies, &calls, &call_of, (n, responded.get(&n).copied()), s)?;
     }
     Ok(())
 }
@@ -213,13 +252,23 @@ fn fingerprint(case: &Case, policies: &[Policy], n: usize) -> (String, usize, St
 }
 
 /// Calls on one key: each after the previous one's key was free again.
-fn once_per_key(case: &Case, policies: &[Policy], calls: &[Call]) -> Result<(), String> {
+fn once_per_key(
+    case: &Case,
+    policies: &[Policy],
+    calls: &[Call],
+    count: &impl Fn(&'static str),
+) -> Result<(), String> {
     let mut last: HashMap<ScopedKey, &Call> = HashMap::new();
     for call in calls {
         let Some(key) = call.key else { continue };
         if let Some(before) = last.get(&key) {
             let route = &policies[case.route_of(&case.requests[call.req])];
             let (free, why) = free_at(before, &policies[case.route_of(&case.requests[before.req])], route);
+            count(match before.fate {
+                None => "key run again after a lease",
+                Some((_, Fate::Released)) => "key run again after a release",
+                Some(_) => "key run again after its record",
+            });
             if call.at < free {
                 return Err(format!(
                     "request {} ran at {:?}, but the key of request {} (run at {:?}) was not free before {free:?} ({why})",
@@ -455,7 +504,7 @@ fn answer(
     policies: &[Policy],
     calls: &[Call],
     call_of: &HashMap<usize, usize>,
-    n: usize,
+    (n, responded): (usize, Option<usize>),
     seen: &Seen,
 ) -> Result<(), String> {
     let spec = &case.requests[n];
@@ -483,7 +532,9 @@ fn answer(
             (Answer::Fails { not_sent: s, .. }, Some(_)) if s == not_sent => Ok(()),
             _ => Err(format!("request {n}: an error its inner call did not give")),
         },
-        Seen::Response(a) if a.replayed() => replay(case, policies, calls, n, a),
+        Seen::Response(a) if a.replayed() => {
+            replay(case, policies, calls, (n, responded.unwrap_or(usize::MAX)), a)
+        }
         // The inner service never answers problem+json: such an answer is the layer's own.
         Seen::Response(a) if a.is_problem() => match fate {
             None | Some(Fate::Kept) => Ok(()),
@@ -545,7 +596,7 @@ fn replay(
     case: &Case,
     policies: &[Policy],
     calls: &[Call],
-    n: usize,
+    (n, responded): (usize, usize),
     a: &Answered,
 ) -> Result<(), String> {
     let spec = &case.requests[n];
@@ -558,7 +609,7 @@ fn replay(
     };
     let Some(holder) = calls
         .iter()
-        .filter(|c| c.key == Some(key) && c.at <= a.at)
+        .filter(|c| c.key == Some(key) && c.step < responded)
         .next_back()
     else {
         return Err(format!("request {n}: a replay, but its key was never run"));
@@ -574,12 +625,18 @@ fn replay(
     };
     let holder_policy = &policies[case.route_of(&case.requests[h])];
     let fate = holder.fate.map_or(Fate::Kept, |(_, f)| f);
-    let attached = holder.fate.is_none_or(|(at, _)| a.at < at);
-    match fate {
-        Fate::Recorded {
-            replayable: true,
-            keep,
-        } => {
+    // Attached to the live answer (a streamed one, before it was settled): a live copy of
+    // what the call sends, which a reader that attached before the answer passed `max_body`
+    // reads to its end too.
+    let attached = holder_policy.stream && responded < holder.settled;
+    match (fate, attached) {
+        (
+            Fate::Recorded {
+                replayable: true,
+                keep,
+            },
+            false,
+        ) => {
             let (free, _) = free_at(holder, holder_policy, policy);
             let lapsed = match keep.ttl {
                 Ttl::Forever => false,
@@ -592,10 +649,12 @@ fn replay(
                 ));
             }
         }
-        Fate::Kept if attached && holder_policy.stream && a.broken => {}
+        (Fate::Recorded { .. }, true) if !a.broken => {}
+        (Fate::Kept, true) if a.broken => {}
         _ => {
             return Err(format!(
-                "request {n}: a replay of request {h}, whose key was {fate:?}"
+                "request {n}: a replay (attached: {attached}, broken: {}) of request {h}, whose key was {fate:?}",
+                a.broken
             ))
         }
     }
@@ -617,7 +676,7 @@ fn replay(
             a.trailers,
             resp.trailers()
         )),
-        true if !(attached && body.starts_with(&a.body)) => Err(format!(
+        true if !body.starts_with(&a.body) => Err(format!(
             "request {n}: a broken replay {:?} of {body:?}",
             a.body
         )),

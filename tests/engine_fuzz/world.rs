@@ -62,6 +62,8 @@ pub(super) enum Ev {
     Ended { req: usize, how: End },
     /// Its call or body was dropped before its end.
     Dropped { req: usize },
+    /// A client got its answer's head.
+    Responded { req: usize },
     /// A client finished.
     Answered { req: usize, seen: Seen },
 }
@@ -325,7 +327,10 @@ where
     let req = spec.request(n, &path(case.route_of(spec)));
     let read = async {
         match service.oneshot(req).await {
-            Ok(resp) => Seen::Response(read(resp, spec.client, &logger).await),
+            Ok(resp) => {
+                logger.push(Ev::Responded { req: n });
+                Seen::Response(read(resp, spec.client, &logger).await)
+            }
             Err(InnerError::NotSent(_)) => Seen::Error { not_sent: true },
             Err(InnerError::Reset) => Seen::Error { not_sent: false },
         }
