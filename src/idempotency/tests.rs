@@ -52,6 +52,15 @@ async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<
             Err(InnerError::Reset)
         }
         "/big" => Ok(answer(201, "x".repeat(2048))),
+        // A streamed answer's head late in a renewal period, its body broken off soon after.
+        "/late-break" => {
+            tokio::time::sleep(Duration::from_millis(29)).await;
+            let broken = futures_util::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(6)).await;
+                Err::<Bytes, _>(std::io::Error::other("reset mid-body"))
+            });
+            Ok(Response::new(Body::from_stream(broken)))
+        }
         "/panics-midway" => {
             let first = futures_util::stream::iter([Ok(Bytes::from_static(b"ab"))]);
             let frames = first.chain(futures_util::stream::once(a_defect_midway()));
@@ -278,6 +287,26 @@ async fn a_streamed_answer_whose_recording_panics_ends_its_reader_with_an_error(
     let retry = s.post("/panics-midway", "k", "a").await.unwrap();
     assert_eq!(retry.problem(), "in-flight");
     assert_eq!(s.calls(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_keeps_its_renewal_period_from_the_head_to_the_body() {
+    // Claimed at 0 with a 30 ms lease: renewed at 10 and 20; the head comes at 29, the body
+    // breaks off at 35. The body's hold renews at 30, a period after the last renewal, so the
+    // key is claimed until 60; begun anew at the head, its first renewal would have come at
+    // 39, after the break, and the lease taken at 20 ended at 50.
+    let start = tokio::time::Instant::now();
+    let s = Setup::new(|p| p.stream(true).lock_ttl(Duration::from_millis(30)));
+    let resp = s.service().oneshot(keyed("/late-break", "k", "a")).await.unwrap();
+    assert!(resp.into_body().collect().await.is_err(), "broken off");
+    tokio::time::sleep_until(start + Duration::from_millis(51)).await;
+    let retry = s.post("/late-break", "k", "a").await.unwrap();
+    assert_eq!(retry.problem(), "in-flight");
+    assert_eq!(s.calls(), 1);
+    tokio::time::sleep_until(start + Duration::from_millis(61)).await;
+    let later = s.service().oneshot(keyed("/late-break", "k", "a")).await.unwrap();
+    assert_eq!(later.status(), StatusCode::OK, "the lease ended");
+    assert_eq!(s.calls(), 2);
 }
 
 #[tokio::test(start_paused = true)]
