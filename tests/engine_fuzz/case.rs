@@ -455,7 +455,7 @@ fn route() -> impl Strategy<Value = Route> {
     );
     let shape = (
         any::<bool>(),
-        prop::sample::select(vec![1u64, 4, 16, 64, 64, 1024, 1024]),
+        prop::sample::select(vec![28u64, 40, 64, 1024, 1024]),
         any::<bool>(),
         prop::option::weighted(
             0.4,

@@ -26,7 +26,7 @@ use idemgate::idempotency::record::Token;
 use idemgate::store::Keep;
 use idemgate::{AfterExpiry, FingerprintMode, Policy, Ttl, IDEMPOTENT_REPLAYED};
 
-use super::case::{Answer, Case, End, Json, Req, Resp, RespBody, SCRIPTED_PANIC};
+use super::case::{Answer, Case, End, Json, Key, Req, Resp, RespBody, SCRIPTED_PANIC};
 use super::world::{Answered, Ev, Run, Seen};
 
 /// What became of a claimed call's key.
@@ -43,7 +43,7 @@ pub(super) enum Fate {
 struct Call {
     req: usize,
     at: Duration,
-    /// Its place in the log.
+    /// The step of the log at which its key was claimed (its call's, when it has none).
     step: usize,
     /// The last thing the call did (its end, its error, or being dropped).
     last: Duration,
@@ -80,14 +80,14 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
     // Per request, the step of the log at which its client got its answer's head.
     let mut responded: HashMap<usize, usize> = HashMap::new();
     // Claims granted and not yet tied to a call, by key.
-    let mut granted: HashMap<ScopedKey, Vec<(Duration, Token)>> = HashMap::new();
+    let mut granted: HashMap<ScopedKey, Vec<(Duration, Token, usize)>> = HashMap::new();
     let mut by_token: HashMap<Token, usize> = HashMap::new();
     for (step, (at, ev)) in run.log.iter().enumerate() {
         let at = *at;
         match ev {
             Ev::Claim { key, token, answer } => {
                 if *answer == "claimed" {
-                    granted.entry(*key).or_default().push((at, *token));
+                    granted.entry(*key).or_default().push((at, *token, step));
                 }
             }
             Ev::Called { req, body } => {
@@ -99,29 +99,29 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
                     return Err(format!("request {req}: the inner service was called twice"));
                 }
                 let key = keyed(spec, policy(*req)).then(|| spec.scoped_key().unwrap());
-                let token = match key {
+                let (token, claimed) = match key {
                     Some(key) => {
                         let claims = granted.entry(key).or_default();
-                        let Some((_, token)) = claims.pop() else {
+                        let Some((_, token, claimed)) = claims.pop() else {
                             return Err(format!(
                                 "request {req}: the inner service was called without a claim of its key"
                             ));
                         };
-                        if let Some((when, _)) = claims.first() {
+                        if let Some((when, _, _)) = claims.first() {
                             return Err(format!(
                                 "a claim of request {req}'s key granted at {when:?} was never called"
                             ));
                         }
                         by_token.insert(token, calls.len());
-                        Some(token)
+                        (Some(token), claimed)
                     }
-                    None => None,
+                    None => (None, step),
                 };
                 call_of.insert(*req, calls.len());
                 calls.push(Call {
                     req: *req,
                     at,
-                    step,
+                    step: claimed,
                     last: at,
                     key,
                     token,
@@ -208,7 +208,17 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
         count(match s {
             Seen::Response(a) if a.replayed() && a.broken => "answer replayed, broken",
             Seen::Response(a) if a.replayed() => "answer replayed",
-            Seen::Response(a) if a.is_problem() => "answer problem",
+            Seen::Response(a) if a.is_problem() => match problem_kind(a).as_str() {
+                "in-flight" => "answer in-flight",
+                "mismatch" => "answer mismatch",
+                "not-replayable" => "answer not-replayable",
+                "key-expired" => "answer key-expired",
+                "internal" => "answer internal",
+                "upstream-timeout" => "answer upstream-timeout",
+                "upstream-unavailable" => "answer upstream-unavailable",
+                "upstream-invalid-response" => "answer upstream-invalid-response",
+                _ => "answer refused before the claim",
+            },
             Seen::Response(_) => "answer from its call",
             Seen::Error { .. } => "answer error",
             Seen::GaveUp => "client gave up",
@@ -536,13 +546,10 @@ fn answer(
             replay(case, policies, calls, (n, responded.unwrap_or(usize::MAX)), a)
         }
         // The inner service never answers problem+json: such an answer is the layer's own.
-        Seen::Response(a) if a.is_problem() => match fate {
-            None | Some(Fate::Kept) => Ok(()),
-            _ => Err(format!(
-                "request {n}: the layer's {} although its key was {fate:?}",
-                a.status
-            )),
-        },
+        Seen::Response(a) if a.is_problem() => {
+            let held = (calls, responded.unwrap_or(usize::MAX));
+            problem(case, policies, held, n, a, fate)
+        }
         Seen::Response(a) => match (own, &spec.answer) {
             (None, _) => Err(format!(
                 "request {n}: a {} answer that is neither a replay, the layer's own, nor from a call of its own",
@@ -566,6 +573,122 @@ fn answer(
             )),
         },
     }
+}
+
+/// The layer's own answer to request `n`: what its key held when the answer was made (the
+/// calls before step `responded` of the log), or what the request itself is.
+fn problem(
+    case: &Case,
+    policies: &[Policy],
+    (calls, responded): (&[Call], usize),
+    n: usize,
+    a: &Answered,
+    fate: Option<Fate>,
+) -> Result<(), String> {
+    let spec = &case.requests[n];
+    let policy = &policies[case.route_of(spec)];
+    let kind = problem_kind(a);
+    let kind = kind.as_str();
+    let applies = policy.applies_to(&spec.method.method());
+    let sized = spec.body().len() as u64 <= policy.max_body;
+    let json_refused = policy.fingerprint == FingerprintMode::Json && spec.json() == Json::Invalid;
+    let right = match kind {
+        "internal" | "upstream-timeout" | "upstream-unavailable" | "upstream-invalid-response" => {
+            fate == Some(Fate::Kept)
+        }
+        "invalid-key" => applies && matches!(spec.key, Key::Bad(_)),
+        "body-too-large" => applies && spec.key.number().is_some() && !sized,
+        "invalid-json" => applies && spec.key.number().is_some() && sized && json_refused,
+        "in-flight" | "mismatch" | "not-replayable" | "key-expired" if keyed(spec, policy) => {
+            let key = spec.scoped_key();
+            let before: Vec<&Call> = calls
+                .iter()
+                .filter(|c| c.key == key && c.step < responded)
+                .collect();
+            let same = |c: &Call| fingerprint(case, policies, n) == fingerprint(case, policies, c.req);
+            let (holds, tombstone) = match before.last() {
+                Some(h) => (
+                    holds_at(h, &policies[case.route_of(&case.requests[h.req])], responded, a.at),
+                    // A tombstone outlives its record, and the records after it.
+                    before.iter().rev().find_map(|c| {
+                        let p = &policies[case.route_of(&case.requests[c.req])];
+                        tombstone_at(c, p, policy, responded, a.at).then(|| same(c))
+                    }),
+                ),
+                None => (Holds::Nothing, None),
+            };
+            let same_holder = before.last().is_some_and(|h| same(h));
+            match kind {
+                "in-flight" => holds == Holds::Claim && same_holder,
+                "mismatch" => {
+                    (holds != Holds::Nothing && !same_holder) || tombstone == Some(false)
+                }
+                "not-replayable" => holds == Holds::Record { replayable: false } && same_holder,
+                _ => holds == Holds::Nothing && tombstone == Some(true),
+            }
+        }
+        _ => false,
+    };
+    match right {
+        true => Ok(()),
+        false => Err(format!(
+            "request {n}: the layer answered {kind} ({}) at {:?}, which its key and request do not explain (its call: {fate:?})",
+            a.status, a.at
+        )),
+    }
+}
+
+/// The kind of a problem+json answer (`in-flight`).
+fn problem_kind(a: &Answered) -> String {
+    let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    let kind = doc["type"].as_str().unwrap();
+    kind.trim_start_matches("urn:idemgate:problem:").to_string()
+}
+
+/// What a key holds.
+#[derive(Debug, PartialEq)]
+enum Holds {
+    Nothing,
+    Claim,
+    Record { replayable: bool },
+}
+
+/// What the key of `call` (on a route with `policy`) holds at step `step` of the log, at `at`:
+/// the call's claim until it was settled (or, kept, until its lease surely ended), then its
+/// record until its ttl ended.
+fn holds_at(call: &Call, policy: &Policy, step: usize, at: Duration) -> Holds {
+    match call.fate {
+        _ if step < call.settled => {
+            let kept = call.fate.is_none();
+            let lease_over = at > call.last + policy.lock_ttl + Duration::from_millis(1);
+            match kept && lease_over {
+                true => Holds::Nothing,
+                false => Holds::Claim,
+            }
+        }
+        Some((_, Fate::Released)) | Some((_, Fate::Kept)) | None => Holds::Nothing,
+        Some((done, Fate::Recorded { replayable, keep })) => match keep.ttl {
+            Ttl::Forever => Holds::Record { replayable },
+            Ttl::For(ttl) if at < done + ms(ttl) => Holds::Record { replayable },
+            Ttl::For(_) => Holds::Nothing,
+        },
+    }
+}
+
+/// Whether the tombstone of `call`'s record refuses a request on `route` at `at` (its record
+/// expired, the tombstone not yet).
+fn tombstone_at(call: &Call, policy: &Policy, route: &Policy, step: usize, at: Duration) -> bool {
+    let Some((done, Fate::Recorded { keep, .. })) = call.fate else {
+        return false;
+    };
+    let (Ttl::For(ttl), Some(tomb)) = (keep.ttl, keep.tombstone) else {
+        return false;
+    };
+    let _ = policy;
+    step > call.settled
+        && route.after_expiry == AfterExpiry::Refuse
+        && at >= done + ms(ttl)
+        && at < done + ms(ttl) + ms(tomb)
 }
 
 /// The first answer of a recorded call: what its replays send, but for the replay mark and
