@@ -104,9 +104,14 @@ pub(super) enum Key {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(super) enum Answer {
     /// After this many ms, an error; `not_sent`: one that carries `NotSent`.
-    Fails { after: u64, not_sent: bool },
+    Fails {
+        after: u64,
+        not_sent: bool,
+    },
     /// After this many ms, a panic (a defect in the inner service).
-    Panics { after: u64 },
+    Panics {
+        after: u64,
+    },
     Responds(Resp),
 }
 
@@ -165,15 +170,19 @@ pub(super) enum Client {
 /// Request bodies: content type, body, and what the body is under a JSON fingerprint.
 pub(super) const BODIES: &[(&str, &str, Json)] = &[
     ("application/json", r#"{"a":1,"b":[1,2]}"#, Json::Doc(0)),
-    ("application/json", r#"{ "b" : [1, 2], "a" : 1.0 }"#, Json::Doc(0)),
+    (
+        "application/json",
+        r#"{ "b" : [1, 2], "a" : 1.0 }"#,
+        Json::Doc(0),
+    ),
     ("application/json", r#"{"a":2}"#, Json::Doc(1)),
     ("application/json", r#"{"a":1,"a":2}"#, Json::Invalid),
-    ("text/plain", "hello", Json::NotJson),
-    ("", "", Json::NotJson),
+    ("text/plain", "hello", Json::Text),
+    ("", "", Json::Text),
     (
         "text/plain",
         "a body of more than sixty-four bytes, larger than most routes' max_body",
-        Json::NotJson,
+        Json::Text,
     ),
 ];
 
@@ -183,7 +192,7 @@ pub(super) const BODIES: &[(&str, &str, Json)] = &[
 pub(super) enum Json {
     Doc(u8),
     Invalid,
-    NotJson,
+    Text,
 }
 
 /// Hop-by-hop headers an inner service may send: never recorded nor replayed.
@@ -257,7 +266,9 @@ impl Route {
             b = b.fingerprint(FingerprintMode::Json);
         }
         if let Some(tombstone) = self.refuse_after {
-            b = b.after_expiry(AfterExpiry::Refuse).tombstone_ttl(ms(tombstone));
+            b = b
+                .after_expiry(AfterExpiry::Refuse)
+                .tombstone_ttl(ms(tombstone));
         }
         if let Some((timeout, waiters)) = self.wait {
             b = b
@@ -473,7 +484,17 @@ fn route() -> impl Strategy<Value = Route> {
     (times, shape).prop_map(
         |(
             (lock_ttl, upstream_timeout, ttl, failure_ttl, max_ttl, refuse_after),
-            (stream, max_body, json, wait, cache_server_errors, mismatch_422, expiry_header, drop, put),
+            (
+                stream,
+                max_body,
+                json,
+                wait,
+                cache_server_errors,
+                mismatch_422,
+                expiry_header,
+                drop,
+                put,
+            ),
         )| Route {
             lock_ttl,
             upstream_timeout,
@@ -552,16 +573,20 @@ fn answer() -> impl Strategy<Value = Answer> {
         4 => prop::sample::select(vec![408u16, 429, 500, 502, 503]),
         1 => prop::sample::select(vec![101u16, 103, 600]),
     ];
-    let resp = (delay(), status, prop::collection::vec(field(), 0..4), resp_body()).prop_map(
-        |(head_after, status, headers, body)| {
+    let resp = (
+        delay(),
+        status,
+        prop::collection::vec(field(), 0..4),
+        resp_body(),
+    )
+        .prop_map(|(head_after, status, headers, body)| {
             Answer::Responds(Resp {
                 head_after,
                 status,
                 headers,
                 body,
             })
-        },
-    );
+        });
     prop_oneof![
         16 => resp,
         2 => (delay(), any::<bool>()).prop_map(|(after, not_sent)| Answer::Fails { after, not_sent }),
@@ -615,10 +640,8 @@ fn request() -> impl Strategy<Value = Req> {
 /// retries of an earlier one (the same route, method, key, caller and body; their own time,
 /// answer and client).
 pub(super) fn cases() -> impl Strategy<Value = Case> {
-    let requests = prop::collection::vec(
-        (request(), prop::option::weighted(0.7, any::<u8>())),
-        1..24,
-    );
+    let requests =
+        prop::collection::vec((request(), prop::option::weighted(0.7, any::<u8>())), 1..24);
     (prop::collection::vec(route(), 1..4), requests).prop_map(|(routes, drawn)| {
         let mut requests: Vec<Req> = Vec::with_capacity(drawn.len());
         for (mut req, retry_of) in drawn {

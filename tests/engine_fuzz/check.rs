@@ -33,7 +33,10 @@ use super::world::{Answered, Ev, Run, Seen};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Fate {
     Released,
-    Recorded { replayable: bool, keep: Keep },
+    Recorded {
+        replayable: bool,
+        keep: Keep,
+    },
     /// Left claimed until its lease ends: nobody knows whether the call ran.
     Kept,
 }
@@ -48,7 +51,6 @@ struct Call {
     /// The last thing the call did (its end, its error, or being dropped).
     last: Duration,
     key: Option<ScopedKey>,
-    token: Option<Token>,
     /// What the store was told of its key, when, and at which step of the log.
     fate: Option<(Duration, Fate)>,
     settled: usize,
@@ -99,7 +101,7 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
                     return Err(format!("request {req}: the inner service was called twice"));
                 }
                 let key = keyed(spec, policy(*req)).then(|| spec.scoped_key().unwrap());
-                let (token, claimed) = match key {
+                let claimed = match key {
                     Some(key) => {
                         let claims = granted.entry(key).or_default();
                         let Some((_, token, claimed)) = claims.pop() else {
@@ -113,9 +115,9 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
                             ));
                         }
                         by_token.insert(token, calls.len());
-                        (Some(token), claimed)
+                        claimed
                     }
-                    None => (None, step),
+                    None => step,
                 };
                 call_of.insert(*req, calls.len());
                 calls.push(Call {
@@ -124,12 +126,11 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
                     step: claimed,
                     last: at,
                     key,
-                    token,
                     fate: None,
                     settled: usize::MAX,
                 });
             }
-            Ev::Head { req } | Ev::Chunk { req } | Ev::Ended { req, .. } | Ev::Dropped { req } => {
+            Ev::Head { req } | Ev::Chunk { req } | Ev::Ended { req } | Ev::Dropped { req } => {
                 if let Some(&c) = call_of.get(req) {
                     calls[c].last = at;
                 }
@@ -199,7 +200,15 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
             (None, _) => "call passed through",
             (_, None) => "call kept claimed",
             (_, Some((_, Fate::Released))) => "call released",
-            (_, Some((_, Fate::Recorded { replayable: true, .. }))) => "call recorded",
+            (
+                _,
+                Some((
+                    _,
+                    Fate::Recorded {
+                        replayable: true, ..
+                    },
+                )),
+            ) => "call recorded",
             (_, Some((_, Fate::Recorded { .. }))) => "call recorded not replayable",
             (_, Some((_, Fate::Kept))) => unreachable!("never written"),
         });
@@ -231,7 +240,14 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
         let Some(s) = seen.get(&n) else {
             return Err(format!("request {n}: its client never finished"));
         };
-        answer(case, &policies, &calls, &call_of, (n, responded.get(&n).copied()), s)?;
+        answer(
+            case,
+            &policies,
+            &calls,
+            &call_of,
+            (n, responded.get(&n).copied()),
+            s,
+        )?;
     }
     Ok(())
 }
@@ -273,7 +289,11 @@ fn once_per_key(
         let Some(key) = call.key else { continue };
         if let Some(before) = last.get(&key) {
             let route = &policies[case.route_of(&case.requests[call.req])];
-            let (free, why) = free_at(before, &policies[case.route_of(&case.requests[before.req])], route);
+            let (free, why) = free_at(
+                before,
+                &policies[case.route_of(&case.requests[before.req])],
+                route,
+            );
             count(match before.fate {
                 None => "key run again after a lease",
                 Some((_, Fate::Released)) => "key run again after a release",
@@ -343,7 +363,11 @@ pub(super) fn fates(req: &Req, policy: &Policy) -> Vec<Fate> {
     match &req.answer {
         Answer::Fails { after, not_sent } => {
             if !timed(*after, &mut fates) {
-                fates.push(if *not_sent { Fate::Released } else { Fate::Kept });
+                fates.push(if *not_sent {
+                    Fate::Released
+                } else {
+                    Fate::Kept
+                });
             }
         }
         Answer::Panics { .. } => fates.push(Fate::Kept),
@@ -605,10 +629,16 @@ fn problem(
                 .iter()
                 .filter(|c| c.key == key && c.step < responded)
                 .collect();
-            let same = |c: &Call| fingerprint(case, policies, n) == fingerprint(case, policies, c.req);
+            let same =
+                |c: &Call| fingerprint(case, policies, n) == fingerprint(case, policies, c.req);
             let (holds, tombstone) = match before.last() {
                 Some(h) => (
-                    holds_at(h, &policies[case.route_of(&case.requests[h.req])], responded, a.at),
+                    holds_at(
+                        h,
+                        &policies[case.route_of(&case.requests[h.req])],
+                        responded,
+                        a.at,
+                    ),
                     // A tombstone outlives its record, and the records after it.
                     before.iter().rev().find_map(|c| {
                         let p = &policies[case.route_of(&case.requests[c.req])];
@@ -620,9 +650,7 @@ fn problem(
             let same_holder = before.last().is_some_and(|h| same(h));
             match kind {
                 "in-flight" => holds == Holds::Claim && same_holder,
-                "mismatch" => {
-                    (holds != Holds::Nothing && !same_holder) || tombstone == Some(false)
-                }
+                "mismatch" => (holds != Holds::Nothing && !same_holder) || tombstone == Some(false),
                 "not-replayable" => holds == Holds::Record { replayable: false } && same_holder,
                 _ => holds == Holds::Nothing && tombstone == Some(true),
             }
@@ -724,16 +752,12 @@ fn replay(
 ) -> Result<(), String> {
     let spec = &case.requests[n];
     let policy = &policies[case.route_of(spec)];
-    let Some(key) = spec
-        .scoped_key()
-        .filter(|_| keyed(spec, policy))
-    else {
+    let Some(key) = spec.scoped_key().filter(|_| keyed(spec, policy)) else {
         return Err(format!("request {n}: a replay to a request without a key"));
     };
     let Some(holder) = calls
         .iter()
-        .filter(|c| c.key == Some(key) && c.step < responded)
-        .next_back()
+        .rfind(|c| c.key == Some(key) && c.step < responded)
     else {
         return Err(format!("request {n}: a replay, but its key was never run"));
     };
@@ -744,7 +768,9 @@ fn replay(
         ));
     }
     let Answer::Responds(resp) = &case.requests[h].answer else {
-        return Err(format!("request {n}: a replay of request {h}, which answered no response"));
+        return Err(format!(
+            "request {n}: a replay of request {h}, which answered no response"
+        ));
     };
     let holder_policy = &policies[case.route_of(&case.requests[h])];
     let fate = holder.fate.map_or(Fate::Kept, |(_, f)| f);
@@ -782,7 +808,10 @@ fn replay(
         }
     }
     if a.status.as_u16() != resp.status {
-        return Err(format!("request {n}: replayed {} for {}", a.status, resp.status));
+        return Err(format!(
+            "request {n}: replayed {} for {}",
+            a.status, resp.status
+        ));
     }
     let (headers, _) = without_expiry(&a.headers, policy);
     let expected = recorded_headers(resp, policy, true);

@@ -36,43 +36,56 @@ pub(super) enum Ev {
         answer: &'static str,
     },
     Renew {
-        key: ScopedKey,
         token: Token,
         ok: bool,
     },
     Complete {
-        key: ScopedKey,
         token: Token,
         replayable: bool,
         keep: Keep,
         ok: bool,
     },
     Release {
-        key: ScopedKey,
         token: Token,
         ok: bool,
     },
     /// The inner service was called for request `req`, with this body.
-    Called { req: usize, body: Bytes },
+    Called {
+        req: usize,
+        body: Bytes,
+    },
     /// Its answer's head (or its error) was given.
-    Head { req: usize },
+    Head {
+        req: usize,
+    },
     /// A chunk of its body was given.
-    Chunk { req: usize },
+    Chunk {
+        req: usize,
+    },
     /// Its body (or its call) ended: whole, failed, or panicked.
-    Ended { req: usize, how: End },
+    Ended {
+        req: usize,
+    },
     /// Its call or body was dropped before its end.
-    Dropped { req: usize },
+    Dropped {
+        req: usize,
+    },
     /// A client got its answer's head.
-    Responded { req: usize },
+    Responded {
+        req: usize,
+    },
     /// A client finished.
-    Answered { req: usize, seen: Seen },
+    Answered {
+        req: usize,
+        seen: Seen,
+    },
 }
 
 /// What a client got.
 #[derive(Debug, Clone)]
 pub(super) enum Seen {
     /// A response, read to its end (or to an error).
-    Response(Answered),
+    Response(Box<Answered>),
     /// The inner service's error, passed on; `not_sent`: it carries `NotSent`.
     Error { not_sent: bool },
     /// The client gave up first.
@@ -161,7 +174,6 @@ impl Store for Observed {
     ) -> Result<bool, StoreError> {
         let ok = self.inner.complete(who, state, keep).await;
         self.logger.push(Ev::Complete {
-            key: who.key,
             token: who.token,
             replayable: matches!(state, EntryState::Completed(_)),
             keep,
@@ -173,7 +185,6 @@ impl Store for Observed {
     async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
         let ok = self.inner.release(who).await;
         self.logger.push(Ev::Release {
-            key: who.key,
             token: who.token,
             ok: matches!(ok, Ok(true)),
         });
@@ -183,7 +194,6 @@ impl Store for Observed {
     async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
         let ok = self.inner.renew(who, lease).await;
         self.logger.push(Ev::Renew {
-            key: who.key,
             token: who.token,
             ok: matches!(ok, Ok(true)),
         });
@@ -210,9 +220,9 @@ struct Unfinished {
 }
 
 impl Unfinished {
-    fn end(&mut self, how: End) {
+    fn end(&mut self) {
         self.armed = false;
-        self.logger.push(Ev::Ended { req: self.req, how });
+        self.logger.push(Ev::Ended { req: self.req });
     }
 }
 
@@ -245,7 +255,7 @@ async fn serve(
     let resp = match &case.requests[n].answer {
         Answer::Fails { after, not_sent } => {
             tokio::time::sleep(Duration::from_millis(*after)).await;
-            unfinished.end(End::Fails);
+            unfinished.end();
             return Err(match not_sent {
                 true => InnerError::NotSent(NotSent::new("connection refused")),
                 false => InnerError::Reset,
@@ -253,7 +263,7 @@ async fn serve(
         }
         Answer::Panics { after } => {
             tokio::time::sleep(Duration::from_millis(*after)).await;
-            unfinished.end(End::Panics);
+            unfinished.end();
             scripted_panic()
         }
         Answer::Responds(resp) => resp,
@@ -263,7 +273,7 @@ async fn serve(
     let (status, headers) = resp.head();
     let body = match &resp.body {
         RespBody::Full(b) => {
-            unfinished.end(End::Whole);
+            unfinished.end();
             Body::from(b.clone())
         }
         RespBody::Chunks(chunks, end) => chunked(chunks, *end, resp.trailers(), unfinished),
@@ -301,7 +311,7 @@ fn chunked(
             return Some((Ok(Frame::data(Bytes::from(data))), st));
         }
         let end = st.end.take()?;
-        st.unfinished.end(end);
+        st.unfinished.end();
         match end {
             End::Whole => None,
             End::Trailers => {
@@ -329,7 +339,7 @@ where
         match service.oneshot(req).await {
             Ok(resp) => {
                 logger.push(Ev::Responded { req: n });
-                Seen::Response(read(resp, spec.client, &logger).await)
+                Seen::Response(Box::new(read(resp, spec.client, &logger).await))
             }
             Err(InnerError::NotSent(_)) => Seen::Error { not_sent: true },
             Err(InnerError::Reset) => Seen::Error { not_sent: false },
