@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
 use futures_util::StreamExt;
+use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tower::{Layer, Service, ServiceExt};
 
@@ -276,7 +276,11 @@ async fn a_panicking_call_answers_500_and_leaves_its_key_to_the_lease() {
 #[tokio::test(start_paused = true)]
 async fn a_streamed_answer_whose_recording_panics_ends_its_reader_with_an_error() {
     let s = Setup::new(|p| p.stream(true).lock_ttl(Duration::from_secs(10)));
-    let resp = s.service().oneshot(keyed("/panics-midway", "k", "a")).await.unwrap();
+    let resp = s
+        .service()
+        .oneshot(keyed("/panics-midway", "k", "a"))
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     // Read from the tape the claimed call's task records onto: that task panicked midway.
     let body = tokio::time::timeout(Duration::from_secs(60), resp.into_body().collect())
@@ -297,14 +301,22 @@ async fn the_lease_keeps_its_renewal_period_from_the_head_to_the_body() {
     // 39, after the break, and the lease taken at 20 ended at 50.
     let start = tokio::time::Instant::now();
     let s = Setup::new(|p| p.stream(true).lock_ttl(Duration::from_millis(30)));
-    let resp = s.service().oneshot(keyed("/late-break", "k", "a")).await.unwrap();
+    let resp = s
+        .service()
+        .oneshot(keyed("/late-break", "k", "a"))
+        .await
+        .unwrap();
     assert!(resp.into_body().collect().await.is_err(), "broken off");
     tokio::time::sleep_until(start + Duration::from_millis(51)).await;
     let retry = s.post("/late-break", "k", "a").await.unwrap();
     assert_eq!(retry.problem(), "in-flight");
     assert_eq!(s.calls(), 1);
     tokio::time::sleep_until(start + Duration::from_millis(61)).await;
-    let later = s.service().oneshot(keyed("/late-break", "k", "a")).await.unwrap();
+    let later = s
+        .service()
+        .oneshot(keyed("/late-break", "k", "a"))
+        .await
+        .unwrap();
     assert_eq!(later.status(), StatusCode::OK, "the lease ended");
     assert_eq!(s.calls(), 2);
 }
