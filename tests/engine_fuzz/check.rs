@@ -648,11 +648,13 @@ fn problem(
                 None => (Holds::Nothing, None),
             };
             let same_holder = before.last().is_some_and(|h| same(h));
+            let claimed = matches!(holds, Holds::Claim | Holds::Lapsing);
+            let unclaimed = matches!(holds, Holds::Nothing | Holds::Lapsing);
             match kind {
-                "in-flight" => holds == Holds::Claim && same_holder,
+                "in-flight" => claimed && same_holder,
                 "mismatch" => (holds != Holds::Nothing && !same_holder) || tombstone == Some(false),
                 "not-replayable" => holds == Holds::Record { replayable: false } && same_holder,
-                _ => holds == Holds::Nothing && tombstone == Some(true),
+                _ => unclaimed && tombstone == Some(true),
             }
         }
         _ => false,
@@ -678,7 +680,12 @@ fn problem_kind(a: &Answered) -> String {
 enum Holds {
     Nothing,
     Claim,
-    Record { replayable: bool },
+    /// A claim whose lease may have run out or not: it was last renewed at most a renewal
+    /// period before the layer gave up on its call.
+    Lapsing,
+    Record {
+        replayable: bool,
+    },
 }
 
 /// What the key of `call` (on a route with `policy`) holds at step `step` of the log, at `at`:
@@ -687,11 +694,12 @@ enum Holds {
 fn holds_at(call: &Call, policy: &Policy, step: usize, at: Duration) -> Holds {
     match call.fate {
         _ if step < call.settled => {
-            let kept = call.fate.is_none();
-            let lease_over = at > call.last + policy.lock_ttl + Duration::from_millis(1);
-            match kept && lease_over {
-                true => Holds::Nothing,
-                false => Holds::Claim,
+            let (lapsing, _) = free_at(call, policy, policy);
+            let over = call.last + policy.lock_ttl + Duration::from_millis(1);
+            match call.fate {
+                None if at > over => Holds::Nothing,
+                None if at >= lapsing => Holds::Lapsing,
+                _ => Holds::Claim,
             }
         }
         Some((_, Fate::Released)) | Some((_, Fate::Kept)) | None => Holds::Nothing,
