@@ -821,7 +821,15 @@ fn replay(
             a.status, resp.status
         ));
     }
-    let (headers, _) = without_expiry(&a.headers, policy);
+    let (headers, expiry) = without_expiry(&a.headers, policy);
+    if let Fate::Recorded { keep, .. } = fate {
+        let expires = policy.expiry_header.is_some() && keep.ttl != Ttl::Forever;
+        if expiry != expires {
+            return Err(format!(
+                "request {n}: its replay has an expiry header: {expiry}, expected {expires}"
+            ));
+        }
+    }
     let expected = recorded_headers(resp, policy, true);
     if headers != expected {
         return Err(format!(
