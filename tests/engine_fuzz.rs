@@ -40,8 +40,8 @@ const DEFAULT_CASES: u32 = 300;
 /// The seed when `ENGINE_FUZZ_SEED` is not set.
 const DEFAULT_SEED: u64 = 20_250_531;
 
-/// Cases that once broke an invariant, as the fuzzer printed them (shrunk), with what they
-/// found.
+/// Cases that once broke an invariant, as the fuzzer printed them (shrunk), or written from
+/// one to show its bug plainly; each with what it found.
 const REGRESSIONS: &[(&str, &str)] = &[
     (
         // A streamed answer whose body panics in the claimed call's task: its reader (here
@@ -50,9 +50,11 @@ const REGRESSIONS: &[(&str, &str)] = &[
         r#"{"routes":[{"lock_ttl":30,"upstream_timeout":30,"ttl":{"Ms":1},"failure_ttl":{"Ms":1},"max_ttl":null,"refuse_after":null,"stream":true,"max_body":16,"json":false,"wait":null,"cache_server_errors":false,"mismatch_422":false,"expiry_header":false,"drop":"Default","put":false}],"requests":[{"at":0,"route":0,"method":"Post","key":{"Valid":0},"auth":0,"body":2,"answer":{"Responds":{"head_after":0,"status":200,"headers":[],"body":{"Chunks":[[],"Panics"]}}},"client":"Stays"}]}"#,
     ),
     (
-        // A streamed answer that breaks off just after its head: the renewals of the head's
-        // wait and of the body's each began a new period, so the lease could lapse a third of
-        // a lease after the break, and a retry ran while the key should have been claimed.
+        // Written from the next one: a streamed answer late in a renewal period (claimed at
+        // 0, renewed at 10 and 20, its head at 29) that breaks off at 35, before the body's
+        // first renewal; the retry at 51 ran, although the lease must last until at least
+        // 54 (the break and a lease, less a renewal period): the head's wait and the body's
+        // each began a new renewal period.
         "a_stream_breaking_off_after_its_head",
         r#"{"routes":[{"lock_ttl":30,"upstream_timeout":1000,"ttl":{"Ms":1000},"failure_ttl":{"Ms":1000},"max_ttl":null,"refuse_after":null,"stream":true,"max_body":1024,"json":false,"wait":null,"cache_server_errors":false,"mismatch_422":false,"expiry_header":false,"drop":"Default","put":false}],"requests":[{"at":0,"route":0,"method":"Post","key":{"Valid":0},"auth":0,"body":2,"answer":{"Responds":{"head_after":29,"status":200,"headers":[],"body":{"Chunks":[[[6,"x"]],"Fails"]}}},"client":"Stays"},{"at":51,"route":0,"method":"Post","key":{"Valid":0},"auth":0,"body":2,"answer":{"Responds":{"head_after":0,"status":200,"headers":[],"body":{"Full":"y"}}},"client":"Stays"}]}"#,
     ),
