@@ -73,8 +73,12 @@ pub(super) struct Req {
     pub(super) route: u8,
     pub(super) method: Verb,
     pub(super) key: Key,
-    /// The `Authorization` header (which scopes the key): none, or one of two callers.
+    /// The `Authorization` header (which scopes the key): none, or one caller's.
     pub(super) auth: u8,
+    /// Which of two workers serves it: layers that share their routes and live answers over
+    /// one store, each with its own background tasks, as the binary's worker threads.
+    #[serde(default)]
+    pub(super) worker: u8,
     /// An index into [`BODIES`].
     pub(super) body: u8,
     pub(super) answer: Answer,
@@ -622,13 +626,15 @@ fn request() -> impl Strategy<Value = Req> {
         1 => Just(3u8),
         3 => 4u8..BODIES.len() as u8,
     ];
-    (at, 0u8..4, method, key, 0u8..3, body, answer(), client).prop_map(
-        |(at, route, method, key, auth, body, answer, client)| Req {
+    let who = (0u8..3, 0u8..2);
+    (at, 0u8..4, method, key, who, body, answer(), client).prop_map(
+        |(at, route, method, key, (auth, worker), body, answer, client)| Req {
             at,
             route,
             method,
             key,
             auth: if auth == 2 { 0 } else { auth },
+            worker,
             body,
             answer,
             client,

@@ -419,10 +419,12 @@ pub(super) fn run(case: &Case) -> Run {
             let (case, logger) = (case.clone(), logger.clone());
             tower::service_fn(move |req| serve(case.clone(), logger.clone(), req))
         };
-        let service = layer.layer(inner);
+        let workers = [layer.clone(), layer.with_store(store.clone())];
+        let services = workers.clone().map(|worker| worker.layer(inner.clone()));
         let clients: Vec<_> = (0..case.requests.len())
             .map(|n| {
-                let client = client(service.clone(), case.clone(), n, logger.clone());
+                let service = services[usize::from(case.requests[n].worker) % 2].clone();
+                let client = client(service, case.clone(), n, logger.clone());
                 (n, tokio::spawn(client))
             })
             .collect();
@@ -438,9 +440,12 @@ pub(super) fn run(case: &Case) -> Run {
                 });
             }
         }
-        let tasks = layer.tasks();
-        tasks.close();
-        let tasks_hung = tokio::time::timeout(HANG, tasks.wait()).await.is_err();
+        let mut tasks_hung = false;
+        for worker in &workers {
+            let tasks = worker.tasks();
+            tasks.close();
+            tasks_hung |= tokio::time::timeout(HANG, tasks.wait()).await.is_err();
+        }
         let longest = policies.iter().map(|p| p.lock_ttl).max().unwrap();
         tokio::time::sleep(longest * 2 + Duration::from_millis(10)).await;
         let log = logger.log.lock().unwrap().clone();
