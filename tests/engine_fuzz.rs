@@ -11,7 +11,8 @@
 //! or a response (any status, 1xx and 5xx too; `Idempotency-Control` across the u64 range;
 //! hop-by-hop headers; a `Content-Length` right or wrong; a body whole or in chunks after
 //! delays, with trailers, cut short by an error or a panic). Clients stay, give up midway or
-//! read slowly.
+//! read slowly; two workers (layers sharing routes and live answers over one store) serve
+//! them.
 //!
 //! A run (`engine_fuzz/world.rs`) logs, in order and in virtual time, every store operation
 //! the layer makes, every step of every inner call, and every answer; `engine_fuzz/check.rs`
