@@ -24,6 +24,7 @@ mod deploy;
 mod docs;
 mod edges;
 mod embedded;
+mod engine_fuzz;
 mod faults;
 mod framing;
 mod gateway;

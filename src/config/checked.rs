@@ -209,7 +209,7 @@ macro_rules! written {
 }
 
 written! {
-    human: NonZero(HumanDuration), Lifetime(HumanTtl), NonZeroSize(HumanSize);
+    human: NonZero(HumanDuration), LockTtl(HumanDuration), Lifetime(HumanTtl), NonZeroSize(HumanSize);
     as_is: AtLeastOne, KeyMaxLen, MismatchStatus, Methods, HeaderNames, KeyHeaders,
         OptionalHeaderName, OptionalPointer, Pointers, IgnoredPointers, CookieNames, UpstreamName;
 }

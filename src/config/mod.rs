@@ -628,6 +628,13 @@ mod tests {
             "{base}[[routes]]\npath = \"/a\"\nlock_ttl = \"0ms\""
         ))
         .contains("routes[0].lock_ttl"));
+        // A lease too short to be renewed in time.
+        let short = err(&format!("{base}[defaults]\nlock_ttl = \"29ms\""));
+        assert!(
+            short.contains("defaults.lock_ttl") && short.contains("at least 30ms"),
+            "{short}"
+        );
+        assert!(Config::from_toml(&format!("{base}[defaults]\nlock_ttl = \"30ms\"")).is_ok());
         assert!(err(&format!("{base}[defaults]\nmax_body = \"lots\"")).contains("max_body"));
         assert!(err(&format!("{base}[defaults]\nmismatch_status = 400"))
             .contains("defaults.mismatch_status"));

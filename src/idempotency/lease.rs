@@ -4,7 +4,7 @@
 //! store operation on it is fenced by the claim's token: a holder whose lease ran out changes
 //! nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -44,6 +44,10 @@ impl Held {
 pub(super) struct Lease<St> {
     shared: Arc<Shared<St>>,
     pub(super) held: Arc<Held>,
+    // When the lease last started: its claim, or its last renewal (as asked: the store's own
+    // "now" comes after). Renewals keep one schedule from it across every wait that holds the
+    // lease (the head's, then a streamed body's).
+    renewed: Arc<Mutex<Instant>>,
 }
 
 impl<St> Clone for Lease<St> {
@@ -51,6 +55,7 @@ impl<St> Clone for Lease<St> {
         Lease {
             shared: self.shared.clone(),
             held: self.held.clone(),
+            renewed: self.renewed.clone(),
         }
     }
 }
@@ -60,7 +65,12 @@ impl<St: Store> Lease<St> {
         Lease {
             shared,
             held: Arc::new(held),
+            renewed: Arc::new(Mutex::new(Instant::now())),
         }
+    }
+
+    fn renewed(&self) -> std::sync::MutexGuard<'_, Instant> {
+        self.renewed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Ask the store for the key. From here until the store's answer is in hand, the claim may
@@ -71,6 +81,7 @@ impl<St: Store> Lease<St> {
     pub(super) async fn claim(&self) -> Result<Claim, StoreError> {
         let (shared, held) = (&self.shared, &self.held);
         let pending = PendingClaim::arm(self);
+        *self.renewed() = Instant::now();
         let terms = ClaimTerms {
             lease: held.policy.lock_ttl,
             after_expiry: held.policy.after_expiry,
@@ -90,19 +101,27 @@ impl<St: Store> Lease<St> {
         self.shared.store.watch(&self.held.who.key).await
     }
 
-    /// Renew the lease every third of its length for as long as this future is polled. Never
-    /// returns: when the lease is lost (a newer claim exists, or it ran out while the store
-    /// could not be reached), renewing stops; the completion then records the answer only if
-    /// no newer claim took the key meanwhile.
+    /// Renew the lease every third of its length for as long as this future is polled, a
+    /// third of a lease after it last started (its claim, or the last renewal of any earlier
+    /// hold): so a hold that begins late in a period renews at once. Never returns: when the
+    /// lease is lost (a newer claim exists, or it ran out while the store could not be
+    /// reached), renewing stops; the completion then records the answer only if no newer claim
+    /// took the key meanwhile.
     pub(super) async fn hold(&self) -> std::convert::Infallible {
         let held = &self.held;
         let (route, lock_ttl) = (&held.policy.route, held.policy.lock_ttl);
         let every = (lock_ttl / 3).max(Duration::from_millis(10));
+        let mut next = crate::time::after(*self.renewed(), every);
         loop {
-            tokio::time::sleep(every).await;
+            tokio::time::sleep_until(next).await;
+            let asked = Instant::now();
+            next = crate::time::after(asked, every);
             let renew = self.shared.store.renew(&held.who, lock_ttl);
             match self.shared.timed(StoreOp::renew, renew).await {
-                Ok(true) => debug!(%route, key = %held.tag(), "lease renewed"),
+                Ok(true) => {
+                    *self.renewed() = asked;
+                    debug!(%route, key = %held.tag(), "lease renewed")
+                }
                 Ok(false) => {
                     warn!(%route, key = %held.tag(), "lease lost while the upstream was running; the answer is recorded only if no newer claim took the key");
                     return std::future::pending().await;

@@ -215,6 +215,16 @@ impl Tape {
         self.grown.notify_waiters();
     }
 
+    /// End the tape with an error unless it has ended: its recording went away first.
+    fn abandon(&self) {
+        let mut st = self.state();
+        if st.ended.is_none() {
+            st.ended = Some(false);
+            drop(st);
+            self.grown.notify_waiters();
+        }
+    }
+
     /// The whole answer and its trailers when it fits in `max_body` (it is then replayable).
     pub(super) fn recorded(&self) -> Option<(Bytes, Option<HeaderMap>)> {
         let st = self.state();
@@ -410,7 +420,9 @@ impl LiveAnswers {
     }
 }
 
-/// A tape offered to duplicates; withdrawn when dropped.
+/// A tape offered to duplicates; withdrawn when dropped, and ended with an error if its
+/// recording went away before its end (its task panicked, or was dropped at shutdown), so that
+/// no reader waits for a chunk that will never come.
 pub(super) struct OnAir {
     answers: Arc<LiveAnswers>,
     key: ScopedKey,
@@ -428,6 +440,8 @@ impl Drop for OnAir {
         {
             offers.by_key.remove(&self.key);
         }
+        drop(offers);
+        self.tape.abandon();
     }
 }
 
@@ -544,6 +558,26 @@ mod tests {
         // Nobody reads: nothing is held, nothing waits.
         tape.push(Bytes::from(vec![0; 64])).await;
         assert_eq!(tape.state().held, 0);
+    }
+
+    #[tokio::test]
+    async fn a_tape_whose_recording_went_away_ends_its_readers_with_an_error() {
+        let live = Arc::new(LiveAnswers::default());
+        let tape = tape(100);
+        let on_air = live.open(ScopedKey([1; 32]), &tape);
+        let mut reader = tape.first_reader();
+        tape.push(Bytes::from_static(b"ab")).await;
+        // The recording task panicked (or was dropped) before the body ended.
+        drop(on_air);
+        assert_eq!(data(reader.next().await), "ab");
+        assert!(reader.next().await.unwrap().is_err());
+        // A tape that ended whole stays whole.
+        let whole = self::tape(100);
+        let on_air = live.open(ScopedKey([2; 32]), &whole);
+        let mut reader = whole.first_reader();
+        whole.finish(true);
+        drop(on_air);
+        assert!(reader.next().await.is_none());
     }
 
     #[tokio::test]

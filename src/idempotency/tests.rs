@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tower::{Layer, Service, ServiceExt};
@@ -51,6 +52,20 @@ async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<
             Err(InnerError::Reset)
         }
         "/big" => Ok(answer(201, "x".repeat(2048))),
+        // A streamed answer's head late in a renewal period, its body broken off soon after.
+        "/late-break" => {
+            tokio::time::sleep(Duration::from_millis(29)).await;
+            let broken = futures_util::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(6)).await;
+                Err::<Bytes, _>(std::io::Error::other("reset mid-body"))
+            });
+            Ok(Response::new(Body::from_stream(broken)))
+        }
+        "/panics-midway" => {
+            let first = futures_util::stream::iter([Ok(Bytes::from_static(b"ab"))]);
+            let frames = first.chain(futures_util::stream::once(a_defect_midway()));
+            Ok(Response::new(Body::from_stream(frames)))
+        }
         "/slow" => {
             let ms: u64 = query.trim_start_matches("ms=").parse().unwrap();
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -59,6 +74,11 @@ async fn behave(calls: Arc<AtomicUsize>, req: Request<Body>) -> Result<Response<
         p if p.starts_with("/status/") => Ok(answer(p[8..].parse().unwrap(), format!("call {n}"))),
         _ => Ok(answer(201, format!("call {n}"))),
     }
+}
+
+/// A body's chunk that never comes: the inner service's defect, midway through its body.
+async fn a_defect_midway() -> Result<Bytes, std::io::Error> {
+    panic!("a defect in the inner service's body")
 }
 
 /// The layer with `policy` (built from the defaults by `f`) over the behaving inner service,
@@ -251,6 +271,54 @@ async fn a_panicking_call_answers_500_and_leaves_its_key_to_the_lease() {
         "internal"
     );
     assert_eq!(s.calls(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_streamed_answer_whose_recording_panics_ends_its_reader_with_an_error() {
+    let s = Setup::new(|p| p.stream(true).lock_ttl(Duration::from_secs(10)));
+    let resp = s
+        .service()
+        .oneshot(keyed("/panics-midway", "k", "a"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // Read from the tape the claimed call's task records onto: that task panicked midway.
+    let body = tokio::time::timeout(Duration::from_secs(60), resp.into_body().collect())
+        .await
+        .expect("the body ends rather than waiting for the chunk that never comes");
+    assert!(body.is_err(), "ended with an error, never a clean end");
+    // Nobody knows what the call did: its key stays claimed until its lease ends.
+    let retry = s.post("/panics-midway", "k", "a").await.unwrap();
+    assert_eq!(retry.problem(), "in-flight");
+    assert_eq!(s.calls(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_keeps_its_renewal_period_from_the_head_to_the_body() {
+    // Claimed at 0 with a 30 ms lease: renewed at 10 and 20; the head comes at 29, the body
+    // breaks off at 35. The body's hold renews at 30, a period after the last renewal, so the
+    // key is claimed until 60; begun anew at the head, its first renewal would have come at
+    // 39, after the break, and the lease taken at 20 ended at 50.
+    let start = tokio::time::Instant::now();
+    let s = Setup::new(|p| p.stream(true).lock_ttl(Duration::from_millis(30)));
+    let resp = s
+        .service()
+        .oneshot(keyed("/late-break", "k", "a"))
+        .await
+        .unwrap();
+    assert!(resp.into_body().collect().await.is_err(), "broken off");
+    tokio::time::sleep_until(start + Duration::from_millis(51)).await;
+    let retry = s.post("/late-break", "k", "a").await.unwrap();
+    assert_eq!(retry.problem(), "in-flight");
+    assert_eq!(s.calls(), 1);
+    tokio::time::sleep_until(start + Duration::from_millis(61)).await;
+    let later = s
+        .service()
+        .oneshot(keyed("/late-break", "k", "a"))
+        .await
+        .unwrap();
+    assert_eq!(later.status(), StatusCode::OK, "the lease ended");
+    assert_eq!(s.calls(), 2);
 }
 
 #[tokio::test(start_paused = true)]

@@ -107,7 +107,7 @@ macro_rules! policy_fields {
             ttl: Ttl = Ttl::For(Duration::from_secs(24 * 3600)), rule Lifetime,
                 set(ttl: impl Into<Ttl>) => ttl.into();
             /// Lease of an in-flight claim.
-            lock_ttl: Duration = Duration::from_secs(30), rule NonZero, set(lease: Duration);
+            lock_ttl: Duration = Duration::from_secs(30), rule LockTtl, set(lease: Duration);
             /// Whether a request without a key is refused with 400.
             require_key: bool = false, rule Any<bool>, set(required: bool);
             /// Largest keyed request body accepted and largest response recorded for replay.
@@ -242,6 +242,11 @@ policy_fields!(policy_struct);
 impl Policy {
     /// The built-in `upstream_timeout`.
     pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// The shortest `lock_ttl`: the lease is renewed every third of it, and a renewal takes a
+    /// store round trip and a timer tick (a millisecond), so a lease of a few milliseconds
+    /// would run out before it could be renewed.
+    pub const MIN_LOCK_TTL: Duration = Duration::from_millis(30);
 
     /// The shortest life the route's own settings give a record: `ttl` or `failure_ttl`,
     /// whichever is shorter (an upstream's `max-age` aside).
@@ -397,6 +402,14 @@ pub(crate) mod check {
         /// A duration greater than zero, once clamped to [`MAX_DURATION`] as a written one is.
         NonZero: Duration => Duration = |d| match d.min(MAX_DURATION) {
             d if d.is_zero() => Err("must be greater than zero".into()),
+            d => Ok(d),
+        };
+        /// A lease: a duration as [`NonZero`] has it, at least [`Policy::MIN_LOCK_TTL`](super::Policy::MIN_LOCK_TTL).
+        LockTtl: Duration => Duration = |d| match d.min(MAX_DURATION) {
+            d if d < super::Policy::MIN_LOCK_TTL => Err(format!(
+                "must be at least {:?}: the lease is renewed every third of it, so a shorter one runs out before it can be renewed",
+                super::Policy::MIN_LOCK_TTL
+            )),
             d => Ok(d),
         };
         /// A record lifetime: a duration as [`NonZero`] has it, or forever.
