@@ -204,6 +204,10 @@ impl<S: Store> CachedStore<S> {
     }
 }
 
+/// The store underneath is asked through a box: its futures wait on the network and run to a
+/// kilobyte or more, and unboxed, they would set the size of every future above the store, each
+/// copied whole whenever it is moved (several times a request), where a box costs one
+/// allocation. A cached replay asks nothing underneath, and allocates nothing.
 impl<S: Store> Store for CachedStore<S> {
     async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> Result<Claim, StoreError> {
         // A cached record is live (it never outlives its record), so it wins over a tombstone
@@ -212,7 +216,7 @@ impl<S: Store> Store for CachedStore<S> {
             return Ok(Claim::Replay(replay));
         }
         let asked = Instant::now();
-        let claim = self.inner.claim(who, terms).await?;
+        let claim = Box::pin(self.inner.claim(who, terms)).await?;
         Ok(self.cached(who, asked, claim))
     }
 
@@ -224,19 +228,19 @@ impl<S: Store> Store for CachedStore<S> {
     ) -> Result<bool, StoreError> {
         // Not cached here: most keys are never retried, so a record enters the cache when it is
         // first read back (a replay), not when it is written.
-        self.inner.complete(who, state, keep).await
+        Box::pin(self.inner.complete(who, state, keep)).await
     }
 
     async fn release(&self, who: &Claimant) -> Result<bool, StoreError> {
-        self.inner.release(who).await
+        Box::pin(self.inner.release(who)).await
     }
 
     async fn renew(&self, who: &Claimant, lease: Duration) -> Result<bool, StoreError> {
-        self.inner.renew(who, lease).await
+        Box::pin(self.inner.renew(who, lease)).await
     }
 
     async fn watch(&self, key: &ScopedKey) -> Option<super::Watch> {
-        self.inner.watch(key).await
+        Box::pin(self.inner.watch(key)).await
     }
 }
 
