@@ -148,14 +148,23 @@ impl ConnState {
         self.head_since.store(UNSET, Relaxed);
     }
 
+    /// Something moved. Only the last move while something waits on the client counts (the
+    /// watchdog reads `progress` only then, and whatever begins to wait stamps it anew): any
+    /// other move is not stamped, which spares a read of the clock.
     fn moved(&self) {
+        if self.waiting.load(SeqCst) > 0 || self.write_blocked.load(SeqCst) {
+            self.stamp();
+        }
+    }
+
+    fn stamp(&self) {
         self.progress.fetch_max(self.now(), Relaxed);
     }
 
     /// Something began to wait on the client: its stall is counted from now, and a parked
     /// watchdog must look.
     fn began_waiting(&self) {
-        self.moved();
+        self.stamp();
         self.unpark();
     }
 
@@ -277,7 +286,9 @@ impl Future for Watchdog {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Expired> {
         self.conn.waker.register(cx.waker());
         loop {
-            let next = match self.look(self.conn.now()) {
+            // The next deadline as things stand (a look at time 0 finds none past); the clock
+            // is read only once the sleep until it ends.
+            let next = match self.look(0) {
                 Err(expired) => return Poll::Ready(expired),
                 Ok(None) => return Poll::Pending,
                 Ok(Some(next)) => self.conn.at(next),
@@ -287,6 +298,9 @@ impl Future for Watchdog {
             }
             if self.sleep.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
+            }
+            if let Err(expired) = self.look(self.conn.now()) {
+                return Poll::Ready(expired);
             }
         }
     }
@@ -342,18 +356,20 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let polled = Pin::new(&mut self.body).poll_frame(cx);
-        // A response body is polled when the client has taken what came before; a request
-        // body's frame is what the client sent.
-        if self.side == Side::Response || polled.is_ready() {
-            self.conn.moved();
-        }
         let waiting = match (self.side, &polled) {
             (Side::Response, Poll::Ready(Some(Ok(_)))) => true,
             (Side::Response, _) => false,
             (Side::Request, Poll::Pending) => true,
             (Side::Request, Poll::Ready(_)) => false,
         };
+        // Counted first: a body that stops waiting on the client moves nothing that counts,
+        // unless something else on the connection still waits.
         self.set_waiting(waiting);
+        // A response body is polled when the client has taken what came before; a request
+        // body's frame is what the client sent.
+        if self.side == Side::Response || polled.is_ready() {
+            self.conn.moved();
+        }
         polled
     }
 
@@ -755,12 +771,36 @@ mod tests {
         let (socket, _client) = tokio::io::duplex(64);
         let mut io = WatchedIo::new(socket, conn.clone());
         io.stream = Stream::Http1;
+        // An answer waits on the client: its progress counts.
+        let answer = conn
+            .request_started()
+            .response_body(http_body_util::Empty::<Bytes>::new());
         tokio::time::sleep(Duration::from_secs(1)).await;
         let before = conn.progress.load(Relaxed);
         io.flush().await.unwrap();
         assert_eq!(conn.progress.load(Relaxed), before);
         io.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
         assert!(conn.progress.load(Relaxed) > before);
+        drop(answer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_counts_from_when_waiting_began_whatever_moved_before() {
+        let conn = ConnState::new();
+        let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
+        let request = conn.request_started();
+        let mut body = conn.request_body(http_body_util::Full::new(Bytes::from("x")));
+        // The body arrives whole while nothing waits on the client: no stamp needed.
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        assert!(frame.is_some());
+        let quiet = tokio::time::timeout(TIMEOUTS.idle * 2, &mut watchdog).await;
+        assert!(quiet.is_err(), "closed while the upstream worked");
+        // The answer then waits on the client, which never takes it: one idle timeout from here.
+        let answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+        let waited = Instant::now();
+        assert_eq!((&mut watchdog).await, Expired::Stalled);
+        assert_eq!(waited.elapsed(), TIMEOUTS.idle);
+        drop(answer);
     }
 
     #[test]
