@@ -39,7 +39,7 @@ use crate::proxy::ProxyError;
 pub(crate) use rate::MinBodyRate;
 use rate::{Cut, Paced};
 pub(crate) use watch::Timeouts;
-use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
+use watch::{ConnState, Expired, Serving, Watchdog, Watched, WatchedIo};
 
 /// How long a client's TLS handshake may take at most (and never more than
 /// `client_header_timeout`, which it counts towards).
@@ -255,7 +255,8 @@ impl Connection {
     {
         let open = self.metrics.client_connections().clone();
         open.inc();
-        let mut watchdog = Watchdog::new(gateway.conn.clone(), self.timeouts);
+        let state = gateway.conn.clone();
+        let mut watchdog = Watchdog::new(state.clone(), self.timeouts);
         let io = TokioIo::new(WatchedIo::new(stream, gateway.conn.clone()));
         let conn = self.http.serve_connection(io, gateway);
         tokio::pin!(conn);
@@ -269,7 +270,7 @@ impl Connection {
             tokio::select! {
                 // The connection first: the watchdog then sees what its poll changed.
                 biased;
-                _ = conn.as_mut() => break,
+                _ = Serving::new(&state, conn.as_mut()) => break,
                 expired = &mut watchdog, if !idle_closing => {
                     let reason = match expired {
                         Expired::Header => ClosedBy::header_timeout,

@@ -80,6 +80,9 @@ pub(crate) struct ConnState {
     // the client): whatever starts one, or ends the last request, wakes it through `waker`.
     parked: AtomicBool,
     waker: AtomicWaker,
+    // The connection's own task is polling the connection: the watchdog looks right after, in
+    // the same task, so a change made meanwhile needs no wake-up.
+    polling: AtomicBool,
 }
 
 impl ConnState {
@@ -95,6 +98,7 @@ impl ConnState {
             write_blocked: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             waker: AtomicWaker::new(),
+            polling: AtomicBool::new(false),
         })
     }
 
@@ -169,6 +173,11 @@ impl ConnState {
     }
 
     fn unpark(&self) {
+        // Seen polling: the change was made before the poll ends, and the look that follows it
+        // reads it. A wake-up would poll the whole connection again for nothing.
+        if self.polling.load(SeqCst) {
+            return;
+        }
         if self.parked.swap(false, SeqCst) {
             self.waker.wake();
         }
@@ -183,6 +192,30 @@ impl ConnState {
             waiting: false,
             _in_progress: None,
         }
+    }
+}
+
+/// The connection's future as its own task polls it: marked as polling meanwhile (see
+/// `ConnState::polling`). Poll the watchdog after it, in the same task.
+pub(crate) struct Serving<'a, F: ?Sized> {
+    conn: &'a ConnState,
+    serving: Pin<&'a mut F>,
+}
+
+impl<'a, F: Future + ?Sized> Serving<'a, F> {
+    pub(crate) fn new(conn: &'a ConnState, serving: Pin<&'a mut F>) -> Self {
+        Serving { conn, serving }
+    }
+}
+
+impl<F: Future + ?Sized> Future for Serving<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.conn.polling.store(true, SeqCst);
+        let polled = self.serving.as_mut().poll(cx);
+        self.conn.polling.store(false, SeqCst);
+        polled
     }
 }
 
@@ -782,6 +815,30 @@ mod tests {
         io.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
         assert!(conn.progress.load(Relaxed) > before);
         drop(answer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_the_connection_changes_while_polled_is_seen_without_a_wake_up() {
+        let conn = ConnState::new();
+        let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
+        let request = conn.request_started();
+        // The connection itself hands over a late answer (over HTTP/1.1, its own task polls the
+        // service), which the client never takes: the watchdog, parked until then, sees it.
+        let answering = async {
+            tokio::time::sleep(TIMEOUTS.idle * 2).await;
+            let _answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+            std::future::pending::<()>().await
+        };
+        let mut answering = std::pin::pin!(answering);
+        let started = Instant::now();
+        let expired = tokio::select! {
+            biased;
+            () = Serving::new(&conn, answering.as_mut()) => None,
+            expired = &mut watchdog => Some(expired),
+        };
+        assert_eq!(expired, Some(Expired::Stalled));
+        assert_eq!(started.elapsed(), TIMEOUTS.idle * 3);
+        assert!(!conn.polling.load(SeqCst));
     }
 
     #[tokio::test(start_paused = true)]
