@@ -14,6 +14,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -26,7 +27,6 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 use tracing::{debug, error, warn};
@@ -37,9 +37,9 @@ use crate::idempotency::{grpc, Routes};
 use crate::metrics::{ClosedBy, Metrics};
 use crate::proxy::ProxyError;
 pub(crate) use rate::MinBodyRate;
-use rate::Paced;
+use rate::{Cut, Paced};
 pub(crate) use watch::Timeouts;
-use watch::{ConnState, Expired, Watchdog, Watched, WatchedIo};
+use watch::{ConnState, Expired, Serving, Watchdog, Watched, WatchedIo};
 
 /// How long a client's TLS handshake may take at most (and never more than
 /// `client_header_timeout`, which it counts towards).
@@ -255,7 +255,8 @@ impl Connection {
     {
         let open = self.metrics.client_connections().clone();
         open.inc();
-        let mut watchdog = Watchdog::new(gateway.conn.clone(), self.timeouts);
+        let state = gateway.conn.clone();
+        let mut watchdog = Watchdog::new(state.clone(), self.timeouts);
         let io = TokioIo::new(WatchedIo::new(stream, gateway.conn.clone()));
         let conn = self.http.serve_connection(io, gateway);
         tokio::pin!(conn);
@@ -269,7 +270,7 @@ impl Connection {
             tokio::select! {
                 // The connection first: the watchdog then sees what its poll changed.
                 biased;
-                _ = conn.as_mut() => break,
+                _ = Serving::new(&state, conn.as_mut()) => break,
                 expired = &mut watchdog, if !idle_closing => {
                     let reason = match expired {
                         Expired::Header => ClosedBy::header_timeout,
@@ -367,7 +368,7 @@ where
         // holds it); an empty body has no rate.
         let paced = (self.body_rate)
             .filter(|_| !call && !http_body::Body::is_end_stream(req.body()))
-            .map(|rate| (rate, CancellationToken::new()));
+            .map(|rate| (rate, Arc::new(Cut::default())));
         let mut req = req.map(|body| {
             let body = self.conn.request_body(body);
             match &paced {
@@ -386,12 +387,18 @@ where
             let format = || grpc::error_format(call, routes.policy_for(uri.path()).error_format);
             let resp = match paced {
                 None => Some(called.await),
-                Some((_, ref cut)) => tokio::select! {
-                    biased;
-                    () = cut.cancelled() => None,
-                    // A body cut while the stack turned its failure into an answer: the cut.
-                    resp = called => Some(resp).filter(|_| !cut.is_cancelled()),
-                },
+                Some((_, ref cut)) => {
+                    let mut called = std::pin::pin!(called);
+                    std::future::poll_fn(|cx| {
+                        if cut.poll_cut(cx).is_ready() {
+                            return Poll::Ready(None);
+                        }
+                        // A body cut while the stack turned its failure into an answer: the cut.
+                        let resp = std::task::ready!(called.as_mut().poll(cx));
+                        Poll::Ready(Some(resp).filter(|_| !cut.is_cut()))
+                    })
+                    .await
+                }
             };
             let resp = match (resp, paced) {
                 (Some(Ok(Ok(resp))), _) => resp.map(Body::new),

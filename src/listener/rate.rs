@@ -2,20 +2,22 @@
 //! passed, as Kestrel's `MinRequestBodyDataRate`: on average over the time the gateway waits on
 //! the client for it. Time the gateway spends elsewhere (an upstream that reads slowly, the
 //! engine at work) is not counted: the clock runs only while the body's reader waits for bytes.
-//! A body that falls behind fails with [`BodyTooSlow`] and cancels its request's `cut`, so that
+//! A body that falls behind fails with [`BodyTooSlow`] and sets its request's [`Cut`], so that
 //! the request is answered `408` at once.
 
 use std::error::Error;
 use std::future::Future;
 use std::num::NonZeroU64;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
-use tokio_util::sync::CancellationToken;
 
 /// The least rate of a request body, and the waiting time it is granted before the rate counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +40,40 @@ impl MinBodyRate {
 #[error("the request body arrived slower than client_min_body_rate")]
 pub(crate) struct BodyTooSlow;
 
+/// Set when a request's body is cut for its rate, and awaited by whoever answers the request.
+/// One setter and one waiter: a flag and a waker (a `CancellationToken` locks a mutex to make,
+/// clone, check and drop one, on every request with a body).
+#[derive(Debug, Default)]
+pub(crate) struct Cut {
+    cut: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Cut {
+    /// Cut the body: the waiter wakes.
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    pub(crate) fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+
+    /// Ready once the body is cut; until then `cx` is woken when it is.
+    pub(crate) fn poll_cut(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.is_cut() {
+            return Poll::Ready(());
+        }
+        self.waker.register(cx.waker());
+        // Cut between the look and the registration: seen here.
+        match self.is_cut() {
+            true => Poll::Ready(()),
+            false => Poll::Pending,
+        }
+    }
+}
+
 /// A request body held to a [`MinBodyRate`].
 pub(crate) struct Paced<B> {
     body: B,
@@ -50,12 +86,12 @@ pub(crate) struct Paced<B> {
     since: Option<Instant>,
     // Set to when the current wait runs out, made at the first wait.
     timer: Option<Pin<Box<Sleep>>>,
-    // Cancelled when the body is cut: the request's answer is then a 408.
-    cut: CancellationToken,
+    // Set when the body is cut: the request's answer is then a 408.
+    cut: Arc<Cut>,
 }
 
 impl<B> Paced<B> {
-    pub(crate) fn new(body: B, rate: MinBodyRate, cut: CancellationToken) -> Self {
+    pub(crate) fn new(body: B, rate: MinBodyRate, cut: Arc<Cut>) -> Self {
         Paced {
             body,
             rate,
@@ -85,7 +121,7 @@ impl<B> Paced<B> {
         if timer.as_mut().poll(cx).is_pending() {
             return false;
         }
-        self.cut.cancel();
+        self.cut.cut();
         true
     }
 }
@@ -103,7 +139,7 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        if this.cut.is_cancelled() {
+        if this.cut.is_cut() {
             return Poll::Ready(Some(Err(BodyTooSlow.into())));
         }
         match Pin::new(&mut this.body).poll_frame(cx) {
@@ -150,7 +186,7 @@ mod tests {
     ) -> (
         mpsc::Sender<Bytes>,
         Paced<impl Body<Data = Bytes, Error = std::io::Error> + Unpin>,
-        CancellationToken,
+        Arc<Cut>,
     ) {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let frames = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -158,7 +194,7 @@ mod tests {
             Some((Ok(Frame::data(data)), rx))
         });
         let body = http_body_util::StreamBody::new(Box::pin(frames));
-        let cut = CancellationToken::new();
+        let cut = Arc::new(Cut::default());
         (tx, Paced::new(body, r, cut.clone()), cut)
     }
 
@@ -200,7 +236,7 @@ mod tests {
             }
         };
         assert!(e.is::<BodyTooSlow>(), "{e}");
-        assert!(cut.is_cancelled());
+        assert!(cut.is_cut());
         assert_eq!(started.elapsed(), Duration::from_secs(2));
         assert_eq!(read, 20);
         trickle.abort();
@@ -225,7 +261,7 @@ mod tests {
             }
         }
         assert_eq!(read, 6600);
-        assert!(!cut.is_cancelled());
+        assert!(!cut.is_cut());
         sending.await.unwrap();
     }
 

@@ -80,6 +80,9 @@ pub(crate) struct ConnState {
     // the client): whatever starts one, or ends the last request, wakes it through `waker`.
     parked: AtomicBool,
     waker: AtomicWaker,
+    // The connection's own task is polling the connection: the watchdog looks right after, in
+    // the same task, so a change made meanwhile needs no wake-up.
+    polling: AtomicBool,
 }
 
 impl ConnState {
@@ -95,6 +98,7 @@ impl ConnState {
             write_blocked: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             waker: AtomicWaker::new(),
+            polling: AtomicBool::new(false),
         })
     }
 
@@ -148,18 +152,32 @@ impl ConnState {
         self.head_since.store(UNSET, Relaxed);
     }
 
+    /// Something moved. Only the last move while something waits on the client counts (the
+    /// watchdog reads `progress` only then, and whatever begins to wait stamps it anew): any
+    /// other move is not stamped, which spares a read of the clock.
     fn moved(&self) {
+        if self.waiting.load(SeqCst) > 0 || self.write_blocked.load(SeqCst) {
+            self.stamp();
+        }
+    }
+
+    fn stamp(&self) {
         self.progress.fetch_max(self.now(), Relaxed);
     }
 
     /// Something began to wait on the client: its stall is counted from now, and a parked
     /// watchdog must look.
     fn began_waiting(&self) {
-        self.moved();
+        self.stamp();
         self.unpark();
     }
 
     fn unpark(&self) {
+        // Seen polling: the change was made before the poll ends, and the look that follows it
+        // reads it. A wake-up would poll the whole connection again for nothing.
+        if self.polling.load(SeqCst) {
+            return;
+        }
         if self.parked.swap(false, SeqCst) {
             self.waker.wake();
         }
@@ -174,6 +192,30 @@ impl ConnState {
             waiting: false,
             _in_progress: None,
         }
+    }
+}
+
+/// The connection's future as its own task polls it: marked as polling meanwhile (see
+/// `ConnState::polling`). Poll the watchdog after it, in the same task.
+pub(crate) struct Serving<'a, F: ?Sized> {
+    conn: &'a ConnState,
+    serving: Pin<&'a mut F>,
+}
+
+impl<'a, F: Future + ?Sized> Serving<'a, F> {
+    pub(crate) fn new(conn: &'a ConnState, serving: Pin<&'a mut F>) -> Self {
+        Serving { conn, serving }
+    }
+}
+
+impl<F: Future + ?Sized> Future for Serving<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.conn.polling.store(true, SeqCst);
+        let polled = self.serving.as_mut().poll(cx);
+        self.conn.polling.store(false, SeqCst);
+        polled
     }
 }
 
@@ -277,7 +319,9 @@ impl Future for Watchdog {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Expired> {
         self.conn.waker.register(cx.waker());
         loop {
-            let next = match self.look(self.conn.now()) {
+            // The next deadline as things stand (a look at time 0 finds none past); the clock
+            // is read only once the sleep until it ends.
+            let next = match self.look(0) {
                 Err(expired) => return Poll::Ready(expired),
                 Ok(None) => return Poll::Pending,
                 Ok(Some(next)) => self.conn.at(next),
@@ -287,6 +331,9 @@ impl Future for Watchdog {
             }
             if self.sleep.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
+            }
+            if let Err(expired) = self.look(self.conn.now()) {
+                return Poll::Ready(expired);
             }
         }
     }
@@ -342,18 +389,20 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let polled = Pin::new(&mut self.body).poll_frame(cx);
-        // A response body is polled when the client has taken what came before; a request
-        // body's frame is what the client sent.
-        if self.side == Side::Response || polled.is_ready() {
-            self.conn.moved();
-        }
         let waiting = match (self.side, &polled) {
             (Side::Response, Poll::Ready(Some(Ok(_)))) => true,
             (Side::Response, _) => false,
             (Side::Request, Poll::Pending) => true,
             (Side::Request, Poll::Ready(_)) => false,
         };
+        // Counted first: a body that stops waiting on the client moves nothing that counts,
+        // unless something else on the connection still waits.
         self.set_waiting(waiting);
+        // A response body is polled when the client has taken what came before; a request
+        // body's frame is what the client sent.
+        if self.side == Side::Response || polled.is_ready() {
+            self.conn.moved();
+        }
         polled
     }
 
@@ -755,12 +804,60 @@ mod tests {
         let (socket, _client) = tokio::io::duplex(64);
         let mut io = WatchedIo::new(socket, conn.clone());
         io.stream = Stream::Http1;
+        // An answer waits on the client: its progress counts.
+        let answer = conn
+            .request_started()
+            .response_body(http_body_util::Empty::<Bytes>::new());
         tokio::time::sleep(Duration::from_secs(1)).await;
         let before = conn.progress.load(Relaxed);
         io.flush().await.unwrap();
         assert_eq!(conn.progress.load(Relaxed), before);
         io.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
         assert!(conn.progress.load(Relaxed) > before);
+        drop(answer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_the_connection_changes_while_polled_is_seen_without_a_wake_up() {
+        let conn = ConnState::new();
+        let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
+        let request = conn.request_started();
+        // The connection itself hands over a late answer (over HTTP/1.1, its own task polls the
+        // service), which the client never takes: the watchdog, parked until then, sees it.
+        let answering = async {
+            tokio::time::sleep(TIMEOUTS.idle * 2).await;
+            let _answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+            std::future::pending::<()>().await
+        };
+        let mut answering = std::pin::pin!(answering);
+        let started = Instant::now();
+        let expired = tokio::select! {
+            biased;
+            () = Serving::new(&conn, answering.as_mut()) => None,
+            expired = &mut watchdog => Some(expired),
+        };
+        assert_eq!(expired, Some(Expired::Stalled));
+        assert_eq!(started.elapsed(), TIMEOUTS.idle * 3);
+        assert!(!conn.polling.load(SeqCst));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_counts_from_when_waiting_began_whatever_moved_before() {
+        let conn = ConnState::new();
+        let mut watchdog = Watchdog::new(conn.clone(), TIMEOUTS);
+        let request = conn.request_started();
+        let mut body = conn.request_body(http_body_util::Full::new(Bytes::from("x")));
+        // The body arrives whole while nothing waits on the client: no stamp needed.
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        assert!(frame.is_some());
+        let quiet = tokio::time::timeout(TIMEOUTS.idle * 2, &mut watchdog).await;
+        assert!(quiet.is_err(), "closed while the upstream worked");
+        // The answer then waits on the client, which never takes it: one idle timeout from here.
+        let answer = request.response_body(http_body_util::Empty::<Bytes>::new());
+        let waited = Instant::now();
+        assert_eq!((&mut watchdog).await, Expired::Stalled);
+        assert_eq!(waited.elapsed(), TIMEOUTS.idle);
+        drop(answer);
     }
 
     #[test]

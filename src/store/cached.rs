@@ -205,6 +205,10 @@ impl<S: Store> CachedStore<S> {
     }
 }
 
+/// The store underneath is asked through a box: its futures wait on the network and run to a
+/// kilobyte or more, and unboxed, they would set the size of every future above the store, each
+/// copied whole whenever it is moved (several times a request), where a box costs one
+/// allocation. A cached replay asks nothing underneath, and allocates nothing.
 impl<S: Store> Store for CachedStore<S> {
     async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
         // A cached record is live (it never outlives its record), so it wins over a tombstone
@@ -213,26 +217,26 @@ impl<S: Store> Store for CachedStore<S> {
             return Ok(Claim::Replay(replay));
         }
         let asked = Instant::now();
-        let claim = self.inner.claim(who, terms).await?;
+        let claim = Box::pin(self.inner.claim(who, terms)).await?;
         Ok(self.cached(who, asked, claim))
     }
 
     async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
         // Not cached here: most keys are never retried, so a record enters the cache when it is
         // first read back (a replay), not when it is written.
-        self.inner.complete(who, state, keep).await
+        Box::pin(self.inner.complete(who, state, keep)).await
     }
 
     async fn release(&self, who: &Claimant) -> StoreResult<bool> {
-        self.inner.release(who).await
+        Box::pin(self.inner.release(who)).await
     }
 
     async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
-        self.inner.renew(who, lease).await
+        Box::pin(self.inner.renew(who, lease)).await
     }
 
     async fn watch(&self, key: &ScopedKey) -> Option<super::Watch> {
-        self.inner.watch(key).await
+        Box::pin(self.inner.watch(key)).await
     }
 }
 
