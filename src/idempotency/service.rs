@@ -50,7 +50,7 @@ use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
 use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Collected};
 use super::grpc;
-use super::inner::{is_not_sent, Deadline};
+use super::inner::{is_not_sent, Deadline, Inner};
 use super::lease::{Held, Lease};
 use super::repeatability;
 use super::response::{self, relayed, Terms, TRACEPARENT};
@@ -102,6 +102,8 @@ impl<S, St> Idempotency<S, St> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+// The public contract spells the inner service's bounds out (they are `Inner<RB>`, which is
+// crate-private); every function behind it names `Inner<RB>`.
 impl<S, St, B, RB> tower::Service<Request<B>> for Idempotency<S, St>
 where
     St: Store,
@@ -315,9 +317,7 @@ impl<St: Store> Shared<St> {
         started: Instant,
     ) -> BoxFuture<Result<Response<Body>, S::Error>>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
-        S::Future: Send + 'static,
-        S::Error: Send + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let call = inner.call(req);
@@ -346,9 +346,7 @@ impl<St: Store> Shared<St> {
         unanswered: &Unanswered<'_>,
     ) -> Finished<S::Error>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
-        S::Future: Send,
-        S::Error: StdError + Send + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         use Outcome::rejected_invalid;
@@ -480,7 +478,7 @@ impl<St: Store> Shared<St> {
         body: Bytes,
     ) -> Finished<S::Error>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let route = &held.policy.route;
@@ -594,9 +592,7 @@ impl<St: Store> Shared<St> {
         body: Bytes,
     ) -> Finished<S::Error>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>> + Send + 'static,
-        S::Future: Send,
-        S::Error: StdError + Send + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -642,8 +638,7 @@ impl<St: Store> Shared<St> {
         body: Bytes,
     ) -> (Forwarded<S::Error>, Option<Tail>)
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
-        S::Error: StdError + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let (held, policy) = (&*lease.held, &*lease.held.policy);
@@ -739,8 +734,7 @@ impl<St: Store> Shared<St> {
         mut req: Request<Body>,
     ) -> (Option<Called<S::Error>>, Duration)
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
-        S::Error: StdError + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let (held, policy) = (&*lease.held, &*lease.held.policy);
@@ -765,8 +759,7 @@ impl<St: Store> Shared<St> {
     /// Call the inner service and read as much of the response as the decision needs.
     async fn call<S, RB>(&self, inner: S, req: Request<Body>, held: &Held) -> Called<S::Error>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
-        S::Error: StdError + 'static,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let policy = &*held.policy;
@@ -832,7 +825,7 @@ impl<St: Store> Shared<St> {
     /// to answer.
     async fn pass_through<S, RB>(&self, inner: S, req: Request<Body>) -> Forwarded<S::Error>
     where
-        S: tower::Service<Request<Body>, Response = Response<RB>>,
+        S: Inner<RB>,
         RB: ByteBody,
     {
         let started = Instant::now();
