@@ -3,6 +3,7 @@
 //! ([`Routes`]). The words it speaks (key, fingerprint, record, policy) are the floor below,
 //! [`crate::record`], shared with the store; they are re-exported here under their old paths.
 
+mod admit;
 mod body;
 pub(crate) mod grpc;
 mod inner;

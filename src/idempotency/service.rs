@@ -48,6 +48,7 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 use tracing::{debug, debug_span, error, field, warn, Instrument, Span};
 
+use super::admit::{admit, Admission, Admitted};
 use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Collected};
 use super::grpc;
 use super::inner::{is_not_sent, Deadline, Inner};
@@ -100,7 +101,7 @@ impl<S, St> Idempotency<S, St> {
     }
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub(super) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 // The public contract spells the inner service's bounds out (they are `Inner<RB>`, which is
 // crate-private); every function behind it names `Inner<RB>`.
@@ -130,40 +131,20 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let route = shared.table.route_for(req.uri().path()).clone();
-        let policy = &route.policy;
         let mut req = req.map(Body::new);
         // The inner service learns the policy applied (the proxy reads its upstream_timeout).
-        req.extensions_mut().insert(policy.clone());
-        let applies = policy.applies_to(req.method());
-        let key = if applies {
-            IdempotencyKey::from_headers(req.headers(), &route.key_headers, policy.key_max_len)
-        } else {
-            Ok(None)
+        req.extensions_mut().insert(route.policy.clone());
+        let admitted = match admit(&route, &req) {
+            Admission::Keyed(admitted) => admitted,
+            Admission::Refused(refusal) => return shared.refuse_now(&route, started, refusal),
+            Admission::Pass => return shared.pass_now(route, inner, req, started),
         };
-        let repeatable = applies && repeatability::is_repeatable(policy, req.headers());
-        let grpc = grpc::is_call(req.version(), req.headers());
-        let format = grpc::error_format(grpc, policy.error_format);
-        let key = match key {
-            Ok(Some(key)) => Some(key),
-            // The key may be in the body (a JSON one: never a gRPC call's): the keyed path reads
-            // it first.
-            Ok(None) if applies && policy.keys_from_body() && !grpc => None,
-            Ok(None) if applies && policy.require_key => {
-                let e = GatewayError::MissingKey;
-                return shared.refuse_now(&route, started, e, format, false);
-            }
-            // Not idempotent: simply the inner service.
-            Ok(None) => return shared.pass_now(route, inner, req, started),
-            Err(e) => return shared.refuse_now(&route, started, e, format, repeatable),
-        };
-        if repeatable {
-            let now = std::time::SystemTime::now();
-            if let Err(e) =
-                repeatability::check_first_sent(req.headers(), policy.shortest_life(), now)
-            {
-                return shared.refuse_now(&route, started, e, format, true);
-            }
-        }
+        let Admitted {
+            key,
+            grpc,
+            repeatable,
+        } = admitted;
+        let policy = &route.policy;
         // At debug level: at the default `info`, a span per request and its formatted fields
         // would weigh on the replay path (docs/operating.md, "Tracing and logs"). The
         // gateway's `[telemetry]` turns it on for the requests it samples.
@@ -284,56 +265,6 @@ enum Called<E> {
 }
 
 impl<St: Store> Shared<St> {
-    /// Answer `e` in `format` without calling anything, counted as a refusal (marked rejected
-    /// for a `repeatable` request).
-    fn refuse_now<E>(
-        &self,
-        route: &RouteState,
-        started: Instant,
-        e: GatewayError,
-        format: ErrorFormat,
-        repeatable: bool,
-    ) -> BoxFuture<Result<Response<Body>, E>>
-    where
-        E: Send + 'static,
-    {
-        debug!(problem = e.kind(), route = %route.policy.route, "refused");
-        route.metrics.count(Outcome::rejected_invalid);
-        self.metrics.overhead(started.elapsed());
-        let mut answer = e.respond(format);
-        if repeatable {
-            repeatability::mark(answer.headers_mut(), false);
-        }
-        Box::pin(std::future::ready(Ok(answer)))
-    }
-
-    /// Hand a request idempotency does not apply to to the inner service, counted as a
-    /// pass-through. The inner service is called now: it is the one that was polled ready.
-    fn pass_now<S, RB>(
-        self: Arc<Self>,
-        route: Arc<RouteState>,
-        mut inner: S,
-        req: Request<Body>,
-        started: Instant,
-    ) -> BoxFuture<Result<Response<Body>, S::Error>>
-    where
-        S: Inner<RB>,
-        RB: ByteBody,
-    {
-        let call = inner.call(req);
-        self.metrics.overhead(started.elapsed());
-        Box::pin(async move {
-            let unanswered = Unanswered::new(&self.metrics);
-            unanswered.decided(Outcome::passthrough);
-            let called = Instant::now();
-            let answer = call.await.map(relayed);
-            unanswered.answered();
-            self.metrics.upstream(called.elapsed());
-            route.metrics.count(Outcome::passthrough);
-            answer
-        })
-    }
-
     /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
     /// one), the key is looked for in the body; a request that has none after all goes to the
     /// inner service as it would have without a key route.
