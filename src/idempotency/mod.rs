@@ -5,8 +5,10 @@
 
 mod admit;
 mod body;
+mod claimed;
 pub(crate) mod grpc;
 mod inner;
+mod keyed;
 mod layer;
 mod lease;
 mod live;

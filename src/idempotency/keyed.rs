@@ -1,0 +1,391 @@
+//! The keyed path: a keyed request's body read, its key found (a header's, or in the body),
+//! its fingerprint taken, the key claimed; then what the store's answer says: a refusal, a
+//! replay, an attach to a live answer, a wait, or the claimed call (`claimed.rs`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::shared::Shared;
+use axum::body::Body;
+use bytes::Bytes;
+use http::header;
+use http::request::Parts;
+use http::{Method, Request};
+use tokio::time::Instant;
+use tower::ServiceExt;
+use tracing::{debug, error, warn, Span};
+
+use super::body::{collect_capped, replay_then_rest, ByteBody, Collected};
+use super::grpc;
+use super::inner::Inner;
+use super::lease::{Held, Lease};
+use super::response::{self, relayed};
+use super::routes::RouteState;
+use super::service::{Finished, Forwarded};
+use super::sse;
+use super::trace;
+use super::wait::Waiter;
+use crate::error::GatewayError;
+use crate::metrics::{Outcome, StoreOp, Unanswered};
+use crate::record::fingerprint::Fingerprint;
+use crate::record::json::{self, Json};
+use crate::record::key::{IdempotencyKey, KeySource};
+use crate::record::policy::{FingerprintMode, OnInFlight, OnStoreError, Policy};
+use crate::record::Token;
+use crate::store::{Claim, Claimant, Replay, Store, StoreError};
+
+/// The answer to a duplicate of an in-flight request: try again after a second (`Retry-After`).
+const IN_FLIGHT: GatewayError = GatewayError::InFlight {
+    retry_after: Duration::from_secs(1),
+};
+
+impl<St: Store> Shared<St> {
+    /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
+    /// one), the key is looked for in the body; a request that has none after all goes to the
+    /// inner service as it would have without a key route.
+    pub(super) async fn keyed<S, RB>(
+        self: Arc<Self>,
+        route: Arc<RouteState>,
+        inner: S,
+        (key, grpc): (Option<IdempotencyKey>, bool),
+        req: Request<Body>,
+        unanswered: &Unanswered<'_>,
+    ) -> Finished<S::Error>
+    where
+        S: Inner<RB>,
+        RB: ByteBody,
+    {
+        use Outcome::rejected_invalid;
+        let policy = route.policy.clone();
+        let (parts, body) = req.into_parts();
+        let format = grpc::error_format(grpc, policy.error_format);
+        let body = match whole_body(body, grpc, key.is_some(), &policy).await {
+            Ok(body) => body,
+            Err(Ok(body)) => {
+                unanswered.decided(Outcome::passthrough);
+                if grpc && key.is_some() {
+                    // Its key cannot be applied: shown, as a retry of it runs again.
+                    self.metrics.grpc_streaming_keyed(&policy.route);
+                }
+                let req = Request::from_parts(parts, body);
+                let passed = self.pass_through(inner, req).await;
+                return passed.ended(Outcome::passthrough);
+            }
+            Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
+        };
+        let found = match find_key(&policy, &parts, &body, key) {
+            Ok(found) => found,
+            Err(e) => return Finished::refused(rejected_invalid, e, format),
+        };
+        let Some((key, source)) = found.key else {
+            drop(found.doc);
+            unanswered.decided(Outcome::passthrough);
+            let req = Request::from_parts(parts, Body::from(body));
+            let passed = self.pass_through(inner, req).await;
+            return passed.ended(Outcome::passthrough);
+        };
+        Span::current().record("key", key.short_hash());
+        Span::current().record("key_source", source.as_str());
+        let held = Held {
+            who: Claimant {
+                key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
+                fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+                token: Token::random(),
+            },
+            policy: policy.clone(),
+            client_key: key,
+            source,
+            format,
+        };
+        drop(found.doc);
+        let lease = Lease::new(self.clone(), held);
+        let claim = match self.claim_waiting(&route, &lease, &parts.headers).await {
+            Ok(claim) => claim,
+            Err(attached) => return attached,
+        };
+        match claim {
+            Err(e) => self.without_store(e, &lease.held, inner, parts, body).await,
+            Ok(Claim::Mismatch) => {
+                let status = policy.mismatch_status;
+                Finished::refused(Outcome::mismatch, GatewayError::Mismatch { status }, format)
+            }
+            Ok(Claim::InFlight) => {
+                Finished::refused(Outcome::in_flight_conflict, IN_FLIGHT, format)
+            }
+            Ok(Claim::NotReplayable) => {
+                Finished::refused(Outcome::not_replayable, GatewayError::NotReplayable, format)
+            }
+            Ok(Claim::Expired {
+                tombstone,
+                recorded_ms,
+            }) => {
+                let expired = GatewayError::KeyExpired {
+                    status: tombstone.status,
+                    recorded_ms,
+                    expired_ms: tombstone.expired_ms,
+                };
+                Finished::refused(Outcome::expired, expired, format)
+            }
+            Ok(Claim::Replay(replay)) => self.replayed(&replay, &parts, &lease.held),
+            Ok(Claim::Claimed) => {
+                unanswered.decided(Outcome::miss);
+                self.run_in_task(lease, inner, parts, body).await
+            }
+        }
+    }
+
+    /// Claim the key. A duplicate of an in-flight request may wait for it (`on_in_flight =
+    /// "wait"`), looking at the store again until it can answer, or attach to its answer
+    /// streaming in this process (`Err`: the attached answer).
+    async fn claim_waiting<E>(
+        &self,
+        route: &Arc<RouteState>,
+        lease: &Lease<St>,
+        headers: &http::HeaderMap,
+    ) -> Result<Result<Claim, StoreError>, Finished<E>> {
+        let mut waiter = Waiter::new(route.clone());
+        // A duplicate on a streamed route that waits attaches to a live answer.
+        let policy = &lease.held.policy;
+        let attaches = policy.stream && policy.on_in_flight == OnInFlight::Wait;
+        loop {
+            match lease.claim().await {
+                Ok(Claim::InFlight) => {
+                    // Made before the try to attach: an answer offered after it wakes the wait.
+                    let offered = attaches.then(|| self.live.offered(&lease.held.who.key));
+                    if attaches {
+                        if let Some(attached) = self.attach(&mut waiter, &lease.held, headers) {
+                            return Err(attached);
+                        }
+                    }
+                    let offered = async {
+                        match offered {
+                            Some(offered) => offered.await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    if !waiter.look_again(lease, offered).await {
+                        return Ok(Ok(Claim::InFlight));
+                    }
+                }
+                claim => return Ok(claim),
+            }
+        }
+    }
+
+    /// The store gave no usable answer to the claim. A record this build cannot read is refused
+    /// (never run again); otherwise the route's `on_store_error` refuses the request or forwards
+    /// it without idempotency.
+    async fn without_store<S, RB>(
+        &self,
+        e: StoreError,
+        held: &Held,
+        inner: S,
+        parts: Parts,
+        body: Bytes,
+    ) -> Finished<S::Error>
+    where
+        S: Inner<RB>,
+        RB: ByteBody,
+    {
+        let route = &held.policy.route;
+        if let StoreError::Unreadable(e) = &e {
+            self.metrics.unreadable(e.reason());
+            let key_id = e.key_id().unwrap_or("-");
+            error!(error = %e, reason = e.reason(), key_id, %route, key = %held.tag(), "stored record cannot be opened; refused, neither replayed nor run again (evict the key through the admin API to let it run again)");
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::RecordUnreadable,
+                held.format,
+            );
+        }
+        if let StoreError::Decode(e) = &e {
+            error!(error = %e, %route, key = %held.tag(), "stored record cannot be decoded; refused (evict the key through the admin API to let it run again)");
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::CorruptRecord,
+                held.format,
+            );
+        }
+        if matches!(e, StoreError::NotAcknowledged { .. }) {
+            self.metrics.unacknowledged(StoreOp::claim);
+        }
+        match held.policy.on_store_error {
+            OnStoreError::Reject => {
+                error!(error = %e, %route, key = %held.tag(), "store unavailable; refusing the keyed request (on_store_error = reject)");
+                Finished::refused(
+                    Outcome::store_error,
+                    GatewayError::StoreUnavailable,
+                    held.format,
+                )
+            }
+            OnStoreError::Pass => {
+                warn!(error = %e, %route, key = %held.tag(), "store unavailable; forwarding WITHOUT idempotency (on_store_error = pass)");
+                self.metrics.store_error_passed();
+                let req = Request::from_parts(parts, Body::from(body));
+                self.pass_through(inner, req)
+                    .await
+                    .ended(Outcome::store_error)
+            }
+        }
+    }
+
+    /// The stored response, replayed to the request `parts` (an event stream from after its
+    /// `Last-Event-ID`); refused when its record is damaged (its body disagrees with its
+    /// Content-Length).
+    fn replayed<E>(&self, replay: &Replay, parts: &Parts, held: &Held) -> Finished<E> {
+        let stored = &replay.response;
+        if !response::framed(stored, parts.method == Method::HEAD) {
+            error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
+            return Finished::refused(
+                Outcome::store_error,
+                GatewayError::CorruptRecord,
+                held.format,
+            );
+        }
+        if let Some(original) = &stored.traceparent {
+            let span = Span::current();
+            if let Ok(trace) = original.to_str() {
+                span.record("original_trace", trace);
+            }
+            trace::link(&span, original);
+        }
+        let from = sse::resume_at(stored, &stored.body, sse::last_event_id(&parts.headers));
+        self.metrics.replayed_bytes(stored.body.len() - from);
+        let lives = replay.expires_in;
+        Finished {
+            outcome: Outcome::replayed,
+            answer: Ok(response::replay(stored, &held.policy, lives, from)),
+            inner_time: Duration::ZERO,
+            forwarded: false,
+        }
+    }
+
+    /// A duplicate attached to the answer its key's holder is streaming in this process (on a
+    /// route with `stream = true` and `on_in_flight = "wait"`): the head and every byte so far
+    /// at once, then the rest as it comes (an event stream from after its `Last-Event-ID`).
+    /// `None` when no such answer is live here.
+    fn attach<E>(
+        &self,
+        waiter: &mut Waiter,
+        held: &Held,
+        headers: &http::HeaderMap,
+    ) -> Option<Finished<E>> {
+        let policy = &held.policy;
+        let last_event_id = sse::last_event_id(headers);
+        let (key, fingerprint) = (&held.who.key, &held.who.fingerprint);
+        let permit = || waiter.permit();
+        let (tape, reader) = self.live.attach(key, fingerprint, last_event_id, permit)?;
+        debug!("attached to the live answer");
+        let resumes = reader.resumes();
+        let body = reader.into_body();
+        let answer = response::attached(&tape.head, body, policy, tape.lives, resumes);
+        Some(Finished {
+            outcome: Outcome::replayed,
+            answer: Ok(answer),
+            inner_time: Duration::ZERO,
+            forwarded: false,
+        })
+    }
+
+    /// Hand a request idempotency does not apply to to the inner service; with the time it took
+    /// to answer.
+    async fn pass_through<S, RB>(&self, inner: S, req: Request<Body>) -> Forwarded<S::Error>
+    where
+        S: Inner<RB>,
+        RB: ByteBody,
+    {
+        let started = Instant::now();
+        let answer = inner.oneshot(req).await.map(relayed);
+        let took = started.elapsed();
+        self.metrics.upstream(took);
+        Forwarded { answer, took }
+    }
+}
+
+/// A keyed request's `body` read whole (a gRPC call's as the unary rule reads it), or what
+/// becomes of it instead: passed on without idempotency (a streaming gRPC call; a body too large
+/// to look for a key in when no header carried one), or refused.
+async fn whole_body(
+    body: Body,
+    grpc: bool,
+    has_key: bool,
+    policy: &Policy,
+) -> Result<Bytes, Result<Body, GatewayError>> {
+    let collected = if grpc {
+        match grpc::collect_call(body, policy.max_body).await {
+            Ok(grpc::Call::Unary(collected)) => Ok(collected),
+            Ok(grpc::Call::Streaming { read, rest }) => {
+                return Err(Ok(replay_then_rest(read, rest)))
+            }
+            Err(e) => Err(e),
+        }
+    } else {
+        collect_capped(body, policy.max_body).await
+    };
+    match collected {
+        Ok(Collected::Whole(body, _)) => Ok(body),
+        Ok(Collected::TooLarge { read, rest }) if !has_key && !policy.require_key => {
+            Err(Ok(replay_then_rest(read, rest)))
+        }
+        Ok(Collected::TooLarge { .. }) => Err(Err(GatewayError::BodyTooLarge {
+            limit: policy.max_body,
+        })),
+        Err(_) => Err(Err(GatewayError::InvalidBody)),
+    }
+}
+
+/// A keyed request's body as the protocol reads it before the claim.
+struct Found<'b> {
+    // The body parsed as JSON, when something needs it: a canonical fingerprint, or a key that
+    // no header carried.
+    doc: Option<Json<'b>>,
+    // The key and where it came from; none when neither a header nor the body carries one.
+    key: Option<(IdempotencyKey, KeySource)>,
+}
+
+/// The key of a request, from `key` (a header's) or else from its `body`; refused when the body
+/// does not parse as the JSON its type says, or when the route requires a key and there is none.
+fn find_key<'b>(
+    policy: &Policy,
+    parts: &Parts,
+    body: &'b [u8],
+    key: Option<IdempotencyKey>,
+) -> Result<Found<'b>, GatewayError> {
+    let json_typed = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| json::is_json_type(ct.as_bytes()));
+    let doc = if json_typed && (policy.fingerprint == FingerprintMode::Json || key.is_none()) {
+        Some(json::parse(body).map_err(|e| GatewayError::InvalidJson(e.0))?)
+    } else {
+        None
+    };
+    let key = match key {
+        Some(key) => Some((key, KeySource::Header)),
+        None => match body_key(policy, doc.as_ref())? {
+            None if policy.require_key => return Err(GatewayError::MissingKey),
+            found => found,
+        },
+    };
+    Ok(Found { doc, key })
+}
+
+/// The key a JSON body carries (`key_from_body`), or else the one derived from its fields
+/// (`derived_key`); `None` when neither is there (or the body is not JSON).
+fn body_key(
+    policy: &Policy,
+    doc: Option<&Json<'_>>,
+) -> Result<Option<(IdempotencyKey, KeySource)>, GatewayError> {
+    let Some(doc) = doc else { return Ok(None) };
+    if let Some(pointer) = &policy.key_from_body {
+        if let Some(key) = IdempotencyKey::from_json(doc, pointer, policy.key_max_len)? {
+            return Ok(Some((key, KeySource::Body)));
+        }
+    }
+    if let Some(secret) = &policy.key_secret {
+        if let Some(key) = IdempotencyKey::derived(doc, &policy.derived_key, secret) {
+            return Ok(Some((key, KeySource::Derived)));
+        }
+    }
+    Ok(None)
+}
