@@ -20,14 +20,34 @@ use super::grpc;
 use super::inner::{is_not_sent, Deadline, Inner};
 use super::lease::{Held, Lease};
 use super::response::{self, Terms, TRACEPARENT};
-use super::service::{Finished, Forwarded};
-use super::streamed::{StreamTtl, Tail};
+use super::service::{Answer, Finished, Forwarded};
+use super::streamed::{StreamTtl, Streaming, Tail};
 use super::trace;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
 use crate::metrics::{InFlight, Outcome, Unsettled};
 use crate::record::{EntryState, StoredResponse};
 use crate::store::{Keep, Store};
+
+/// What the record of a claimed call needs of its execution.
+struct Execution {
+    // The trace of this execution, kept with the record.
+    traceparent: Option<http::HeaderValue>,
+    // A HEAD request: its answer has no body, whatever its Content-Length says.
+    is_head: bool,
+    // The call ended at its deadline: a failure then is a timeout.
+    timed_out: bool,
+}
+
+impl Execution {
+    /// Why a call whose outcome is unknown leaves its key claimed.
+    fn unsettled(&self) -> Unsettled {
+        match self.timed_out {
+            true => Unsettled::timeout,
+            false => Unsettled::failed,
+        }
+    }
+}
 
 /// What the inner service's call came to, for a claimed request.
 enum Called<E> {
@@ -53,7 +73,7 @@ enum Called<E> {
     /// key is recorded as not replayable for the duration.
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Keep),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
-    Streamed(http::response::Parts, Body, StreamTtl),
+    Streamed(Streaming),
 }
 
 impl<St: Store> Shared<St> {
@@ -117,8 +137,7 @@ impl<St: Store> Shared<St> {
         S: Inner<RB>,
         RB: ByteBody,
     {
-        let (held, policy) = (&*lease.held, &*lease.held.policy);
-        let format = held.format;
+        let policy = &*lease.held.policy;
         // The record keeps the trace of this execution: this request's own span when it is
         // recorded as an OTel span, else the client's traceparent, as it was forwarded.
         let traceparent = trace::traceparent_of(&Span::current())
@@ -127,16 +146,26 @@ impl<St: Store> Shared<St> {
         let req = Request::from_parts(parts, Body::from(body));
         let (called, took) = self.call_by_deadline(inner, lease, req).await;
         // From here on the lease is no longer renewed.
-        let mut tail = None;
-        // A call that ends in failure at its deadline timed out, whoever noticed first.
-        let timed_out = took >= policy.upstream_timeout;
-        let unsettled = || {
-            let reason = match timed_out {
-                true => Unsettled::timeout,
-                false => Unsettled::failed,
-            };
-            self.metrics.unsettled(&policy.route, reason);
+        let execution = Execution {
+            traceparent,
+            is_head,
+            // A call that ends in failure at its deadline timed out, whoever noticed first.
+            timed_out: took >= policy.upstream_timeout,
         };
+        let (answer, tail) = self.settle(lease, called, &execution).await;
+        (Forwarded { answer, took }, tail)
+    }
+
+    /// What the claimed call's answer comes to: recorded, released, or left claimed until the
+    /// lease ends; the client's answer, and a streamed answer's body still to record.
+    async fn settle<E: std::fmt::Display>(
+        &self,
+        lease: &Lease<St>,
+        called: Option<Called<E>>,
+        execution: &Execution,
+    ) -> (Answer<E>, Option<Tail>) {
+        let (held, policy, format) = (&*lease.held, &*lease.held.policy, lease.held.format);
+        let unsettled = || self.metrics.unsettled(&policy.route, execution.unsettled());
         let answer = match called {
             None => {
                 // The inner service may still be executing: keep the claim until its lease ends.
@@ -149,7 +178,7 @@ impl<St: Store> Shared<St> {
                 lease.release().await;
                 Err(e)
             }
-            Some(Called::Failed(e)) if timed_out => {
+            Some(Called::Failed(e)) if execution.timed_out => {
                 // The inner service gave up at the same deadline (the proxy's own timeout).
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, error = %e, "upstream timed out; key stays claimed until its lease ends");
                 unsettled();
@@ -174,31 +203,46 @@ impl<St: Store> Shared<St> {
                 Ok(resp)
             }
             Some(Called::Whole(head, body, keep)) => {
-                let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
-                if response::framed(&stored, is_head) {
-                    lease
-                        .complete(&EntryState::Completed(stored.clone()), keep)
-                        .await;
-                    Ok(response::first(&stored, policy, keep.ttl))
-                } else {
-                    // A response that would be sent with a wrong length: not recorded, not sent.
-                    error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
-                    unsettled();
-                    Ok(GatewayError::Upstream.respond(format))
-                }
+                self.complete_whole(lease, head, body, keep, execution)
+                    .await
             }
             Some(Called::TooLarge(head, read, rest, keep)) => {
                 lease.complete(&EntryState::NotReplayable, keep).await;
                 Ok(response::streamed_once(head, read, rest, policy, keep.ttl))
             }
-            Some(Called::Streamed(head, body, ttl)) => {
-                let (first, streamed) =
-                    self.stream_on(held, (head, is_head), traceparent, (body, ttl));
-                tail = Some(streamed);
-                Ok(first)
+            Some(Called::Streamed(streaming)) => {
+                let traceparent = execution.traceparent.clone();
+                let (first, tail) = self.stream_on(held, streaming, execution.is_head, traceparent);
+                return (Ok(first), Some(tail));
             }
         };
-        (Forwarded { answer, took }, tail)
+        (answer, None)
+    }
+
+    /// Record a whole response and answer with it; a response whose length disagrees with its
+    /// Content-Length is neither recorded nor sent.
+    async fn complete_whole<E>(
+        &self,
+        lease: &Lease<St>,
+        head: http::response::Parts,
+        body: (Bytes, Option<http::HeaderMap>),
+        keep: Keep,
+        execution: &Execution,
+    ) -> Answer<E> {
+        let (held, policy) = (&*lease.held, &*lease.held.policy);
+        let traceparent = execution.traceparent.clone();
+        let stored = Arc::new(StoredResponse::new(head, body, traceparent, held.source));
+        if response::framed(&stored, execution.is_head) {
+            lease
+                .complete(&EntryState::Completed(stored.clone()), keep)
+                .await;
+            Ok(response::first(&stored, policy, keep.ttl))
+        } else {
+            // A response that would be sent with a wrong length: not recorded, not sent.
+            error!(route = %policy.route, key = %held.tag(), "response length disagrees with its Content-Length; not recorded, key stays claimed until its lease ends");
+            self.metrics.unsettled(&policy.route, execution.unsettled());
+            Ok(GatewayError::Upstream.respond(held.format))
+        }
     }
 
     /// Call the inner service with the route's deadline, holding the lease meanwhile: what the
@@ -263,37 +307,44 @@ impl<St: Store> Shared<St> {
                 Some(ttl) => StreamTtl::Known(ttl),
                 None => StreamTtl::AtEnd(Terms::take(&mut head)),
             };
-            return Called::Streamed(head, body, ttl);
+            return Called::Streamed(Streaming { head, body, ttl });
         }
-        match collect_capped(body, policy.max_body).await {
-            Ok(Collected::Whole(body, trailers)) => {
-                let ttl = now
-                    .flatten()
-                    .or_else(|| response::recorded_for(&mut head, trailers.as_ref(), grpc, policy));
-                match ttl {
-                    Some(ttl) => Called::Whole(head, (body, trailers), ttl),
-                    None => {
-                        Called::Transient(Response::from_parts(head, with_trailers(body, trailers)))
-                    }
+        read_answer(held, head, body, now.flatten(), grpc).await
+    }
+}
+
+/// A storable response's body read whole to decide on it, or found larger than `max_body`; its
+/// keep as `known` from its head, or else from its trailers (a gRPC call's status).
+async fn read_answer<E>(
+    held: &Held,
+    mut head: http::response::Parts,
+    body: Body,
+    known: Option<Keep>,
+    grpc: bool,
+) -> Called<E> {
+    let policy = &*held.policy;
+    match collect_capped(body, policy.max_body).await {
+        Ok(Collected::Whole(body, trailers)) => {
+            let ttl = known
+                .or_else(|| response::recorded_for(&mut head, trailers.as_ref(), grpc, policy));
+            match ttl {
+                Some(ttl) => Called::Whole(head, (body, trailers), ttl),
+                None => {
+                    Called::Transient(Response::from_parts(head, with_trailers(body, trailers)))
                 }
             }
-            // Too large to wait for a gRPC call's status: recorded as not replayable, as
-            // any answer too large is (unless it says no-store).
-            Ok(Collected::TooLarge { read, rest }) => {
-                match now
-                    .flatten()
-                    .or_else(|| response::recorded_for(&mut head, None, false, policy))
-                {
-                    Some(ttl) => Called::TooLarge(head, read, rest, ttl),
-                    None => {
-                        Called::Transient(Response::from_parts(head, replay_then_rest(read, rest)))
-                    }
-                }
+        }
+        // Too large to wait for a gRPC call's status: recorded as not replayable, as
+        // any answer too large is (unless it says no-store).
+        Ok(Collected::TooLarge { read, rest }) => {
+            match known.or_else(|| response::recorded_for(&mut head, None, false, policy)) {
+                Some(ttl) => Called::TooLarge(head, read, rest, ttl),
+                None => Called::Transient(Response::from_parts(head, replay_then_rest(read, rest))),
             }
-            Err(e) => {
-                warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream response body failed midway; key stays claimed until its lease ends");
-                Called::BodyFailed
-            }
+        }
+        Err(e) => {
+            warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream response body failed midway; key stays claimed until its lease ends");
+            Called::BodyFailed
         }
     }
 }

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 use tracing::{debug, error, warn, Span};
 
+use super::admit::Admitted;
 use super::body::{collect_capped, replay_then_rest, ByteBody, Collected};
 use super::grpc;
 use super::inner::Inner;
@@ -40,14 +41,14 @@ const IN_FLIGHT: GatewayError = GatewayError::InFlight {
 };
 
 impl<St: Store> Shared<St> {
-    /// The state machine of a keyed request, up to the claim. Without `key` (no header carried
+    /// The state machine of a keyed request, up to the claim. Without a key (no header carried
     /// one), the key is looked for in the body; a request that has none after all goes to the
     /// inner service as it would have without a key route.
     pub(super) async fn keyed<S, RB>(
         self: Arc<Self>,
         route: Arc<RouteState>,
         inner: S,
-        (key, grpc): (Option<IdempotencyKey>, bool),
+        admitted: Admitted,
         req: Request<Body>,
         unanswered: &Unanswered<'_>,
     ) -> Finished<S::Error>
@@ -56,20 +57,18 @@ impl<St: Store> Shared<St> {
         RB: ByteBody,
     {
         use Outcome::rejected_invalid;
+        let Admitted { key, grpc, .. } = admitted;
         let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
         let format = grpc::error_format(grpc, policy.error_format);
         let body = match whole_body(body, grpc, key.is_some(), &policy).await {
             Ok(body) => body,
             Err(Ok(body)) => {
-                unanswered.decided(Outcome::passthrough);
                 if grpc && key.is_some() {
                     // Its key cannot be applied: shown, as a retry of it runs again.
                     self.metrics.grpc_streaming_keyed(&policy.route);
                 }
-                let req = Request::from_parts(parts, body);
-                let passed = self.pass_through(inner, req).await;
-                return passed.ended(Outcome::passthrough);
+                return self.pass_keyless(inner, parts, body, unanswered).await;
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
@@ -79,10 +78,8 @@ impl<St: Store> Shared<St> {
         };
         let Some((key, source)) = found.key else {
             drop(found.doc);
-            unanswered.decided(Outcome::passthrough);
-            let req = Request::from_parts(parts, Body::from(body));
-            let passed = self.pass_through(inner, req).await;
-            return passed.ended(Outcome::passthrough);
+            let body = Body::from(body);
+            return self.pass_keyless(inner, parts, body, unanswered).await;
         };
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
@@ -103,6 +100,46 @@ impl<St: Store> Shared<St> {
             Ok(claim) => claim,
             Err(attached) => return attached,
         };
+        self.answer_claim(claim, lease, inner, parts, body, unanswered)
+            .await
+    }
+
+    /// Forward a keyed request whose key cannot be applied (none found, or a streaming gRPC
+    /// call), counted as a pass-through.
+    async fn pass_keyless<S, RB>(
+        &self,
+        inner: S,
+        parts: Parts,
+        body: Body,
+        unanswered: &Unanswered<'_>,
+    ) -> Finished<S::Error>
+    where
+        S: Inner<RB>,
+        RB: ByteBody,
+    {
+        unanswered.decided(Outcome::passthrough);
+        let req = Request::from_parts(parts, body);
+        self.pass_through(inner, req)
+            .await
+            .ended(Outcome::passthrough)
+    }
+
+    /// What the store's answer to the claim says: a refusal, a replay, the request forwarded
+    /// without idempotency (the store down), or the claimed call.
+    async fn answer_claim<S, RB>(
+        self: &Arc<Self>,
+        claim: Result<Claim, StoreError>,
+        lease: Lease<St>,
+        inner: S,
+        parts: Parts,
+        body: Bytes,
+        unanswered: &Unanswered<'_>,
+    ) -> Finished<S::Error>
+    where
+        S: Inner<RB>,
+        RB: ByteBody,
+    {
+        let (policy, format) = (&lease.held.policy, lease.held.format);
         match claim {
             Err(e) => self.without_store(e, &lease.held, inner, parts, body).await,
             Ok(Claim::Mismatch) => {

@@ -43,14 +43,14 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
 use tokio::time::Instant;
-use tracing::{debug, debug_span, field, Instrument};
+use tracing::{debug, debug_span, field, Instrument, Span};
 
-use super::admit::{admit, Admission, Admitted};
+use super::admit::{admit, Admission};
 use super::repeatability;
 use super::trace;
 use crate::error::GatewayError;
 use crate::metrics::{Outcome, Unanswered};
-use crate::record::policy::ErrorFormat;
+use crate::record::policy::{ErrorFormat, Policy};
 use crate::store::Store;
 
 /// A service wrapped by an [`IdempotencyLayer`](super::IdempotencyLayer): requests idempotency
@@ -117,33 +117,15 @@ where
             Admission::Refused(refusal) => return shared.refuse_now(&route, started, refusal),
             Admission::Pass => return shared.pass_now(route, inner, req, started),
         };
-        let Admitted {
-            key,
-            grpc,
-            repeatable,
-        } = admitted;
-        let policy = &route.policy;
-        // At debug level: at the default `info`, a span per request and its formatted fields
-        // would weigh on the replay path (docs/operating.md, "Tracing and logs"). The
-        // gateway's `[telemetry]` turns it on for the requests it samples.
-        let span = debug_span!(
-            trace::REQUEST_SPAN,
-            otel.kind = "server",
-            method = %req.method(),
-            route = %policy.route,
-            key = field::Empty,
-            key_source = field::Empty,
-            outcome = field::Empty,
-            status = field::Empty,
-            original_trace = field::Empty,
-        );
+        let repeatable = admitted.repeatable;
+        let span = request_span(&req, &route.policy);
         Box::pin(async move {
             let unanswered = Unanswered::new(&shared.metrics);
             // Boxed: the keyed path's state machine is deep, and a caller's own future (an axum
             // app's over a Redis store) would otherwise overflow the compiler's layout depth.
             let keyed = shared
                 .clone()
-                .keyed(route.clone(), inner, (key, grpc), req, &unanswered)
+                .keyed(route.clone(), inner, admitted, req, &unanswered)
                 .instrument(span.clone());
             let finished = Box::pin(keyed).await;
             unanswered.answered();
@@ -169,6 +151,23 @@ where
             answer
         })
     }
+}
+
+/// The span of one admitted request. At debug level: at the default `info`, a span per request
+/// and its formatted fields would weigh on the replay path (docs/operating.md, "Tracing and
+/// logs"). The gateway's `[telemetry]` turns it on for the requests it samples.
+fn request_span(req: &Request<Body>, policy: &Policy) -> Span {
+    debug_span!(
+        trace::REQUEST_SPAN,
+        otel.kind = "server",
+        method = %req.method(),
+        route = %policy.route,
+        key = field::Empty,
+        key_source = field::Empty,
+        outcome = field::Empty,
+        status = field::Empty,
+        original_trace = field::Empty,
+    )
 }
 
 /// A response or the inner service's error.
