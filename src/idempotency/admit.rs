@@ -17,7 +17,7 @@ use super::inner::Inner;
 use super::repeatability;
 use super::response::relayed;
 use super::routes::RouteState;
-use super::service::BoxFuture;
+use super::service::{BoxFuture, Finished};
 use super::shared::Shared;
 use crate::error::GatewayError;
 use crate::metrics::{Outcome, Unanswered};
@@ -99,8 +99,8 @@ pub(super) fn admit(route: &RouteState, req: &Request<Body>) -> Admission {
 }
 
 impl<St: Store> Shared<St> {
-    /// Answer `e` in `format` without calling anything, counted as a refusal (marked rejected
-    /// for a `repeatable` request).
+    /// Answer a refusal without calling anything, counted as `rejected_invalid` (marked
+    /// rejected for a Repeatable Requests request).
     pub(super) fn refuse_now<E>(
         &self,
         route: &RouteState,
@@ -116,13 +116,10 @@ impl<St: Store> Shared<St> {
             repeatable,
         } = refusal;
         debug!(problem = e.kind(), route = %route.policy.route, "refused");
-        route.metrics.count(Outcome::rejected_invalid);
-        self.metrics.overhead(started.elapsed());
-        let mut answer = e.respond(format);
-        if repeatable {
-            repeatability::mark(answer.headers_mut(), false);
-        }
-        Box::pin(std::future::ready(Ok(answer)))
+        let finished = Finished::answered(Outcome::rejected_invalid, e.respond(format));
+        Box::pin(std::future::ready(
+            self.finish(route, started, repeatable, finished),
+        ))
     }
 
     /// Hand a request idempotency does not apply to to the inner service, counted as a

@@ -267,7 +267,7 @@ impl<St: Store> Shared<St> {
         req.extensions_mut().insert(Deadline(deadline));
         let called = tokio::select! {
             biased;
-            called = self.call(inner, req, held).instrument(upstream) => Some(called),
+            called = self.call_and_read(inner, req, held).instrument(upstream) => Some(called),
             () = tokio::time::sleep_until(deadline) => None,
             never = lease.hold() => match never {},
         };
@@ -277,7 +277,12 @@ impl<St: Store> Shared<St> {
     }
 
     /// Call the inner service and read as much of the response as the decision needs.
-    async fn call<S, RB>(&self, inner: S, req: Request<Body>, held: &Held) -> Called<S::Error>
+    async fn call_and_read<S, RB>(
+        &self,
+        inner: S,
+        req: Request<Body>,
+        held: &Held,
+    ) -> Called<S::Error>
     where
         S: Inner<RB>,
         RB: ByteBody,

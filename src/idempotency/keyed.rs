@@ -289,12 +289,8 @@ impl<St: Store> Shared<St> {
         let from = sse::resume_at(stored, &stored.body, sse::last_event_id(&parts.headers));
         self.metrics.replayed_bytes(stored.body.len() - from);
         let lives = replay.expires_in;
-        Finished {
-            outcome: Outcome::replayed,
-            answer: Ok(response::replay(stored, &held.policy, lives, from)),
-            inner_time: Duration::ZERO,
-            forwarded: false,
-        }
+        let answer = response::replay(stored, &held.policy, lives, from);
+        Finished::answered(Outcome::replayed, answer)
     }
 
     /// A duplicate attached to the answer its key's holder is streaming in this process (on a
@@ -316,12 +312,7 @@ impl<St: Store> Shared<St> {
         let resumes = reader.resumes();
         let body = reader.into_body();
         let answer = response::attached(&tape.head, body, policy, tape.lives, resumes);
-        Some(Finished {
-            outcome: Outcome::replayed,
-            answer: Ok(answer),
-            inner_time: Duration::ZERO,
-            forwarded: false,
-        })
+        Some(Finished::answered(Outcome::replayed, answer))
     }
 
     /// Hand a request idempotency does not apply to to the inner service; with the time it took

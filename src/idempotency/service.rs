@@ -47,6 +47,7 @@ use tracing::{debug, debug_span, field, Instrument, Span};
 
 use super::admit::{admit, Admission};
 use super::repeatability;
+use super::routes::RouteState;
 use super::trace;
 use crate::error::GatewayError;
 use crate::metrics::{Outcome, Unanswered};
@@ -137,18 +138,7 @@ where
                 }
                 Err(e) => debug!(parent: &span, error = %e, "inner service failed"),
             }
-            route.metrics.count(finished.outcome);
-            shared
-                .metrics
-                .overhead(started.elapsed().saturating_sub(finished.inner_time));
-            let mut answer = finished.answer;
-            if let (true, Ok(resp)) = (repeatable, &mut answer) {
-                // Accepted whenever the request may have been processed: forwarded (a miss, or
-                // without idempotency when the store was down), or answered by a replay.
-                let accepted = finished.forwarded || finished.outcome == Outcome::replayed;
-                repeatability::mark(resp.headers_mut(), accepted);
-            }
-            answer
+            shared.finish(&route, started, repeatable, finished)
         })
     }
 }
@@ -205,11 +195,40 @@ impl<E> Finished<E> {
     /// The layer's own answer, with its outcome; nothing was called.
     pub(super) fn refused(outcome: Outcome, e: GatewayError, format: ErrorFormat) -> Self {
         debug!(problem = e.kind(), "refused");
+        Finished::answered(outcome, e.respond(format))
+    }
+
+    /// The layer's own answer (a refusal, a replay), with its outcome; nothing was called.
+    pub(super) fn answered(outcome: Outcome, resp: Response<Body>) -> Self {
         Finished {
             outcome,
-            answer: Ok(e.respond(format)),
+            answer: Ok(resp),
             inner_time: Duration::ZERO,
             forwarded: false,
         }
+    }
+}
+
+impl<St> Shared<St> {
+    /// Count what a request came to on its route, with the layer's overhead (the inner
+    /// service's time left out), and mark a Repeatable Requests answer accepted or rejected.
+    pub(super) fn finish<E>(
+        &self,
+        route: &RouteState,
+        started: Instant,
+        repeatable: bool,
+        finished: Finished<E>,
+    ) -> Answer<E> {
+        route.metrics.count(finished.outcome);
+        self.metrics
+            .overhead(started.elapsed().saturating_sub(finished.inner_time));
+        let mut answer = finished.answer;
+        if let (true, Ok(resp)) = (repeatable, &mut answer) {
+            // Accepted whenever the request may have been processed: forwarded (a miss, or
+            // without idempotency when the store was down), or answered by a replay.
+            let accepted = finished.forwarded || finished.outcome == Outcome::replayed;
+            repeatability::mark(resp.headers_mut(), accepted);
+        }
+        answer
     }
 }
