@@ -105,9 +105,11 @@
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the service: admit, then run, and what
 //!   a request came to), `idempotency/admit.rs` (every decision taken before the first await),
 //!   `idempotency/keyed.rs` (the keyed path: body, key, fingerprint, claim, and what the
-//!   store's answer says), `idempotency/claimed.rs` (the claimed call, in a task of its own),
-//!   `idempotency/inner.rs` (the inner service's bound, [`NotSent`], `Deadline`),
-//!   `idempotency/lease.rs` (a claim's life cycle: renew, complete, release, take back), `idempotency/response.rs` (what is stored and replayed),
+//!   store's answer says), `idempotency/request_body.rs` (a keyed request's body read whole,
+//!   its key found in a header or the body), `idempotency/claimed.rs` (the claimed call, in a
+//!   task of its own), `idempotency/inner.rs` (the inner service's bound, [`NotSent`],
+//!   `Deadline`), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release, take
+//!   back), `idempotency/response.rs` (what is stored and replayed),
 //!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/streamed.rs` (a
 //!   claimed call's streamed answer: its first answer, the recording of the rest),
 //!   `idempotency/live.rs` (a streamed answer's tape, and duplicates attached to it),

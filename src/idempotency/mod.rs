@@ -13,6 +13,7 @@ mod layer;
 mod lease;
 mod live;
 pub mod repeatability;
+mod request_body;
 mod response;
 mod routes;
 mod service;
