@@ -102,16 +102,20 @@
 //!   `store/postgres/schema.rs` (the table, its version and migration, the statements),
 //!   `store/postgres/listen.rs` (evictions heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
-//!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the protocol of one keyed request, read
-//!   top to bottom), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release,
-//!   take back), `idempotency/response.rs` (what is stored and replayed),
+//!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the service: admit, then run, and what
+//!   a request came to), `idempotency/admit.rs` (every decision taken before the first await),
+//!   `idempotency/keyed.rs` (the keyed path: body, key, fingerprint, claim, and what the
+//!   store's answer says), `idempotency/request_body.rs` (a keyed request's body read whole,
+//!   its key found in a header or the body), `idempotency/claimed.rs` (the claimed call, in a
+//!   task of its own), `idempotency/inner.rs` (the inner service's bound, [`NotSent`],
+//!   `Deadline`), `idempotency/lease.rs` (a claim's life cycle: renew, complete, release, take
+//!   back), `idempotency/response.rs` (what is stored and replayed),
 //!   `idempotency/wait.rs` (a duplicate waiting for the replay), `idempotency/streamed.rs` (a
 //!   claimed call's streamed answer: its first answer, the recording of the rest),
 //!   `idempotency/live.rs` (a streamed answer's tape, and duplicates attached to it),
 //!   `idempotency/sse.rs` (resuming an
 //!   event stream after `Last-Event-ID`), `idempotency/shared.rs` (what
-//!   the layer's clones share), `idempotency/inner.rs` (what the inner service is told and
-//!   tells: [`NotSent`], `Deadline`),
+//!   the layer's clones share),
 //!   `idempotency/routes.rs` ([`Routes`]), `idempotency/trace.rs` (W3C `traceparent`, and
 //!   what the engine's spans carry as OTel spans),
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC

@@ -3,7 +3,32 @@
 
 use std::error::Error as StdError;
 
+use axum::body::Body;
+use http::{Request, Response};
 use tokio::time::Instant;
+
+/// The bounds the engine needs of its inner service, written once: a tower service of
+/// requests with an axum [`Body`], answering with `RB` bodies, that can be cloned and moved
+/// into the task of a claimed call, with errors that say what they are.
+pub(crate) trait Inner<RB>:
+    tower::Service<
+        Request<Body>,
+        Response = Response<RB>,
+        Future: Send,
+        Error: StdError + Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S, RB> Inner<RB> for S
+where
+    S: tower::Service<Request<Body>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: StdError + Send + 'static,
+{
+}
 
 /// When the layer wants a keyed request's answer (head and body): handed to the inner service
 /// as a request extension, so that it can bound its own waits by the same instant.

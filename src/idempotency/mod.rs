@@ -3,13 +3,17 @@
 //! ([`Routes`]). The words it speaks (key, fingerprint, record, policy) are the floor below,
 //! [`crate::record`], shared with the store; they are re-exported here under their old paths.
 
+mod admit;
 mod body;
+mod claimed;
 pub(crate) mod grpc;
 mod inner;
+mod keyed;
 mod layer;
 mod lease;
 mod live;
 pub mod repeatability;
+mod request_body;
 mod response;
 mod routes;
 mod service;

@@ -24,6 +24,14 @@ pub(super) enum StreamTtl {
     AtEnd(Terms),
 }
 
+/// A streamed response as the inner service gave it: its head, and its body still to come.
+pub(super) struct Streaming {
+    pub(super) head: http::response::Parts,
+    pub(super) body: Body,
+    // How long it is kept: known from its head, or decided at its end (a gRPC call's status).
+    pub(super) ttl: StreamTtl,
+}
+
 /// A streamed answer whose head is answered: its body still to be read onto its tape and
 /// recorded, while the tape is offered to duplicates.
 pub(super) struct Tail {
@@ -35,17 +43,17 @@ pub(super) struct Tail {
 }
 
 impl<St: Store> Shared<St> {
-    /// The first answer of a streamed response whose head is `head` (to a `HEAD` request when
-    /// `is_head`), read from a new tape offered to duplicates, and what is left to record: the
+    /// The first answer of a streamed response (to a `HEAD` request when `is_head`), read from a new tape offered to duplicates, and what is left to record: the
     /// body onto that tape.
     pub(super) fn stream_on(
         &self,
         held: &Held,
-        (head, is_head): (http::response::Parts, bool),
+        streaming: Streaming,
+        is_head: bool,
         traceparent: Option<http::HeaderValue>,
-        (body, ttl): (Body, StreamTtl),
     ) -> (Response<Body>, Tail) {
         let policy = &*held.policy;
+        let Streaming { head, body, ttl } = streaming;
         let head = StoredResponse::new(head, (Bytes::new(), None), traceparent, held.source);
         let head = Arc::new(head);
         let lives = match &ttl {
