@@ -102,8 +102,9 @@
 //!   `store/postgres/schema.rs` (the table, its version and migration, the statements),
 //!   `store/postgres/listen.rs` (evictions heard by `LISTEN`, for the local caches).
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
-//!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the service: admit, then run, and what
-//!   a request came to), `idempotency/admit.rs` (every decision taken before the first await),
+//!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the service: admit, then run),
+//!   `idempotency/outcome.rs` (what a request came to, and how it is counted),
+//!   `idempotency/admit.rs` (every decision taken before the first await),
 //!   `idempotency/keyed.rs` (the keyed path: body, key, fingerprint, claim, and what the
 //!   store's answer says), `idempotency/request_body.rs` (a keyed request's body read whole,
 //!   its key found in a header or the body), `idempotency/claimed.rs` (the claimed call, in a

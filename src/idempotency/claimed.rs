@@ -19,8 +19,8 @@ use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Col
 use super::grpc;
 use super::inner::{is_not_sent, Deadline, Inner};
 use super::lease::{Held, Lease};
+use super::outcome::{Answer, Finished, Forwarded};
 use super::response::{self, Terms, TRACEPARENT};
-use super::service::{Answer, Finished, Forwarded};
 use super::streamed::{StreamTtl, Streaming, Tail};
 use super::trace;
 use crate::error::GatewayError;

@@ -32,11 +32,8 @@
 //! trailers, the layer's own answers as gRPC statuses.
 
 use std::error::Error as StdError;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use super::shared::Shared;
 use axum::body::Body;
@@ -46,12 +43,10 @@ use tokio::time::Instant;
 use tracing::{debug, debug_span, field, Instrument, Span};
 
 use super::admit::{admit, Admission};
-use super::repeatability;
-use super::routes::RouteState;
+use super::outcome::BoxFuture;
 use super::trace;
-use crate::error::GatewayError;
-use crate::metrics::{Outcome, Unanswered};
-use crate::record::policy::{ErrorFormat, Policy};
+use crate::metrics::Unanswered;
+use crate::record::policy::Policy;
 use crate::store::Store;
 
 /// A service wrapped by an [`IdempotencyLayer`](super::IdempotencyLayer): requests idempotency
@@ -79,8 +74,6 @@ impl<S, St> Idempotency<S, St> {
         Idempotency { inner, shared }
     }
 }
-
-pub(super) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 // The public contract spells the inner service's bounds out (they are `Inner<RB>`, which is
 // crate-private); every function behind it names `Inner<RB>`.
@@ -158,77 +151,4 @@ fn request_span(req: &Request<Body>, policy: &Policy) -> Span {
         status = field::Empty,
         original_trace = field::Empty,
     )
-}
-
-/// A response or the inner service's error.
-pub(super) type Answer<E> = Result<Response<Body>, E>;
-
-/// The inner service's answer, and how long it took to give it.
-pub(super) struct Forwarded<E> {
-    pub(super) answer: Answer<E>,
-    pub(super) took: Duration,
-}
-
-impl<E> Forwarded<E> {
-    /// The request ends with this answer, counted as `outcome`.
-    pub(super) fn ended(self, outcome: Outcome) -> Finished<E> {
-        Finished {
-            outcome,
-            answer: self.answer,
-            inner_time: self.took,
-            forwarded: true,
-        }
-    }
-}
-
-/// What a keyed request came to: its outcome (for the metrics and the span), the answer the
-/// client gets, and the time the inner service took (left out of the layer's overhead).
-pub(super) struct Finished<E> {
-    pub(super) outcome: Outcome,
-    pub(super) answer: Answer<E>,
-    pub(super) inner_time: Duration,
-    // Whether the request was handed to the inner service (it may have been processed).
-    pub(super) forwarded: bool,
-}
-
-impl<E> Finished<E> {
-    /// The layer's own answer, with its outcome; nothing was called.
-    pub(super) fn refused(outcome: Outcome, e: GatewayError, format: ErrorFormat) -> Self {
-        debug!(problem = e.kind(), "refused");
-        Finished::answered(outcome, e.respond(format))
-    }
-
-    /// The layer's own answer (a refusal, a replay), with its outcome; nothing was called.
-    pub(super) fn answered(outcome: Outcome, resp: Response<Body>) -> Self {
-        Finished {
-            outcome,
-            answer: Ok(resp),
-            inner_time: Duration::ZERO,
-            forwarded: false,
-        }
-    }
-}
-
-impl<St> Shared<St> {
-    /// Count what a request came to on its route, with the layer's overhead (the inner
-    /// service's time left out), and mark a Repeatable Requests answer accepted or rejected.
-    pub(super) fn finish<E>(
-        &self,
-        route: &RouteState,
-        started: Instant,
-        repeatable: bool,
-        finished: Finished<E>,
-    ) -> Answer<E> {
-        route.metrics.count(finished.outcome);
-        self.metrics
-            .overhead(started.elapsed().saturating_sub(finished.inner_time));
-        let mut answer = finished.answer;
-        if let (true, Ok(resp)) = (repeatable, &mut answer) {
-            // Accepted whenever the request may have been processed: forwarded (a miss, or
-            // without idempotency when the store was down), or answered by a replay.
-            let accepted = finished.forwarded || finished.outcome == Outcome::replayed;
-            repeatability::mark(resp.headers_mut(), accepted);
-        }
-        answer
-    }
 }
