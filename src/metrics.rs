@@ -329,19 +329,19 @@ impl StoreFamilies {
         let local_cache_hits = registered(
             registry,
             "idemgate_local_cache_hits",
-            "Replays served from this process's local cache of completed records, with no store round trip (Redis only)",
+            "Replays served from this process's local cache of completed records, with no store round trip (Redis and PostgreSQL)",
             Counter::default(),
         );
         let local_cache_entries = registered(
             registry,
             "idemgate_local_cache_entries",
-            "Completed records in this process's local cache (Redis only; read when scraped)",
+            "Completed records in this process's local cache (Redis and PostgreSQL; read when scraped)",
             Gauge::default(),
         );
         let local_cache_bytes = registered(
             registry,
             "idemgate_local_cache_bytes",
-            "Bytes in this process's local cache, responses plus 128 per entry (Redis only; read when scraped)",
+            "Bytes in this process's local cache, responses plus 128 per entry (Redis and PostgreSQL; read when scraped)",
             Gauge::default(),
         );
         let store_commits = registered(
