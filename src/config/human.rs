@@ -58,6 +58,14 @@ impl<'de> Deserialize<'de> for HumanTtl {
     }
 }
 
+/// A size or a rate as written: a plain number, or a human string.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Raw {
+    Int(u64),
+    Str(String),
+}
+
 /// A size written as a human string: `"64KiB"`, `"1MiB"`, or a plain number of bytes.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct HumanSize(pub u64);
@@ -70,12 +78,6 @@ impl fmt::Debug for HumanSize {
 
 impl<'de> Deserialize<'de> for HumanSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Str(String),
-        }
         match Raw::deserialize(d)? {
             Raw::Int(n) => Ok(HumanSize(n)),
             Raw::Str(s) => bytesize::ByteSize::from_str(s.trim())
@@ -129,12 +131,6 @@ impl FromStr for HumanRate {
 
 impl<'de> Deserialize<'de> for HumanRate {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Str(String),
-        }
         match Raw::deserialize(d)? {
             Raw::Int(n) => Ok(HumanRate(NonZeroU64::new(n))),
             // A refusal, so that the error names the field.
