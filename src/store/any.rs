@@ -128,21 +128,6 @@ macro_rules! on_store {
     };
 }
 
-/// `$call`'s future awaited, boxed for the embedded store: its futures (a commit queued to its
-/// writer, under a timeout) run to a kilobyte, and unboxed they would set the size of every future
-/// above the store, each copied whole whenever it is moved. The memory store's are a few words;
-/// Redis and PostgreSQL box their own behind the local cache (`CachedStore`).
-macro_rules! awaited {
-    ($self:ident, $s:ident => $call:expr) => {
-        match $self {
-            AnyStore::Memory($s) => $call.await,
-            AnyStore::Redis($s) => $call.await,
-            AnyStore::Postgres($s) => $call.await,
-            AnyStore::Embedded($s) => Box::pin($call).await,
-        }
-    };
-}
-
 /// One local cache of completed records for the whole process, as `settings` say, and what
 /// drops its entries when any gateway evicts: the shared stores tell it of every eviction.
 fn local_cache(
@@ -161,23 +146,23 @@ fn local_cache(
 
 impl Store for AnyStore {
     async fn claim(&self, who: &Claimant, terms: ClaimTerms) -> StoreResult<Claim> {
-        awaited!(self, s => s.claim(who, terms))
+        on_store!(self, s => s.claim(who, terms).await)
     }
 
     async fn complete(&self, who: &Claimant, state: &EntryState, keep: Keep) -> StoreResult<bool> {
-        awaited!(self, s => s.complete(who, state, keep))
+        on_store!(self, s => s.complete(who, state, keep).await)
     }
 
     async fn release(&self, who: &Claimant) -> StoreResult<bool> {
-        awaited!(self, s => s.release(who))
+        on_store!(self, s => s.release(who).await)
     }
 
     async fn renew(&self, who: &Claimant, lease: Duration) -> StoreResult<bool> {
-        awaited!(self, s => s.renew(who, lease))
+        on_store!(self, s => s.renew(who, lease).await)
     }
 
     async fn watch(&self, key: &ScopedKey) -> Option<Watch> {
-        awaited!(self, s => s.watch(key))
+        on_store!(self, s => s.watch(key).await)
     }
 }
 

@@ -170,7 +170,9 @@ impl EmbeddedStore {
         self.commits.get()
     }
 
-    /// Queue `what` for the writer and wait until its batch is committed.
+    /// Queue `what` for the writer and wait until its batch is committed. Its callers await it
+    /// boxed: the send, the reply and the timeout run to a kilobyte, which unboxed would set the
+    /// size of every future above the store, each copied whole whenever it is moved.
     async fn write(&self, what: Write) -> Result<Done, StoreError> {
         let (reply, answer) = oneshot::channel();
         let queued = async {
@@ -224,7 +226,7 @@ impl EmbeddedStore {
 
     /// Queue `what` and answer whether it did what it asked.
     async fn did(&self, what: Write) -> Result<bool, StoreError> {
-        match self.write(what).await? {
+        match Box::pin(self.write(what)).await? {
             Done::Did(did) => Ok(did),
             other => Err(unexpected("a fenced write", other)),
         }
@@ -250,7 +252,7 @@ impl Store for EmbeddedStore {
             _ => {}
         }
         let what = Write::Claim { who: *who, terms };
-        match self.write(what).await? {
+        match Box::pin(self.write(what)).await? {
             Done::Claim(None) => Ok(Claim::Claimed),
             Done::Claim(Some(held)) => self.decided(who, held),
             other => Err(unexpected("a claim", other)),
