@@ -412,7 +412,7 @@ async fn bounded_like_the_memory_store_and_purged() {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = EmbeddedSettings::new(dir.path());
     settings.max_entries = 10;
-    let evictions = idemgate::metrics::Evictions::default();
+    let evictions = idemgate::store::Evictions::default();
     let counter = prometheus_client::metrics::counter::Counter::default();
     let store = EmbeddedStore::open_counted(&settings, counter, evictions.clone()).unwrap();
     let lease = Duration::from_secs(60);

@@ -11,11 +11,11 @@ use http::Response;
 use tokio::time::Instant;
 use tracing::debug;
 
+use super::metrics::Outcome;
 use super::repeatability;
 use super::routes::RouteState;
 use super::shared::Shared;
 use crate::error::GatewayError;
-use crate::metrics::Outcome;
 use crate::record::policy::ErrorFormat;
 
 /// A boxed, sendable future: the service's and the layer's own.

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
+use super::metrics::{EngineMetrics, RouteMetrics};
 use crate::error::ConfigError;
-use crate::metrics::{Metrics, RouteMetrics};
 use crate::record::policy::Policy;
 
 /// The policies a layer applies, by request path: path patterns in matchit syntax (the router
@@ -113,7 +113,7 @@ pub(crate) struct RouteState {
 }
 
 impl RouteState {
-    fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
+    fn new(policy: &Arc<Policy>, metrics: &EngineMetrics) -> Arc<Self> {
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
         Arc::new(RouteState {
             key_headers,
@@ -130,7 +130,7 @@ impl RouteState {
 
 impl RouteTable {
     /// The live table of `routes`, counting into `metrics`.
-    pub(crate) fn new(routes: Routes, metrics: &Metrics) -> Self {
+    pub(crate) fn new(routes: Routes, metrics: &EngineMetrics) -> Self {
         RouteTable {
             states: routes
                 .policies

@@ -43,9 +43,9 @@ use tokio::time::Instant;
 use tracing::{debug, debug_span, field, Instrument, Span};
 
 use super::admit::{admit, Admission};
+use super::metrics::Unanswered;
 use super::outcome::BoxFuture;
 use super::trace;
-use crate::metrics::Unanswered;
 use crate::record::policy::Policy;
 use crate::store::Store;
 

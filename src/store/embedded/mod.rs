@@ -25,10 +25,10 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
 use super::{Claim, ClaimTerms, Claimant, Inspected, Keep, Store, StoreError, StoreResult};
-use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::{now_ms, EntryState};
+use crate::store::Evictions;
 
 mod file;
 mod purge;
