@@ -134,14 +134,19 @@ pub(crate) struct EngineMetrics {
     requests: Family<RequestLabels, Counter>,
     unsettled: Family<UnsettledLabels, Counter>,
     grpc_streaming_keyed: Family<RouteLabels, Counter>,
-    overhead: Histogram,
-    upstream: Histogram,
-    store_ops: HistogramFamily<OpLabels>,
+    latencies: Latencies,
     in_flight: Gauge,
     replayed_bytes: Counter,
     store_errors_passed: Counter,
     disconnects: Family<DisconnectLabels, Counter>,
     records: RecordFamilies,
+}
+
+/// How long the gateway itself, the upstream and the store took.
+struct Latencies {
+    overhead: Histogram,
+    upstream: Histogram,
+    store_ops: HistogramFamily<OpLabels>,
 }
 
 /// The records the engine wrote or read and could not use whole.
@@ -172,24 +177,7 @@ impl Families for EngineMetrics {
                 "gRPC calls with an idempotency key passed on without idempotency because they stream (client or bidirectional streaming, or held open past a second), by route: the key is not applied, and a retry runs again",
                 Family::default(),
             ),
-            overhead: registered(
-                registry,
-                "idemgate_overhead_seconds",
-                "Time the gateway itself adds to a request (total minus time waiting for the upstream)",
-                latency_histogram(),
-            ),
-            upstream: registered(
-                registry,
-                "idemgate_upstream_duration_seconds",
-                "Time from forwarding a request to having the upstream's response (head, and body when recorded)",
-                latency_histogram(),
-            ),
-            store_ops: registered(
-                registry,
-                "idemgate_store_operation_seconds",
-                "Latency of store operations by operation",
-                Family::new_with_constructor(latency_histogram),
-            ),
+            latencies: Latencies::register(registry),
             in_flight: registered(
                 registry,
                 "idemgate_in_flight_claims",
@@ -224,6 +212,31 @@ impl Families for EngineMetrics {
             );
         }
         metrics
+    }
+}
+
+impl Latencies {
+    fn register(registry: &mut Registry) -> Self {
+        Latencies {
+                overhead: registered(
+                    registry,
+                    "idemgate_overhead_seconds",
+                    "Time the gateway itself adds to a request (total minus time waiting for the upstream)",
+                    latency_histogram(),
+                ),
+                upstream: registered(
+                    registry,
+                    "idemgate_upstream_duration_seconds",
+                    "Time from forwarding a request to having the upstream's response (head, and body when recorded)",
+                    latency_histogram(),
+                ),
+                store_ops: registered(
+                    registry,
+                    "idemgate_store_operation_seconds",
+                    "Latency of store operations by operation",
+                    Family::new_with_constructor(latency_histogram),
+                ),
+        }
     }
 }
 
@@ -302,7 +315,8 @@ impl EngineMetrics {
     /// The latency histograms of the store operations, resolved now.
     pub(crate) fn store_ops(&self) -> StoreOpMetrics {
         let histogram = |operation| {
-            self.store_ops
+            self.latencies
+                .store_ops
                 .get_or_create(&OpLabels { operation })
                 .clone()
         };
@@ -316,12 +330,12 @@ impl EngineMetrics {
 
     /// Record the gateway's own time for one request.
     pub(crate) fn overhead(&self, d: Duration) {
-        self.overhead.observe(d.as_secs_f64());
+        self.latencies.overhead.observe(d.as_secs_f64());
     }
 
     /// Record one upstream call.
     pub(crate) fn upstream(&self, d: Duration) {
-        self.upstream.observe(d.as_secs_f64());
+        self.latencies.upstream.observe(d.as_secs_f64());
     }
 
     /// Count replayed body bytes.
