@@ -2,7 +2,6 @@
 //! operations as the engine waits on them, and the records it found unreadable or could not
 //! keep whole.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -374,78 +373,23 @@ impl EngineMetrics {
             .inc();
     }
 
+    /// The gauge of claimed calls in flight.
+    pub(crate) fn in_flight(&self) -> &Gauge {
+        &self.in_flight
+    }
+
+    /// Count a request whose client went away once it had come to `outcome`.
+    pub(crate) fn disconnected(&self, outcome: &'static str) {
+        self.disconnects
+            .get_or_create(&DisconnectLabels { outcome })
+            .inc();
+    }
+
     /// Count a claim or completion that too few replicas acknowledged (`wait_replicas`).
     pub(crate) fn unacknowledged(&self, operation: StoreOp) {
         self.records
             .unacknowledged
             .get_or_create(&OpLabels { operation })
-            .inc();
-    }
-}
-
-/// A claimed call counted in `idemgate_in_flight_claims` for as long as it lives: the gauge goes
-/// down however the call's task ends (a panic, a shutdown that drops it).
-pub(crate) struct InFlight(Gauge);
-
-impl InFlight {
-    /// Count one more claimed call in flight, until the guard is dropped.
-    pub(crate) fn count(metrics: &EngineMetrics) -> Self {
-        let gauge = metrics.in_flight.clone();
-        gauge.inc();
-        InFlight(gauge)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-/// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
-/// client went away and the server dropped the request), it counts the request in
-/// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
-pub(crate) struct Unanswered<'m> {
-    metrics: &'m EngineMetrics,
-    // 0: undecided; else the index in `Outcome::ALL` plus one.
-    decided: AtomicU8,
-    answered: bool,
-}
-
-impl<'m> Unanswered<'m> {
-    pub(crate) fn new(metrics: &'m EngineMetrics) -> Self {
-        Unanswered {
-            metrics,
-            decided: Default::default(),
-            answered: false,
-        }
-    }
-
-    /// The request has come to `outcome`, though its answer is still to come.
-    pub(crate) fn decided(&self, outcome: Outcome) {
-        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.decided.store(at as u8 + 1, Ordering::Relaxed);
-    }
-
-    /// The answer is given: nothing to count.
-    pub(crate) fn answered(mut self) {
-        self.answered = true;
-    }
-}
-
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if self.answered {
-            return;
-        }
-        let at = self.decided.load(Ordering::Relaxed) as usize;
-        let outcome = at
-            .checked_sub(1)
-            .and_then(|at| Outcome::ALL.get(at))
-            .map_or("undecided", |o| o.as_str());
-        self.metrics
-            .disconnects
-            .get_or_create(&DisconnectLabels { outcome })
             .inc();
     }
 }
