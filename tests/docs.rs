@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idemgate::config::Config;
 
-use crate::common::{wait_until, InProcessGateway, TestConfig};
+use crate::common::{wait_until, GatewayConfig, InProcessGateway};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -434,7 +434,7 @@ fn every_documented_default_is_the_codes() {
 /// upstream have made their series (a family with no series is not exposed; the registry starts
 /// every series of a label set known up front at zero).
 async fn scraped() -> String {
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
         .set("admin.listen", "127.0.0.1:0");
     let gateway = InProcessGateway::start(&config).await;
