@@ -38,7 +38,7 @@ mod writer;
 
 use self::file::StoreFile;
 use self::purge::PURGE_BATCH;
-pub use self::settings::EmbeddedSettings;
+pub use self::settings::{EmbeddedSettings, DEFAULT_PATH};
 use self::tables::{Bounds, Row, ENTRIES};
 use self::writer::{Completion, Done, Op, Write, Writer, QUEUE};
 
