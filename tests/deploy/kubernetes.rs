@@ -2,7 +2,8 @@
 //! (`kubernetes-validate` from PyPI, pinned, strict: an unknown field is an error) and the
 //! ServiceMonitor against the Prometheus Operator's own CRD schema; each variant's ConfigMap
 //! holds a config that `idemgate check-config` accepts in the environment its pod gets; and each
-//! workload's numbers, ports and probes agree with that config (docs/operating.md#kubernetes).
+//! workload's numbers, ports and probes agree with that config, and a gateway run as its pod
+//! runs it answers those probes (docs/operating.md#kubernetes).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use testkit::PythonEnv;
+
+use crate::common::{self, free_port, wait_until, RedisServer};
 
 /// The release of kubernetes-validate the manifests are checked with.
 const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
@@ -630,4 +633,117 @@ fn each_workload_agrees_with_its_config() {
         .unwrap()
         .iter()
         .any(|p| p["name"] == endpoint["port"] && p["targetPort"] == "admin"));
+}
+
+/// The gateway binary as a pod runs it, killed on drop.
+struct Pod(std::process::Child);
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Whether `GET url` answers 200.
+async fn answers_200(url: &str) -> bool {
+    matches!(common::client().get(url).send().await, Ok(r) if r.status() == 200)
+}
+
+/// Each variant's gateway, run from its container's arguments, its ConfigMap's config and its
+/// pod's environment (the listeners moved to free loopback ports, the store to a local Redis
+/// or directory), answers its liveness and readiness probes with 200, and on SIGTERM exits 0
+/// well within what the kubelet leaves it after the preStop sleep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_configmap_runs_and_answers_its_probes() {
+    let redis = RedisServer::start().await;
+    for (name, kind) in VARIANTS {
+        let variant = Variant::read(name);
+        let container = variant.container(kind);
+        let config = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(config.path(), variant.config_text(kind)).unwrap();
+        let args: Vec<String> = container["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect();
+        let at = args.iter().position(|a| a == "--config").unwrap();
+        let data = tempfile::tempdir().unwrap();
+        let mut env = variant.environment(kind, test_secret);
+        if name == "statefulset" {
+            env.insert(
+                "IDEMGATE_STORE__PATH".into(),
+                data.path().display().to_string(),
+            );
+        } else {
+            env.insert("IDEMGATE_STORE__URL".into(), redis.url());
+        }
+
+        let mut running = None;
+        for _ in 0..3 {
+            let admin = free_port();
+            env.insert(
+                "IDEMGATE_LISTEN".into(),
+                format!("127.0.0.1:{}", free_port()),
+            );
+            env.insert(
+                "IDEMGATE_ADMIN__LISTEN".into(),
+                format!("127.0.0.1:{admin}"),
+            );
+            let mut args = args.clone();
+            args[at + 1] = config.path().display().to_string();
+            let mut pod = Pod(Command::new(env!("CARGO_BIN_EXE_idemgate"))
+                .args(&args)
+                .env_clear()
+                .envs(&env)
+                .env("RUST_LOG", "off")
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap());
+            let probe = |kind: &str| {
+                let path = container[kind]["httpGet"]["path"].as_str().unwrap();
+                format!("http://127.0.0.1:{admin}{path}")
+            };
+            let (live, ready) = (probe("livenessProbe"), probe("readinessProbe"));
+            let mut exited = false;
+            wait_until(
+                Duration::from_secs(10),
+                "the gateway answers its readiness probe",
+                async || {
+                    exited = pod.0.try_wait().unwrap().is_some();
+                    exited || answers_200(&ready).await
+                },
+            )
+            .await;
+            if !exited {
+                assert!(answers_200(&live).await, "{name}: {live}");
+                running = Some(pod);
+                break;
+            }
+        }
+        let mut pod = running.unwrap_or_else(|| panic!("{name}: no start on 3 pairs of ports"));
+
+        let pod_spec = &variant.pod(kind)["spec"];
+        let command = &container["lifecycle"]["preStop"]["exec"]["command"];
+        let left = pod_spec["terminationGracePeriodSeconds"].as_u64().unwrap()
+            - command[1].as_str().unwrap().parse::<u64>().unwrap();
+        let pid = pod.0.id().to_string();
+        assert!(Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let mut status = None;
+        wait_until(
+            Duration::from_secs(left),
+            "the gateway exits after SIGTERM",
+            async || {
+                status = pod.0.try_wait().unwrap();
+                status.is_some()
+            },
+        )
+        .await;
+        assert!(status.unwrap().success(), "{name}: {status:?}");
+    }
 }
