@@ -18,8 +18,8 @@ use crate::common::{self, free_port, wait_until, RedisServer};
 
 /// The release of kubernetes-validate the manifests are checked with.
 const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
-/// The Kubernetes versions whose schemas every manifest must pass: the oldest the manifests
-/// support and the newest that release knows.
+/// The Kubernetes versions whose schemas every manifest must pass: an older release still in
+/// use and the newest that kubernetes-validate knows.
 const VERSIONS: [&str; 2] = ["1.30.0", "1.37.0"];
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/kubernetes");
 const CRD: &str = concat!(
@@ -388,15 +388,12 @@ fn each_configmap_passes_check_config_in_its_pods_environment() {
         } else {
             "redis"
         };
-        assert!(
-            shown.contains(&format!("store          = {backend}")),
-            "{name}: {shown}"
-        );
-        assert!(
-            shown.contains("seal           = on (seals with k1"),
-            "{shown}"
-        );
-        assert!(!shown.contains("a-test-token"), "the token is never shown");
+        assert!(shown.contains(backend), "{name}: {shown}");
+        for secret in ["IDEMGATE_SEAL_KEYS", "IDEMGATE_ADMIN_TOKEN"] {
+            let value = test_secret(secret, "");
+            let value = value.trim_start_matches("k1:");
+            assert!(!shown.contains(value), "{name}: {secret} shown");
+        }
 
         // The Secret as shipped holds placeholders the gateway refuses, each naming its
         // variable, so that nobody runs with a published key.
@@ -700,8 +697,8 @@ async fn each_configmap_runs_and_answers_its_probes() {
                 .stdout(std::process::Stdio::null())
                 .spawn()
                 .unwrap());
-            let probe = |kind: &str| {
-                let path = container[kind]["httpGet"]["path"].as_str().unwrap();
+            let probe = |probe: &str| {
+                let path = container[probe]["httpGet"]["path"].as_str().unwrap();
                 format!("http://127.0.0.1:{admin}{path}")
             };
             let (live, ready) = (probe("livenessProbe"), probe("readinessProbe"));
