@@ -2,6 +2,8 @@
 
 mod demo;
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -178,55 +180,64 @@ async fn serve(
 
 fn check_config(file: Option<&str>) -> Result<(), String> {
     let config = load(file)?;
-    println!("{}: valid", file.unwrap_or("environment"));
-    println!("listen         = {}", config.listen);
-    println!("upstream       = {}", config.upstream);
-    println!("workers        = {}", config.workers);
-    println!("shutdown_grace = {:?}", config.shutdown_grace);
-    println!(
+    // Written whole at the end, so that a reader that stops early (`| head`) ends nothing but
+    // the output.
+    let mut out = String::new();
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            let _ = writeln!(out, $($arg)*);
+        }};
+    }
+    say!("{}: valid", file.unwrap_or("environment"));
+    say!("listen         = {}", config.listen);
+    say!("upstream       = {}", config.upstream);
+    say!("workers        = {}", config.workers);
+    say!("shutdown_grace = {:?}", config.shutdown_grace);
+    say!(
         "client_header_timeout  = {:?}",
         config.client_header_timeout
     );
-    println!("client_idle_timeout    = {:?}", config.client_idle_timeout);
-    println!(
+    say!("client_idle_timeout    = {:?}", config.client_idle_timeout);
+    say!(
         "client_min_body_rate   = {:?}",
         idemgate::config::HumanRate(config.client_min_body_rate)
     );
-    println!(
+    say!(
         "client_min_body_rate_grace = {:?}",
         config.client_min_body_rate_grace
     );
-    println!("max_client_connections = {}", config.max_client_connections);
+    say!("max_client_connections = {}", config.max_client_connections);
     match &config.tls {
-        Some(tls) => println!("[tls] {tls:#?}"),
-        None => println!("tls            = none (plain TCP; HTTP/1.1 and h2c)"),
+        Some(tls) => say!("[tls] {tls:#?}"),
+        None => say!("tls            = none (plain TCP; HTTP/1.1 and h2c)"),
     }
     for (name, upstream) in &config.upstreams {
-        println!("[upstreams.{name}] {upstream:#?}");
+        say!("[upstreams.{name}] {upstream:#?}");
     }
-    println!("store          = {}", config.store.describe());
+    say!("store          = {}", config.store.describe());
     match &config.store {
-        StoreConfig::Memory(settings) => println!("[store] {settings:#?}"),
-        StoreConfig::Redis(settings) => println!("[store] {settings:#?}"),
-        StoreConfig::Postgres(settings) => println!("[store] {settings:#?}"),
-        StoreConfig::Embedded(settings) => println!("[store] {settings:#?}"),
+        StoreConfig::Memory(settings) => say!("[store] {settings:#?}"),
+        StoreConfig::Redis(settings) => say!("[store] {settings:#?}"),
+        StoreConfig::Postgres(settings) => say!("[store] {settings:#?}"),
+        StoreConfig::Embedded(settings) => say!("[store] {settings:#?}"),
     }
     if let Some(seal) = config.store.seal() {
-        println!("seal           = {}", seal.describe());
+        say!("seal           = {}", seal.describe());
     }
-    println!("admin          = {:?}", config.admin);
+    say!("admin          = {:?}", config.admin);
     match &config.telemetry {
-        Some(t) => println!("[telemetry] {t:#?}"),
-        None => println!("telemetry      = off (no [telemetry]: no traces exported)"),
+        Some(t) => say!("[telemetry] {t:#?}"),
+        None => say!("telemetry      = off (no [telemetry]: no traces exported)"),
     }
     match &config.key_secret {
-        Some(_) => println!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),
-        None => println!("key_secret     = none ({KEY_SECRET_VAR} not set)"),
+        Some(_) => say!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),
+        None => say!("key_secret     = none ({KEY_SECRET_VAR} not set)"),
     }
-    println!("[defaults] {:#?}", config.defaults);
+    say!("[defaults] {:#?}", config.defaults);
     for r in &config.routes {
-        println!("[route {}] {:#?}", r.path, r.policy);
+        say!("[route {}] {:#?}", r.path, r.policy);
     }
+    let _ = std::io::stdout().write_all(out.as_bytes());
     Ok(())
 }
 

@@ -719,3 +719,32 @@ fn check_config_shows_telemetry_off_or_its_collector() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("telemetry.ca_file"));
 }
+
+#[test]
+fn check_config_read_in_part_ends_quietly() {
+    // Enough routes that the output passes a pipe's buffer, so that the reader's going away
+    // meets the write.
+    let mut text = String::from("upstream = \"http://127.0.0.1:9\"\n");
+    for i in 0..400 {
+        text.push_str(&format!("[[routes]]\npath = \"/v1/r{i}\"\n"));
+    }
+    let file = write(&text);
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check-config", file.path().to_str().unwrap()])
+        .env("RUST_LOG", "off")
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 64];
+    let mut stdout = child.stdout.take().unwrap();
+    std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(String::from_utf8_lossy(&first).contains("valid"));
+}
