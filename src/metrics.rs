@@ -303,6 +303,7 @@ struct Inner {
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
+    webhooks: crate::idempotency::webhook::WebhookMetrics,
 }
 
 /// The store's families besides its operations' latency.
@@ -553,9 +554,11 @@ impl Metrics {
         let store = StoreFamilies::register(&mut registry);
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
+        let webhooks = crate::idempotency::webhook::WebhookMetrics::register(&mut registry);
         let metrics = Metrics {
             inner: Arc::new(Inner {
                 clients,
+                webhooks,
                 upstream_requests,
                 upstream_connections,
                 registry,
@@ -684,6 +687,11 @@ impl Metrics {
                 })
                 .clone(),
         }
+    }
+
+    /// The webhook routes' family.
+    pub(crate) fn webhooks(&self) -> &crate::idempotency::webhook::WebhookMetrics {
+        &self.inner.webhooks
     }
 
     /// Record the gateway's own time for one request.

@@ -115,6 +115,9 @@ pub(crate) struct RouteState {
 impl RouteState {
     fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
+        if policy.webhook.is_some() {
+            metrics.webhooks().route(&policy.route);
+        }
         Arc::new(RouteState {
             key_headers,
             scope_headers,
