@@ -588,7 +588,8 @@ fn config_errors_name_the_field_and_never_show_the_secret() {
     };
     let var = |v: &str| vec![("HOOK_SECRET".to_string(), v.to_string())];
     let stripe = "webhook = \"stripe\"\nwebhook_secret_env = \"HOOK_SECRET\"";
-    let cases: [(&str, Vec<(String, String)>, &str); 6] = [
+    type Vars = Vec<(String, String)>;
+    let cases: [(&str, Vars, &str); 6] = [
         (stripe, vec![], "routes[0].webhook_secret_env"),
         (stripe, var("  "), "routes[0].webhook_secret_env"),
         (

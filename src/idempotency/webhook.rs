@@ -234,7 +234,7 @@ fn hex_lower(text: &str) -> Option<Vec<u8>> {
         _ => None,
     };
     let bytes = text.as_bytes();
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return None;
     }
     bytes
@@ -433,7 +433,7 @@ mod tests {
             format!("t= 1000,v1={sig}"),
             format!("t=+1000,v1={sig}"),
             format!("v1={sig}"),
-            format!("t=1000,v1"),
+            "t=1000,v1".to_string(),
         ] {
             assert!(
                 matches!(
