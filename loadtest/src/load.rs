@@ -58,33 +58,43 @@ impl Keys {
     }
 }
 
-/// The Stripe delivery of event `evt_<id>` wrapping `data` (JSON), signed now: `Stripe-Signature:
-/// t=<now>,v1=<HMAC-SHA256 of "t.body">`, as Stripe signs it.
+/// The Stripe delivery of event `evt_<id>` wrapping `data` (JSON), signed now.
 fn stripe_delivery(path: &str, data: &Bytes, id: &str) -> http::Request<Full<Bytes>> {
-    use hmac::{Hmac, KeyInit, Mac};
-    let event = format!(
+    let event = stripe_event(id, data);
+    http::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .header("stripe-signature", stripe_signature(&event))
+        .body(Full::new(event))
+        .unwrap()
+}
+
+/// The body of Stripe event `evt_<id>` wrapping `data` (JSON).
+pub fn stripe_event(id: &str, data: &[u8]) -> Bytes {
+    Bytes::from(format!(
         "{{\"id\":\"evt_{id}\",\"object\":\"event\",\"type\":\"payment_intent.succeeded\",\"data\":{}}}",
         String::from_utf8_lossy(data)
-    );
+    ))
+}
+
+/// The `Stripe-Signature` of `body` signed now with [`WEBHOOK_SECRET`], as Stripe signs it:
+/// `t=<now>,v1=<HMAC-SHA256 of "t.body">`.
+pub fn stripe_signature(body: &[u8]) -> String {
+    use hmac::{Hmac, KeyInit, Mac};
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(WEBHOOK_SECRET.as_bytes()).unwrap();
     mac.update(format!("{t}.").as_bytes());
-    mac.update(event.as_bytes());
+    mac.update(body);
     let sig: String = mac
         .finalize()
         .into_bytes()
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    http::Request::post(path)
-        .header("host", "bench")
-        .header("content-type", "application/json")
-        .header("stripe-signature", format!("t={t},v1={sig}"))
-        .body(Full::new(Bytes::from(event)))
-        .unwrap()
+    format!("t={t},v1={sig}")
 }
 
 /// How to pace the requests.
