@@ -531,6 +531,61 @@ mod tests {
         ));
     }
 
+    /// A library user's policy: the builder's `webhook`, the layer over a `service_fn`.
+    #[tokio::test]
+    async fn the_layer_verifies_a_delivery_then_runs_its_event_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        use axum::body::Body;
+        use http::{Request, Response, StatusCode};
+        use tower::{Layer, ServiceExt};
+
+        use crate::record::policy::Ttl;
+        use crate::record::webhook::WEBHOOK_TTL;
+
+        let secrets = secrets(Sender::Github, "its-a-secret");
+        let policy = Policy::builder()
+            .webhook(Sender::Github, secrets)
+            .build()
+            .unwrap();
+        assert_eq!(policy.ttl, Ttl::For(WEBHOOK_TTL));
+        let layer = super::super::IdempotencyLayer::new(crate::MemoryStore::new(), policy);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let inner = {
+            let calls = calls.clone();
+            tower::service_fn(move |req: Request<Body>| {
+                let calls = calls.clone();
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let mark = req.headers().get(WEBHOOK_VERIFIED).cloned();
+                    assert_eq!(mark.unwrap(), "github");
+                    Ok::<_, std::convert::Infallible>(Response::new(Body::from("ok")))
+                }
+            })
+        };
+        let service = layer.layer(inner);
+        let delivery = |signature: &str| {
+            Request::post("/hooks")
+                .header("x-hub-signature-256", signature)
+                .header("x-github-delivery", "d-1")
+                .header(WEBHOOK_VERIFIED, "github")
+                .body(Body::from("payload"))
+                .unwrap()
+        };
+        let good = format!("sha256={}", hmac_hex(b"its-a-secret", &[b"payload"]));
+        let first = service.clone().oneshot(delivery(&good)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        let again = service.clone().oneshot(delivery(&good)).await.unwrap();
+        assert!(again
+            .headers()
+            .contains_key(super::super::IDEMPOTENT_REPLAYED));
+        let forged = format!("sha256={}", hmac_hex(b"not-it", &[b"payload"]));
+        let refused = service.clone().oneshot(delivery(&forged)).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn timestamps_far_out_do_not_overflow() {
         assert_eq!(within(u64::MAX, Duration::MAX, at(0)), Ok(()));
