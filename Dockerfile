@@ -1,8 +1,8 @@
 # idemgate container image: a multi-stage build, a small non-root runtime.
 #   docker build -t idemgate .
 #   docker run -p 8080:8080 -p 9090:9090 -e IDEMGATE_UPSTREAM=http://api:9000 idemgate
-#   with durable records in a volume: -v idemgate-data:/var/lib/idemgate
-#     -e IDEMGATE_STORE__BACKEND=embedded -e IDEMGATE_STORE__PATH=/var/lib/idemgate
+#   records are durable in the volume /var/lib/idemgate (the embedded store, the default, in the
+#   working directory): -v idemgate-data:/var/lib/idemgate
 # Every setting can come from IDEMGATE_... variables (see docs/configuration.md); the example
 # config baked in below is the starting point.
 
@@ -31,9 +31,11 @@ RUN apt-get update \
 COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
 COPY config/example.toml /etc/idemgate/idemgate.toml
 USER 10001
-# The embedded store's directory (backend = "embedded", path = "/var/lib/idemgate"), owned by the
-# user above: a volume, so that records outlive the container.
+# The embedded store's home, owned by the user above, and the working directory, so that the
+# default store (idemgate-data in the working directory) is in it: a volume, so that records
+# outlive the container.
 VOLUME ["/var/lib/idemgate"]
+WORKDIR /var/lib/idemgate
 # Traffic and the admin listener (health, readiness, metrics) on all interfaces in a container.
 ENV IDEMGATE_LISTEN=0.0.0.0:8080 \
     IDEMGATE_ADMIN__LISTEN=0.0.0.0:9090

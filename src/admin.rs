@@ -98,7 +98,9 @@ async fn readyz<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
 
 async fn metrics_text<S: Inspect>(State(s): State<Arc<AdminState<S>>>) -> Response {
     if let Some((entries, bytes)) = s.store.local_cache_size() {
-        s.metrics.local_cache_size(entries, bytes);
+        s.metrics
+            .families::<crate::store::StoreMetrics>()
+            .local_cache_size(entries, bytes);
     }
     let mut resp = s.metrics.encode().into_response();
     resp.headers_mut().insert(

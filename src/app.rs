@@ -18,6 +18,7 @@ use crate::metrics::Metrics;
 use crate::proxy::{Proxy, ProxyError};
 use crate::store::{AnyStore, StoreError};
 use crate::telemetry::Sampling;
+use crate::telemetry::SpanMetrics;
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +52,8 @@ impl App {
     /// [`App::new`], counting into `metrics` (which the binary's trace exporter counts into
     /// too).
     pub async fn with_metrics(config: Config, metrics: Metrics) -> Result<Self, AppError> {
+        // The trace exporter's family, whether or not traces are exported: it reads zero then.
+        drop(metrics.families::<SpanMetrics>());
         let store = AnyStore::open(&config.store, &metrics).await?;
         let admin = match config.admin.listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),
@@ -142,7 +145,7 @@ async fn serve(
         "idemgate listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let cap = ConnectionCap::new(config.max_client_connections, layer.metrics().clone());
+    let cap = ConnectionCap::new(config.max_client_connections, layer.metrics());
     let (ready_tx, mut ready_rx) =
         tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
@@ -287,7 +290,7 @@ where
                 }),
         },
         cap,
-        metrics: layer.metrics().clone(),
+        metrics: layer.metrics().families(),
         routes: Arc::new(layer.routes().clone()),
     };
     worker.run(stop).await

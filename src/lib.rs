@@ -73,11 +73,13 @@
 //!   `max_client_connections`, one connection served with HTTP/1.1 or HTTP/2, the service that
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
 //!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients),
-//!   `listener/rate.rs` (`client_min_body_rate`: a request body that arrives too slowly, cut).
+//!   `listener/rate.rs` (`client_min_body_rate`: a request body that arrives too slowly, cut),
+//!   `listener/metrics.rs` (its metric families: connections open and closed, the cap).
 //! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
 //!   its errors), `proxy/settings.rs` (one upstream's settings, [`proxy::UpstreamConfig`]),
 //!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
-//!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent").
+//!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent"),
+//!   `proxy/metrics.rs` (requests and connections counted per upstream).
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
 //! - [`store`]: `store/mod.rs` (the [`Store`] trait, `Inspect`), `store/error.rs`
 //!   ([`StoreError`]: a failure by kind, whichever backend it came from), `store/settings.rs`
@@ -87,7 +89,8 @@
 //!   another store), `store/watch.rs` (wake-ups for requests waiting on an in-flight key),
 //!   `store/codec.rs` (the record's binary encoding, written by the embedded, Redis and
 //!   PostgreSQL stores, whose offsets the scripts in `store/redis/lua/` read), `store/seal.rs`
-//!   (records sealed at rest with AES-256-GCM: [`Seal`], the keys). One folder per backend,
+//!   (records sealed at rest with AES-256-GCM: [`Seal`], the keys), `store/metrics.rs` (the
+//!   store's metric families: the local cache, the embedded commits, evictions). One folder per backend,
 //!   each with its `settings.rs`: `store/memory/mod.rs` ([`MemoryStore`], in the process and
 //!   bounded) and `store/memory/settings.rs`; the embedded store: `store/embedded/mod.rs`
 //!   ([`store::EmbeddedStore`]: durable, in-process, on redb), `store/embedded/settings.rs`,
@@ -105,6 +108,8 @@
 //! - [`idempotency`]: the engine: `idempotency/mod.rs`, `idempotency/layer.rs`
 //!   ([`IdempotencyLayer`]), `idempotency/service.rs` (the service: admit, then run),
 //!   `idempotency/outcome.rs` (what a request came to, and how it is counted),
+//!   `idempotency/metrics.rs` (the engine's metric families: outcomes, unsettled calls, store
+//!   operations' latency, records it could not use),
 //!   `idempotency/admit.rs` (every decision taken before the first await),
 //!   `idempotency/keyed.rs` (the keyed path: body, key, fingerprint, claim, and what the
 //!   store's answer says), `idempotency/request_body.rs` (a keyed request's body read whole,
@@ -137,7 +142,8 @@
 //! - `headers.rs` (hop-by-hop headers, framing, what the gateway admits), [`error`]
 //!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
 //!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
-//!   answer), [`metrics`] (`metrics.rs`), `tls.rs` (certificates, keys, rustls configurations),
+//!   answer), [`metrics`] (`metrics.rs`: the registry in which each subsystem
+//!   registers the families it counts, and its encoding), `tls.rs` (certificates, keys, rustls configurations),
 //!   [`time`] (`time.rs`: every duration from outside bounded, every deadline, expiry and date
 //!   made without overflow or panic).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the

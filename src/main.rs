@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idemgate::config::{Config, StoreConfig, KEY_SECRET_VAR};
-use idemgate::telemetry::{Telemetry, UnsampledOff};
+use idemgate::telemetry::{SpanMetrics, Telemetry, UnsampledOff};
 use idemgate::Metrics;
 use tokio::net::TcpListener;
 use tracing_subscriber::layer::SubscriberExt;
@@ -136,8 +136,9 @@ async fn run(file: Option<&str>, format: LogFormat) -> Result<(), String> {
     let shutdown = shutdown_signal();
     let config = load(file)?;
     let metrics = Metrics::new();
+    let dropped = metrics.families::<SpanMetrics>().dropped.clone();
     let telemetry = match &config.telemetry {
-        Some(t) => Some(Telemetry::start(t, metrics.trace_spans_dropped())?),
+        Some(t) => Some(Telemetry::start(t, dropped)?),
         None => None,
     };
     init_logging(format, telemetry.as_ref());

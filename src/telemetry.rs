@@ -40,6 +40,7 @@ use tracing_subscriber::Layer;
 use crate::config::TelemetryConfig;
 use crate::idempotency::trace::{self, REQUEST_SPAN};
 use crate::idempotency::TRACEPARENT;
+use crate::metrics::{registered, Families};
 
 /// Ended spans waiting for export, at most; past it a span is dropped (and counted).
 pub const MAX_QUEUED_SPANS: usize = 2048;
@@ -76,6 +77,26 @@ pub struct Telemetry {
 impl std::fmt::Debug for Telemetry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Telemetry")
+    }
+}
+
+/// Telemetry's metric family: the spans dropped instead of exported.
+#[derive(Debug)]
+pub struct SpanMetrics {
+    /// Spans dropped (given to the exporter to count into).
+    pub dropped: Counter,
+}
+
+impl Families for SpanMetrics {
+    fn register(registry: &mut prometheus_client::registry::Registry) -> Self {
+        SpanMetrics {
+            dropped: registered(
+                registry,
+                "idemgate_trace_spans_dropped",
+                "Trace spans not exported ([telemetry]): the export queue was full, or the collector refused or did not answer",
+                Counter::default(),
+            ),
+        }
     }
 }
 

@@ -4,14 +4,14 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::{send, wait_until, Backend, CountingUpstream, TestConfig, TestEnv};
+use common::{send, wait_until, Backend, CountingUpstream, GatewayConfig, TestEnv};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /// An admin listener with the key API on.
-fn admin_config() -> TestConfig {
-    TestConfig::new()
+fn admin_config() -> GatewayConfig {
+    GatewayConfig::new()
         .set("admin.listen", "127.0.0.1:0")
         .set("admin.admin_token", TOKEN)
 }
@@ -177,7 +177,7 @@ async fn key_api_requires_the_token(b: Backend) {
     assert_eq!(all.status(), 401);
 
     // Without a token in the config the key API is off, health and metrics stay on.
-    let env = TestEnv::start(b, TestConfig::new().set("admin.listen", "127.0.0.1:0")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("admin.listen", "127.0.0.1:0")).await;
     let off = authed(
         &env,
         reqwest::Method::GET,

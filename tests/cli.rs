@@ -7,12 +7,10 @@ use std::time::Duration;
 
 use common::{free_port, wait_until, ReservedPort};
 
+/// The binary with `args`, run to its end in a working directory of its own (where the default
+/// embedded store would keep its file).
 fn idemgate(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(args)
-        .env("RUST_LOG", "off")
-        .output()
-        .unwrap()
+    idemgate_env(args, &[])
 }
 
 fn write(text: &str) -> tempfile::NamedTempFile {
@@ -66,7 +64,7 @@ fn invalid_config_exits_non_zero_naming_the_field() {
             "client_min_body_rate_grace",
         ),
         (
-            "upstream = \"http://127.0.0.1:9\"\n[defaults]\nttl = \"forever\"",
+            "upstream = \"http://127.0.0.1:9\"\n[store]\nbackend = \"memory\"\n[defaults]\nttl = \"forever\"",
             "defaults.ttl",
         ),
         (
@@ -139,8 +137,11 @@ fn succeeded(out: &std::process::Output) -> String {
 }
 
 fn idemgate_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
-    cmd.args(args).env("RUST_LOG", "off");
+    cmd.args(args)
+        .env("RUST_LOG", "off")
+        .current_dir(dir.path());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -268,11 +269,14 @@ async fn the_container_entrypoint_and_healthcheck_work_without_docker() {
     // The binary binds both ports itself, after `free_port` let go of them: when another process
     // took one in between, the binary exits, and it is started again on new ones.
     let mut started = None;
+    // The example's store is the embedded default, in the working directory.
+    let dir = tempfile::tempdir().unwrap();
     for _ in 0..3 {
         let (port, admin) = (free_port(), free_port());
         let mut gateway = Running(
             Command::new(env!("CARGO_BIN_EXE_idemgate"))
                 .args(["--config", example])
+                .current_dir(dir.path())
                 .env("RUST_LOG", "off")
                 .env("IDEMGATE_LISTEN", format!("127.0.0.1:{port}"))
                 .env("IDEMGATE_ADMIN__LISTEN", format!("127.0.0.1:{admin}"))

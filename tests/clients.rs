@@ -6,7 +6,7 @@ use crate::common;
 
 use std::time::{Duration, SystemTime};
 
-use common::{free_port, send, Backend, CountingUpstream, Seen, TestConfig, TestEnv};
+use common::{free_port, send, Backend, CountingUpstream, GatewayConfig, Seen, TestEnv};
 use testkit::PythonEnv;
 use toml::toml;
 
@@ -14,8 +14,8 @@ use toml::toml;
 const STRIPE_PYTHON: &str = "stripe==16.1.0";
 
 /// A world whose routes answer in Stripe's shape, except `/v1/plain`.
-fn stripe_config() -> TestConfig {
-    TestConfig::new()
+fn stripe_config() -> GatewayConfig {
+    GatewayConfig::new()
         .set("defaults.error_format", "stripe")
         .set(
             "upstreams.down.url",
@@ -208,7 +208,7 @@ async fn repeatable_requests_are_accepted_replayed_and_refused_when_too_old() {
         repeatability = true
         ttl = "1h"
     };
-    let config = TestConfig::new().route("/v1/repeat", route);
+    let config = GatewayConfig::new().route("/v1/repeat", route);
     let env = TestEnv::start(Backend::Memory, config).await;
     let now = SystemTime::now();
     let first = send(repeat(&env, "r-1", now)).await;

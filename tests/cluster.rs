@@ -16,8 +16,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{
-    send, wait_until, CountingUpstream, InProcessGateway, RedisCluster, RedisSentinelSet, Seen,
-    TestConfig,
+    send, wait_until, CountingUpstream, GatewayConfig, InProcessGateway, RedisCluster,
+    RedisSentinelSet, Seen,
 };
 use idemgate::store::{NodeAuth, RedisSettings, RedisStore, Topology};
 use redis::AsyncCommands;
@@ -164,7 +164,7 @@ struct Gateways {
 
 impl Gateways {
     /// Start `n` gateways with `config` (upstream and store filled in), each with the key API on.
-    async fn start(n: usize, config: &TestConfig) -> Self {
+    async fn start(n: usize, config: &GatewayConfig) -> Self {
         // In-process gateways log into the test's output when `TEST_LOG` says (a `RUST_LOG`
         // filter, e.g. `idemgate=debug`), as the gateway binaries do.
         if let Ok(filter) = std::env::var("TEST_LOG") {
@@ -334,7 +334,7 @@ async fn cluster_concurrent_duplicates_across_gateways_run_once() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(50));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster);
     let gateways = Gateways::start(3, &config).await;
@@ -366,7 +366,7 @@ async fn cluster_concurrent_duplicates_across_gateways_run_once() {
 async fn cluster_records_of_every_size_replay_byte_for_byte_from_every_gateway() {
     let cluster = RedisCluster::start().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster);
     let gateways = Gateways::start(3, &config).await;
@@ -423,7 +423,7 @@ async fn cluster_records_of_every_size_replay_byte_for_byte_from_every_gateway()
 async fn cluster_tombstones_share_their_records_slot() {
     let cluster = RedisCluster::start().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster)
         .set("defaults.ttl", "1s")
@@ -462,7 +462,7 @@ async fn cluster_tombstones_share_their_records_slot() {
 async fn cluster_admin_evictions_reach_every_primary_and_every_local_cache() {
     let cluster = RedisCluster::start().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster);
     let gateways = Gateways::start(3, &config).await;
@@ -546,7 +546,7 @@ async fn cluster_admin_evictions_reach_every_primary_and_every_local_cache() {
 /// answered within 50 ms of it, woken by pub/sub rather than by polling (which looks every
 /// 100 ms at most, so five such waits all within 50 ms by luck are unlikely). A waiter on a
 /// request that answers 503 (released, not recorded) runs it itself as soon.
-async fn waiters_are_woken_across_gateways(config: TestConfig, upstream: &CountingUpstream) {
+async fn waiters_are_woken_across_gateways(config: GatewayConfig, upstream: &CountingUpstream) {
     let config = config
         .set("defaults.on_in_flight", "wait")
         .set("defaults.wait_timeout", "5s");
@@ -613,7 +613,7 @@ async fn waiters_are_woken_across_gateways(config: TestConfig, upstream: &Counti
 async fn cluster_waiters_on_other_gateways_are_woken_by_the_completion() {
     let cluster = RedisCluster::start().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster);
     waiters_are_woken_across_gateways(config, &upstream).await;
@@ -627,7 +627,7 @@ async fn sentinel_exactly_once_replays_and_waiters() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(50));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_sentinel(&set);
     let gateways = Gateways::start(2, &config).await;
@@ -714,7 +714,7 @@ async fn failover_under_load(name: &str, store: Replicated<'_>, wait_replicas: u
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(200));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .replicated(store)
         .set("store.wait_replicas", wait_replicas)
@@ -853,7 +853,7 @@ async fn cluster_a_failover_longer_than_the_rest_of_the_lease_still_records_the_
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(1000));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_cluster(&cluster)
         .set("store.wait_replicas", 1)
@@ -928,7 +928,7 @@ async fn sentinel_failover_without_wait_replicas_shows_its_duplicates() {
 async fn unacknowledged_claims_are_refused_counted_and_released() {
     let redis = common::RedisServer::start().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis(&redis)
         .set("store.wait_replicas", 1)
@@ -1005,7 +1005,7 @@ async fn sentinel_data_nodes_take_their_own_credentials() {
         let _: () = testkit::cluster::query(port, &user).await.unwrap();
     }
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_sentinel(&set)
         .set("store.node_username", "gateway")
@@ -1109,7 +1109,7 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
 async fn new_keys_succeed_after_a_failover(store: Replicated<'_>, restart: bool) {
     let _one_at_a_time = KILLS.lock().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .replicated(store)
         .set("store.timeout", "500ms");

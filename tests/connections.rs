@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::raw::RawUpstream;
 use common::{
-    client, send, wait_until, Backend, CountingUpstream, InProcessGateway, StoreServer, TestConfig,
-    TestEnv,
+    client, send, wait_until, Backend, CountingUpstream, GatewayConfig, InProcessGateway,
+    StoreServer, TestEnv,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -24,8 +24,8 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
 const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Short client timeouts, and an admin listener to read the metrics from.
-fn timeouts() -> TestConfig {
-    TestConfig::new()
+fn timeouts() -> GatewayConfig {
+    GatewayConfig::new()
         .set("client_header_timeout", "1s")
         .set("client_idle_timeout", "3s")
         .set("admin.listen", "127.0.0.1:0")
@@ -466,7 +466,7 @@ async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {
     ] {
         let upstream = RawUpstream::answering(answer).await;
         let redis = StoreServer::for_backend(b).await;
-        let config = TestConfig::new()
+        let config = GatewayConfig::new()
             .upstream(&upstream.url())
             .store(redis.as_ref())
             .set("defaults.lock_ttl", "1s");
@@ -510,7 +510,7 @@ async fn an_unsolicited_101_keeps_the_key_claimed(b: Backend) {
 async fn host_must_name_the_authority_and_userinfo_is_refused() {
     let upstream =
         RawUpstream::answering(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok").await;
-    let gateway = InProcessGateway::start(&TestConfig::new().upstream(&upstream.url())).await;
+    let gateway = InProcessGateway::start(&GatewayConfig::new().upstream(&upstream.url())).await;
     let tcp = TcpStream::connect(gateway.addr).await.unwrap();
     let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(conn);
@@ -559,7 +559,7 @@ async fn host_must_name_the_authority_and_userinfo_is_refused() {
 }
 
 /// The client timeouts, with a least body rate of 100 B/s after a grace of 1 s.
-fn min_rate() -> TestConfig {
+fn min_rate() -> GatewayConfig {
     timeouts()
         .set("client_min_body_rate", "100B/s")
         .set("client_min_body_rate_grace", "1s")

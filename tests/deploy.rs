@@ -8,7 +8,7 @@ use crate::common;
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use common::{send, Backend, TestConfig, TestEnv};
+use common::{send, Backend, GatewayConfig, TestEnv};
 
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/idemgate.json");
 const ALERTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yml");
@@ -87,7 +87,7 @@ fn panels() -> Vec<(String, Vec<String>)> {
 async fn the_dashboard_and_the_rules_query_only_exported_metrics() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new().set("admin.listen", "127.0.0.1:0"),
+        GatewayConfig::new().set("admin.listen", "127.0.0.1:0"),
     )
     .await;
     // A miss and a replay, so that the families with labels hold a series too.

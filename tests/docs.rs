@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idemgate::config::Config;
 
-use crate::common::{wait_until, InProcessGateway, TestConfig};
+use crate::common::{wait_until, GatewayConfig, InProcessGateway};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -436,7 +436,7 @@ fn every_documented_default_is_the_codes() {
 async fn scraped() -> String {
     // A webhook route: its family's series start at zero.
     let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DOCS_WEBHOOK_SECRET" };
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
         .set("admin.listen", "127.0.0.1:0")
         .route("/hooks", webhook)

@@ -7,7 +7,7 @@ use crate::common;
 
 use std::time::{Duration, SystemTime};
 
-use common::{send, wait_until, Backend, CountingUpstream, Seen, TestConfig, TestEnv};
+use common::{send, wait_until, Backend, CountingUpstream, GatewayConfig, Seen, TestEnv};
 use toml::toml;
 
 const TOKEN: &str = "test-admin-token-0123456789";
@@ -88,7 +88,7 @@ fn expires_within(seen: &Seen, at_least: Duration) {
 /// each key runs the upstream once. A value past year 9999 made the expiry date panic, and
 /// PostgreSQL's interval overflow failed every completion.
 async fn any_max_age_is_recorded_and_replayed_with_a_valid_expiry(b: Backend) {
-    let settings = TestConfig::new()
+    let settings = GatewayConfig::new()
         .set("defaults.lock_ttl", "2s")
         .route("/v1/p", longest_lifetimes(b))
         .route("/v1/s", {
@@ -120,7 +120,7 @@ async fn any_max_age_is_recorded_and_replayed_with_a_valid_expiry(b: Backend) {
 /// A bare key with a comma is what two key header lines look like once combined: refused; a
 /// quoted one is one key.
 async fn a_bare_comma_is_two_keys_and_is_refused(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let combined = send(env.post_keyed("/v1/p", "abc,def").body("x")).await;
     assert_eq!(combined.status, 400);
     assert_eq!(combined.problem_type(), "urn:idemgate:problem:invalid-key");
@@ -141,7 +141,7 @@ async fn a_failure_leaves_no_tombstone_so_the_fixed_request_runs_after_failure_t
         failure_ttl = "1s"
         after_expiry = "refuse"
     };
-    let env = TestEnv::start(b, TestConfig::new().route("/v1/p", refuse)).await;
+    let env = TestEnv::start(b, GatewayConfig::new().route("/v1/p", refuse)).await;
     let bad = send(env.post_keyed("/v1/p?status=400", "k").body("bad")).await;
     assert_eq!(bad.status, 400);
     let good = send(env.post_keyed("/v1/p", "ok").body("fine")).await;
@@ -175,8 +175,12 @@ async fn a_duplicate_waiting_for_a_stream_attaches_with_one_waiter_permit(b: Bac
         max_waiters = 1
         wait_timeout = "5s"
     };
-    let env =
-        TestEnv::start_with(b, upstream, TestConfig::new().route("/v1/events", streamed)).await;
+    let env = TestEnv::start_with(
+        b,
+        upstream,
+        GatewayConfig::new().route("/v1/events", streamed),
+    )
+    .await;
     let path = "/v1/events?events=4&gap_ms=400";
     let first = tokio::spawn(send(env.post_keyed(path, "s").body("x")));
     env.upstream.wait_for_calls(1).await;
@@ -197,7 +201,7 @@ async fn a_repeat_older_than_the_shortest_record_life_is_refused(b: Backend) {
         ttl = "1h"
         failure_ttl = "2s"
     };
-    let env = TestEnv::start(b, TestConfig::new().route("/v1/p", repeatable)).await;
+    let env = TestEnv::start(b, GatewayConfig::new().route("/v1/p", repeatable)).await;
     let sent = |ago: u64, id: &str| {
         let at = SystemTime::now() - Duration::from_secs(ago);
         env.post("/v1/p?status=400")
@@ -221,7 +225,7 @@ async fn eviction_for_room_never_answers_410(b: Backend) {
         ttl = "1h"
         after_expiry = "refuse"
     };
-    let settings = TestConfig::new()
+    let settings = GatewayConfig::new()
         .set("store.max_entries", 6)
         .route("/v1/p", refuse);
     let env = TestEnv::start(b, settings).await;
@@ -256,7 +260,7 @@ async fn a_repeatable_request_forwarded_without_the_store_is_accepted() {
         repeatability = true
         on_store_error = "pass"
     };
-    let settings = TestConfig::new()
+    let settings = GatewayConfig::new()
         .set("store.timeout", "300ms")
         .route("/v1/p", repeatable);
     let env = TestEnv::start(Backend::Redis, settings).await;
@@ -277,7 +281,7 @@ async fn a_repeatable_request_forwarded_without_the_store_is_accepted() {
 }
 
 /// A gateway config with an admin listener, to read the key view.
-fn with_admin(config: TestConfig) -> TestConfig {
+fn with_admin(config: GatewayConfig) -> GatewayConfig {
     config
         .set("admin.listen", "127.0.0.1:0")
         .set("admin.admin_token", TOKEN)
@@ -309,7 +313,7 @@ async fn a_store_stall_longer_than_the_lease_still_records_the_answer(b: Backend
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(1000));
-    let settings = with_admin(TestConfig::new())
+    let settings = with_admin(GatewayConfig::new())
         .set("store.timeout", "300ms")
         .set("defaults.lock_ttl", "2s");
     let env = TestEnv::start_with(b, upstream, settings).await;
@@ -366,7 +370,7 @@ async fn an_answer_a_newer_claim_displaced_is_counted_as_unrecorded() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(800));
-    let env = TestEnv::start_with(Backend::Redis, upstream, with_admin(TestConfig::new())).await;
+    let env = TestEnv::start_with(Backend::Redis, upstream, with_admin(GatewayConfig::new())).await;
     let first = tokio::spawn(send(env.post_keyed("/v1/p", "lost").body("x")));
     env.upstream.wait_for_calls(1).await;
     // The claim is lost, and a retry claims the key anew.

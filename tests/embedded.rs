@@ -6,7 +6,7 @@ use crate::common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{binary, client, send, wait_until, CountingUpstream, InProcessGateway, TestConfig};
+use common::{binary, client, send, wait_until, CountingUpstream, GatewayConfig, InProcessGateway};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
@@ -26,7 +26,7 @@ const FP: Fingerprint = Fingerprint([7; 32]);
 
 /// The binary run to its exit with `config` (written to a file) through `sh -c "PREFIX exec
 /// idemgate --config FILE"`, for a start that is expected to fail.
-fn run_binary(config: &TestConfig, prefix: &str) -> Output {
+fn run_binary(config: &GatewayConfig, prefix: &str) -> Output {
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), config.to_toml()).unwrap();
     let script = format!(
@@ -43,8 +43,8 @@ fn run_binary(config: &TestConfig, prefix: &str) -> Output {
 }
 
 /// A gateway config on the embedded store in `dir` in front of `upstream`.
-fn config(upstream: &CountingUpstream, dir: &std::path::Path) -> TestConfig {
-    TestConfig::new()
+fn config(upstream: &CountingUpstream, dir: &std::path::Path) -> GatewayConfig {
+    GatewayConfig::new()
         .upstream(&upstream.url())
         .embedded(dir)
         .set("defaults.lock_ttl", "30s")
@@ -412,7 +412,7 @@ async fn bounded_like_the_memory_store_and_purged() {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = EmbeddedSettings::new(dir.path());
     settings.max_entries = 10;
-    let evictions = idemgate::metrics::Evictions::default();
+    let evictions = idemgate::store::Evictions::default();
     let counter = prometheus_client::metrics::counter::Counter::default();
     let store = EmbeddedStore::open_counted(&settings, counter, evictions.clone()).unwrap();
     let lease = Duration::from_secs(60);

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use common::raw::RawUpstream;
 use common::{
-    binary, send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, Seen,
-    TestConfig, TestEnv,
+    binary, send, wait_until, Backend, CountingUpstream, GatewayConfig, InProcessGateway,
+    RedisServer, Seen, TestEnv,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -41,7 +41,7 @@ async fn client_abort_still_records_the_response(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(600));
-    let config = TestConfig::new().set("admin.listen", "127.0.0.1:0");
+    let config = GatewayConfig::new().set("admin.listen", "127.0.0.1:0");
     let env = TestEnv::start_with(b, upstream, config).await;
     post_and_hang_up(env.gateway.addr, "/v1/p", "abort", "x").await;
     // The hang-up is counted with the outcome the request had come to.
@@ -91,7 +91,7 @@ async fn waiting_duplicates_get_the_replay(b: Backend) {
     let env = TestEnv::start_with(
         b,
         upstream,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.on_in_flight", "wait")
             .set("defaults.wait_timeout", "5s"),
     )
@@ -119,7 +119,7 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(800));
-    let extra = TestConfig::new()
+    let extra = GatewayConfig::new()
         .set("defaults.on_in_flight", "wait")
         .set("defaults.wait_timeout", "5s")
         .set("defaults.max_waiters", 2);
@@ -153,7 +153,7 @@ async fn waiters_are_bounded_in_number_and_time(b: Backend) {
     // Past wait_timeout, a waiter gets the 409.
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.on_in_flight", "wait")
             .set("defaults.wait_timeout", "200ms"),
     )
@@ -178,7 +178,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(1500));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis(&redis)
         .set("defaults.lock_ttl", "2s");
@@ -251,7 +251,7 @@ async fn crashed_gateway_leaves_the_key_in_flight_until_the_lease_ends() {
 /// the gateway serves keys again by itself (and PostgreSQL replays what it recorded before).
 async fn store_outage_rejects_keyed_requests_and_recovers_by_itself(b: Backend) {
     // A short store timeout so that an outage is detected quickly.
-    let env = TestEnv::start(b, TestConfig::new().set("store.timeout", "500ms")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("store.timeout", "500ms")).await;
     assert_eq!(
         send(env.post_keyed("/v1/p", "before").body("x"))
             .await
@@ -315,7 +315,7 @@ async fn postgres_outage_rejects_keyed_requests_and_recovers_by_itself() {
 async fn store_outage_with_pass_policy_forwards_without_idempotency() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new().set("defaults.on_store_error", "pass"),
+        GatewayConfig::new().set("defaults.on_store_error", "pass"),
     )
     .await;
     env.redis().kill();
@@ -335,7 +335,7 @@ async fn store_failure_after_the_upstream_answered_still_delivers_the_response()
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(800));
-    let env = TestEnv::start_with(Backend::Redis, upstream, TestConfig::new()).await;
+    let env = TestEnv::start_with(Backend::Redis, upstream, GatewayConfig::new()).await;
     let pending = tokio::spawn(send(env.post_keyed("/v1/p", "late").body("x")));
     // Redis dies while the upstream runs: the claim is in, the completion will fail.
     env.upstream.wait_for_calls(1).await;
@@ -354,7 +354,7 @@ async fn sigterm_finishes_in_flight_requests_and_exits_zero() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(1000));
-    let config = TestConfig::new().upstream(&upstream.url()).redis(&redis);
+    let config = GatewayConfig::new().upstream(&upstream.url()).redis(&redis);
     let mut gateway = binary().start(&config).await;
     let client = common::client();
     let pending = tokio::spawn(send(
@@ -400,7 +400,7 @@ async fn sigterm_while_starting_still_exits_cleanly() {
     let redis = RedisServer::start().await;
     let upstream = CountingUpstream::start().await;
     redis.pause();
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis(&redis)
         .set("store.timeout", "1s");
@@ -417,7 +417,7 @@ async fn shutdown_grace_bounds_the_wait() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_secs(60));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .set("shutdown_grace", "1s");
     let mut gateway = binary().start(&config).await;
@@ -446,7 +446,7 @@ async fn shutdown_grace_bounds_the_wait() {
 async fn stored_responses_survive_a_redis_restart_with_aof() {
     let redis = RedisServer::start_durable().await;
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new().upstream(&upstream.url()).redis(&redis);
+    let config = GatewayConfig::new().upstream(&upstream.url()).redis(&redis);
     let gateway = InProcessGateway::start(&config).await;
     let client = common::client();
     let url = gateway.url("/v1/p");
@@ -509,7 +509,11 @@ async fn evicting_or_volatile_redis_is_warned_about() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_redis_leaves_no_claim_behind() {
-    let env = TestEnv::start(Backend::Redis, TestConfig::new().set("store.timeout", "1s")).await;
+    let env = TestEnv::start(
+        Backend::Redis,
+        GatewayConfig::new().set("store.timeout", "1s"),
+    )
+    .await;
     // Serving first: a worker that starts while Redis is paused waits out its own connection's
     // timeouts before it accepts, which is start-up, not what this test is about.
     assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
@@ -553,7 +557,7 @@ async fn a_stalled_redis_leaves_no_claim_behind() {
 async fn a_waiter_runs_the_request_when_the_first_one_released_the_key(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.on_in_flight", "wait")
             .set("defaults.wait_timeout", "5s"),
     )
@@ -586,7 +590,7 @@ async fn the_gateway_starts_while_redis_is_down_and_catches_up() {
     // itself later on, so it cannot be reserved here: were it taken meanwhile, the test fails.)
     let port = common::free_port();
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis_url(&format!("redis://127.0.0.1:{port}/0"))
         .set("store.timeout", "300ms");
@@ -675,7 +679,7 @@ async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {
     let env = TestEnv::start_with(
         b,
         upstream,
-        TestConfig::new().set("defaults.lock_ttl", "8s"),
+        GatewayConfig::new().set("defaults.lock_ttl", "8s"),
     )
     .await;
     write_and_close(env.gateway.addr, keyed_post("gone", "x").as_bytes()).await;
@@ -693,7 +697,7 @@ async fn hang_up_right_after_sending_leaves_no_stuck_key(b: Backend) {
 }
 
 async fn hang_up_before_the_body_is_complete_claims_nothing(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let head = "POST /v1/p HTTP/1.1\r\nhost: x\r\nidempotency-key: partial\r\ncontent-length: 10\r\n\r\nabc";
     write_and_close(env.gateway.addr, head.as_bytes()).await;
     // Time in which the gateway would have forwarded it, were it going to.
@@ -719,7 +723,7 @@ async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
     let env = TestEnv::start_with(
         Backend::Redis,
         upstream,
-        TestConfig::new().set("defaults.lock_ttl", "8s"),
+        GatewayConfig::new().set("defaults.lock_ttl", "8s"),
     )
     .await;
     let redis = env.redis();
@@ -743,7 +747,7 @@ async fn hang_up_while_the_claim_is_pending_leaves_no_stuck_key() {
 async fn claims_no_replica_acknowledges_are_refused_and_counted() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("store.wait_replicas", 1)
             .set("store.timeout", "200ms")
             .set("admin.listen", "127.0.0.1:0"),
@@ -780,7 +784,7 @@ async fn a_failed_completion_is_sent_again_until_redis_is_back() {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(500));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .redis(&redis)
         .set("store.timeout", "300ms");
@@ -852,7 +856,7 @@ async fn calls_of_unknown_outcome_keep_their_key_and_are_counted_by_reason() {
             true => RawUpstream::answering_then_closing(answer).await,
             false => RawUpstream::answering(answer).await,
         };
-        let config = TestConfig::new()
+        let config = GatewayConfig::new()
             .upstream(&upstream.url())
             .set("admin.listen", "127.0.0.1:0")
             .set("defaults.upstream_timeout", "300ms");

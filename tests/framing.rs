@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::raw::{RawClient, RawUpstream};
-use common::{Backend, InProcessGateway, StoreServer, TestConfig};
+use common::{Backend, GatewayConfig, InProcessGateway, StoreServer};
 
 on_both_backends!(
     a_stale_content_length_beside_chunked_never_reaches_the_client,
@@ -24,7 +24,7 @@ struct Setup {
 async fn setup(b: Backend, upstream_answers: &'static [u8]) -> Setup {
     let upstream = RawUpstream::answering(upstream_answers).await;
     let redis = StoreServer::for_backend(b).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .store(redis.as_ref());
     let gateway = InProcessGateway::start(&config).await;

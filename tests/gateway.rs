@@ -5,8 +5,8 @@ use crate::common;
 use std::time::Duration;
 
 use common::{
-    send, wait_until, Backend, CountingUpstream, InProcessGateway, RedisServer, ReservedPort, Seen,
-    StoreServer, TestConfig, TestEnv,
+    send, wait_until, Backend, CountingUpstream, GatewayConfig, InProcessGateway, RedisServer,
+    ReservedPort, Seen, StoreServer, TestEnv,
 };
 use toml::toml;
 
@@ -39,7 +39,7 @@ on_both_backends!(
 );
 
 async fn first_request_then_replay(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/v1/payments", "k1").body("{\"amount\":10}")).await;
     assert_eq!(first.status, 201);
     assert!(!first.replayed());
@@ -68,7 +68,7 @@ async fn concurrent_duplicates_run_the_upstream_once(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(700));
-    let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
+    let env = TestEnv::start_with(b, upstream, GatewayConfig::new()).await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let req = env
@@ -107,7 +107,7 @@ async fn concurrent_duplicates_run_the_upstream_once(b: Backend) {
 }
 
 async fn different_request_with_same_key_is_a_mismatch(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     assert_eq!(
         send(env.post_keyed("/v1/a", "k").body("one")).await.status,
         201
@@ -136,7 +136,7 @@ async fn different_request_with_same_key_is_a_mismatch(b: Backend) {
 }
 
 async fn mismatch_status_can_be_422(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.mismatch_status", 422)).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.mismatch_status", 422)).await;
     send(env.post_keyed("/v1/a", "k").body("one")).await;
     let seen = send(env.post_keyed("/v1/a", "k").body("two")).await;
     assert_eq!(seen.status, 422);
@@ -144,7 +144,7 @@ async fn mismatch_status_can_be_422(b: Backend) {
 }
 
 async fn different_authorization_is_a_different_caller(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let alice = send(
         env.post_keyed("/v1/p", "shared")
             .bearer_auth("alice")
@@ -176,7 +176,7 @@ async fn different_authorization_is_a_different_caller(b: Backend) {
 }
 
 async fn server_errors_are_not_stored(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/v1/p?status=500", "k").body("x")).await;
     assert_eq!(first.status, 500);
     let retry = send(env.post_keyed("/v1/p?status=500", "k").body("x")).await;
@@ -188,7 +188,7 @@ async fn server_errors_are_not_stored(b: Backend) {
 async fn server_errors_are_stored_when_configured(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().set("defaults.cache_server_errors", true),
+        GatewayConfig::new().set("defaults.cache_server_errors", true),
     )
     .await;
     send(env.post_keyed("/v1/p?status=503", "k").body("x")).await;
@@ -199,7 +199,7 @@ async fn server_errors_are_stored_when_configured(b: Backend) {
 }
 
 async fn client_errors_are_stored_but_not_429(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     send(env.post_keyed("/v1/p?status=404", "k404").body("x")).await;
     let retry = send(env.post_keyed("/v1/p?status=404", "k404").body("x")).await;
     assert_eq!(retry.status, 404);
@@ -216,7 +216,7 @@ async fn client_errors_are_stored_but_not_429(b: Backend) {
 }
 
 async fn ttl_expiry_lets_the_key_run_again(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.ttl", "1s")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.ttl", "1s")).await;
     send(env.post_keyed("/v1/p", "k").body("x")).await;
     assert!(send(env.post_keyed("/v1/p", "k").body("x"))
         .await
@@ -241,7 +241,7 @@ async fn ttl_expiry_lets_the_key_run_again(b: Backend) {
 }
 
 async fn invalid_keys_are_refused(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.key_max_len", 8)).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.key_max_len", 8)).await;
     let too_long = send(env.post_keyed("/v1/p", "123456789").body("x")).await;
     let empty = send(env.post_keyed("/v1/p", "").body("x")).await;
     let quoted_empty = send(env.post_keyed("/v1/p", "\"\"").body("x")).await;
@@ -266,7 +266,7 @@ async fn invalid_keys_are_refused(b: Backend) {
 }
 
 async fn quoted_key_is_the_same_key(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     send(env.post_keyed("/v1/p", "abc").body("x")).await;
     assert!(send(env.post_keyed("/v1/p", "\"abc\"").body("x"))
         .await
@@ -277,7 +277,7 @@ async fn quoted_key_is_the_same_key(b: Backend) {
 async fn missing_key_on_required_route(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().route("/v1/payments", toml! { require_key = true }),
+        GatewayConfig::new().route("/v1/payments", toml! { require_key = true }),
     )
     .await;
     let seen = send(env.post("/v1/payments").body("x")).await;
@@ -289,7 +289,7 @@ async fn missing_key_on_required_route(b: Backend) {
 }
 
 async fn oversized_body_is_refused(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.max_body", "1KiB")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.max_body", "1KiB")).await;
     let declared = send(env.post_keyed("/v1/p", "k").body(vec![b'a'; 1025])).await;
     assert_eq!(declared.status, 413);
     assert_eq!(
@@ -317,7 +317,7 @@ async fn oversized_body_is_refused(b: Backend) {
 }
 
 async fn binary_body_replays_byte_exact(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     let payload: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
     let first = send(env.post_keyed("/echo", "bin").body(payload.clone())).await;
     assert_eq!(first.body.as_ref(), payload.as_slice());
@@ -328,7 +328,7 @@ async fn binary_body_replays_byte_exact(b: Backend) {
 }
 
 async fn unkeyed_and_other_methods_pass_through(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     for _ in 0..2 {
         assert_eq!(send(env.post("/v1/p").body("x")).await.status, 201);
         let get = send(
@@ -351,7 +351,7 @@ async fn unkeyed_and_other_methods_pass_through(b: Backend) {
 }
 
 async fn oversized_response_is_delivered_once_and_not_replayed(b: Backend) {
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .set("defaults.max_body", "64KiB")
         .set("admin.listen", "127.0.0.1:0");
     let env = TestEnv::start(b, config).await;
@@ -377,7 +377,7 @@ async fn oversized_response_is_delivered_once_and_not_replayed(b: Backend) {
 }
 
 async fn hop_by_hop_headers_are_not_forwarded(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     send(
         env.post_keyed("/v1/p", "hop")
             .header("connection", "x-private-hop")
@@ -398,7 +398,7 @@ async fn unreachable_upstream_releases_the_key(b: Backend) {
     // The upstream's port is reserved but not listened on: connections to it are refused.
     let port = ReservedPort::new();
     let redis = StoreServer::for_backend(b).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&port.url())
         .store(redis.as_ref());
     let gateway = InProcessGateway::start(&config).await;
@@ -421,7 +421,7 @@ async fn unreachable_upstream_releases_the_key(b: Backend) {
 async fn upstream_timeout_keeps_the_key_claimed(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.upstream_timeout", "300ms")
             .set("defaults.lock_ttl", "2s"),
     )
@@ -451,7 +451,7 @@ async fn upstream_timeout_keeps_the_key_claimed(b: Backend) {
 }
 
 async fn lease_is_renewed_while_the_upstream_runs(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.lock_ttl", "1s")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.lock_ttl", "1s")).await;
     let first = tokio::spawn(send(
         env.post_keyed("/v1/p?delay_ms=3000", "long").body("x"),
     ));
@@ -473,7 +473,7 @@ async fn lease_is_renewed_while_the_upstream_runs(b: Backend) {
 }
 
 async fn route_specific_policy_applies(b: Backend) {
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .route(
             "/v1/payments/{id}/capture",
             toml! { methods = ["POST"] ttl = "7d" require_key = true },
@@ -515,7 +515,7 @@ async fn route_specific_policy_applies(b: Backend) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_gateway_replays_from_redis() {
-    let mut env = TestEnv::start(Backend::Redis, TestConfig::new()).await;
+    let mut env = TestEnv::start(Backend::Redis, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/v1/p", "persist").body("x")).await;
     env.restart_gateway().await;
     let again = send(env.post_keyed("/v1/p", "persist").body("x")).await;
@@ -526,7 +526,7 @@ async fn restarted_gateway_replays_from_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_share_keys() {
-    let env = TestEnv::start(Backend::Redis, TestConfig::new()).await;
+    let env = TestEnv::start(Backend::Redis, GatewayConfig::new()).await;
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(500));
@@ -570,7 +570,11 @@ async fn two_gateways_on_one_redis_share_keys() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_record_is_compact_and_expires() {
-    let env = TestEnv::start(Backend::Redis, TestConfig::new().set("defaults.ttl", "1h")).await;
+    let env = TestEnv::start(
+        Backend::Redis,
+        GatewayConfig::new().set("defaults.ttl", "1h"),
+    )
+    .await;
     let payload = vec![7u8; 10_000];
     let first = send(env.post_keyed("/echo", "compact").body(payload)).await;
     let mut conn = env.redis().connection().await;
@@ -611,7 +615,7 @@ async fn redis_record_is_compact_and_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_connections_are_kept_alive_and_reused() {
     // One worker, so that every request goes through one pool.
-    let env = TestEnv::start(Backend::Memory, TestConfig::new().set("workers", 1)).await;
+    let env = TestEnv::start(Backend::Memory, GatewayConfig::new().set("workers", 1)).await;
     let url = |path: &str| env.url(path);
     for i in 0..5 {
         // Small and streamed pass-through bodies, a miss, its replay, a 204 without a body.
@@ -643,7 +647,7 @@ async fn upstream_connections_are_kept_alive_and_reused() {
 async fn an_ipv6_upstream_is_reached() {
     let upstream = CountingUpstream::start_v6().await;
     assert!(upstream.url().starts_with("http://[::1]:"));
-    let env = TestEnv::start_with(Backend::Memory, upstream, TestConfig::new()).await;
+    let env = TestEnv::start_with(Backend::Memory, upstream, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/v1/p", "v6").body("x")).await;
     assert_eq!(first.status, 201);
     assert!(send(env.post_keyed("/v1/p", "v6").body("x"))
@@ -686,7 +690,7 @@ async fn connections_the_upstream_closed_when_idle_are_not_reused() {
         }
     });
     // One worker, so that every request goes through one pool.
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&format!("http://{upstream}"))
         .set("workers", 1);
     let gateway = InProcessGateway::start(&config).await;
@@ -741,7 +745,7 @@ async fn redis_stores_compressible_bodies_compressed_and_replays_them_whole() {
         })
         .collect();
     // Default: LZ4.
-    let env = TestEnv::start(Backend::Redis, TestConfig::new()).await;
+    let env = TestEnv::start(Backend::Redis, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/echo", "lz4").body(json.clone())).await;
     assert_eq!(first.body, json);
     let mut conn = env.redis().connection().await;
@@ -820,7 +824,7 @@ impl RoundTrips {
 async fn replays_come_from_the_local_cache_without_a_round_trip() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new().set("admin.listen", "127.0.0.1:0"),
+        GatewayConfig::new().set("admin.listen", "127.0.0.1:0"),
     )
     .await;
     // Warm up: connections, the startup checks and the script cache cost round trips of their own.
@@ -870,7 +874,7 @@ async fn replays_come_from_the_local_cache_without_a_round_trip() {
 async fn without_the_local_cache_a_replay_is_one_round_trip() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new().set("store.local_cache", 0),
+        GatewayConfig::new().set("store.local_cache", 0),
     )
     .await;
     let url = env.url("/v1/p");

@@ -7,7 +7,7 @@ use crate::common;
 
 use std::process::Stdio;
 
-use common::{Backend, CountingUpstream, TestConfig, TestEnv};
+use common::{Backend, CountingUpstream, GatewayConfig, TestEnv};
 use serde_json::{json, Value};
 use testkit::PythonEnv;
 use tokio::io::AsyncBufReadExt;
@@ -203,7 +203,7 @@ impl GrpcServer {
 /// streaming answers (`stream = true`, waiting for an in-flight duplicate), `/down.Svc/*` to an
 /// upstream that is not there.
 async fn gateway(backend: Backend, server: &GrpcServer) -> TestEnv {
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .set("admin.listen", "127.0.0.1:0")
         .set(
             "upstreams.grpc.url",

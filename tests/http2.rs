@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    send, Backend, CountingUpstream, InProcessGateway, Seen, TestCa, TestConfig, TestEnv, Validity,
+    send, Backend, CountingUpstream, GatewayConfig, InProcessGateway, Seen, TestCa, TestEnv,
+    Validity,
 };
 use http_body_util::{BodyExt, Full};
 
@@ -31,7 +32,7 @@ async fn h2c_clients_get_first_call_replay_mismatch_and_in_flight(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(300));
-    let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
+    let env = TestEnv::start_with(b, upstream, GatewayConfig::new()).await;
     let client = h2c();
     let post = |key: &str, body: &'static str| {
         client
@@ -57,7 +58,7 @@ async fn h2c_clients_get_first_call_replay_mismatch_and_in_flight(b: Backend) {
 }
 
 async fn a_replay_is_the_same_over_http2_and_http1(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new()).await;
+    let env = TestEnv::start(b, GatewayConfig::new()).await;
     // Recorded from an HTTP/1.1 client, replayed to an HTTP/2 one and back: the fingerprint
     // does not depend on the client's version, and neither does the replay.
     let first = send(env.post_keyed("/v1/p", "both").body("x")).await;
@@ -91,7 +92,7 @@ async fn http2_over_tls_by_alpn(b: Backend) {
     let cert = ca.server("gateway", &["127.0.0.1", "localhost"], Validity::Now);
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("tls.cert_file", cert.cert())
             .set("tls.key_file", cert.key_path()),
     )
@@ -140,7 +141,7 @@ async fn concurrent_duplicates_on_one_http2_connection_run_once(b: Backend) {
     let upstream = CountingUpstream::start()
         .await
         .delay(Duration::from_millis(300));
-    let env = TestEnv::start_with(b, upstream, TestConfig::new()).await;
+    let env = TestEnv::start_with(b, upstream, GatewayConfig::new()).await;
     let tcp = tokio::net::TcpStream::connect(env.gateway.addr)
         .await
         .unwrap();
@@ -187,7 +188,7 @@ async fn concurrent_duplicates_on_one_http2_connection_run_once(b: Backend) {
 #[tokio::test]
 async fn a_stream_whose_body_trickles_below_the_min_rate_gets_408_and_the_connection_goes_on() {
     let upstream = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .set("client_min_body_rate", "100B/s")
         .set("client_min_body_rate_grace", "1s")

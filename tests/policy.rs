@@ -7,7 +7,7 @@ use crate::common;
 
 use std::time::{Duration, SystemTime};
 
-use common::{send, wait_until, Backend, Seen, TestConfig, TestEnv};
+use common::{send, wait_until, Backend, GatewayConfig, Seen, TestEnv};
 use toml::toml;
 
 const TOKEN: &str = "test-admin-token-0123456789";
@@ -38,7 +38,7 @@ const INVALID_JSON: &str = "urn:idemgate:problem:invalid-json";
 async fn json_fingerprint_replays_reserialised_json_and_exact_does_not(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().route("/v1/json", toml! { fingerprint = "json" }),
+        GatewayConfig::new().route("/v1/json", toml! { fingerprint = "json" }),
     )
     .await;
     let first = r#"{"amount":100,"currency":"EUR","meta":{"a":[1,2],"b":"é"}}"#;
@@ -91,10 +91,12 @@ async fn json_fingerprint_replays_reserialised_json_and_exact_does_not(b: Backen
 async fn ignored_fields_do_not_cause_a_mismatch(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().set("defaults.fingerprint", "json").set(
-            "defaults.fingerprint_ignore",
-            toml::Value::Array(vec!["/request_id".into(), "/items/*/client_ts".into()]),
-        ),
+        GatewayConfig::new()
+            .set("defaults.fingerprint", "json")
+            .set(
+                "defaults.fingerprint_ignore",
+                toml::Value::Array(vec!["/request_id".into(), "/items/*/client_ts".into()]),
+            ),
     )
     .await;
     let first =
@@ -122,7 +124,7 @@ async fn ignored_fields_do_not_cause_a_mismatch(b: Backend) {
 }
 
 async fn invalid_json_is_refused_and_nothing_is_claimed(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.fingerprint", "json")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.fingerprint", "json")).await;
     let deep = format!("{}{}", "[".repeat(129), "]".repeat(129));
     for (body, why) in [
         (r#"{"amount":1"#, "cut short"),
@@ -151,7 +153,7 @@ async fn invalid_json_is_refused_and_nothing_is_claimed(b: Backend) {
 async fn fingerprint_headers_are_part_of_the_request(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().set(
+        GatewayConfig::new().set(
             "defaults.fingerprint_headers",
             toml::Value::Array(vec!["X-Api-Version".into()]),
         ),
@@ -178,7 +180,7 @@ async fn fingerprint_headers_are_part_of_the_request(b: Backend) {
 async fn key_header_aliases_name_one_key(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().set(
+        GatewayConfig::new().set(
             "defaults.key_headers",
             toml::Value::Array(vec!["idempotency-key".into(), "x-idempotency-key".into()]),
         ),
@@ -217,7 +219,7 @@ async fn key_header_aliases_name_one_key(b: Backend) {
 }
 
 /// An admin listener on `config`, to read what the key view says.
-fn with_admin(config: TestConfig) -> TestConfig {
+fn with_admin(config: GatewayConfig) -> GatewayConfig {
     config
         .set("admin.listen", "127.0.0.1:0")
         .set("admin.admin_token", TOKEN)
@@ -231,7 +233,7 @@ async fn inspect(env: &TestEnv, key: &str) -> serde_json::Value {
 async fn a_body_key_names_the_same_record_as_a_header_key(b: Backend) {
     let env = TestEnv::start(
         b,
-        with_admin(TestConfig::new().set("defaults.key_from_body", "/payment/reference")),
+        with_admin(GatewayConfig::new().set("defaults.key_from_body", "/payment/reference")),
     )
     .await;
     let body = r#"{"payment":{"reference":"r-1"},"amount":5}"#;
@@ -275,7 +277,7 @@ async fn a_body_key_names_the_same_record_as_a_header_key(b: Backend) {
 }
 
 async fn a_derived_key_is_the_payment_identity(b: Backend) {
-    let settings = with_admin(TestConfig::new().key_secret(SECRET))
+    let settings = with_admin(GatewayConfig::new().key_secret(SECRET))
         .set("defaults.fingerprint", "json")
         .set(
             "defaults.fingerprint_ignore",
@@ -316,7 +318,7 @@ async fn a_derived_key_is_the_payment_identity(b: Backend) {
 async fn failure_ttl_lets_a_fixed_request_run_while_a_success_stays(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.ttl", "1h")
             .set("defaults.failure_ttl", "1s"),
     )
@@ -344,7 +346,7 @@ async fn failure_ttl_lets_a_fixed_request_run_while_a_success_stays(b: Backend) 
 }
 
 async fn the_upstream_steers_a_response_with_idempotency_control(b: Backend) {
-    let env = TestEnv::start(b, TestConfig::new().set("defaults.ttl", "1h")).await;
+    let env = TestEnv::start(b, GatewayConfig::new().set("defaults.ttl", "1h")).await;
     // no-store (and max-age=0): not recorded, the key is free again at once.
     for control in ["no-store", "max-age%3D0"] {
         let path = format!("/v1/p?control={control}");
@@ -393,7 +395,7 @@ async fn the_upstream_steers_a_response_with_idempotency_control(b: Backend) {
 
 async fn set_cookie_is_recorded_but_not_replayed(b: Backend) {
     let settings =
-        with_admin(TestConfig::new()).route("/v1/all", toml! { replay_drop_headers = [] });
+        with_admin(GatewayConfig::new()).route("/v1/all", toml! { replay_drop_headers = [] });
     let env = TestEnv::start(b, settings).await;
     let cookies = |seen: &Seen| -> Vec<String> {
         seen.headers
@@ -427,7 +429,7 @@ async fn set_cookie_is_recorded_but_not_replayed(b: Backend) {
 async fn scope_cookies_separate_sessions(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new().set(
+        GatewayConfig::new().set(
             "defaults.scope_cookies",
             toml::Value::Array(vec!["session_id".into()]),
         ),
@@ -455,7 +457,7 @@ async fn scope_cookies_separate_sessions(b: Backend) {
 async fn the_expiry_header_tells_when_the_record_goes(b: Backend) {
     let env = TestEnv::start(
         b,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("defaults.ttl", "1h")
             .set("defaults.failure_ttl", "5m")
             .set("defaults.expiry_header", "idempotency-expires"),
@@ -512,7 +514,7 @@ async fn expired_keys_are_refused_with_410_until_their_tombstone_goes(b: Backend
     };
     let mut stripe = refuse.clone();
     stripe.insert("error_format".into(), "stripe".into());
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .route("/v1/refuse", refuse)
         .route("/v1/stripe", stripe)
         .route("/v1/run", toml! { ttl = "1s" });

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
-use common::{send, wait_until, Backend, InProcessGateway, PostgresServer, TestConfig, TestEnv};
+use common::{send, wait_until, Backend, GatewayConfig, InProcessGateway, PostgresServer, TestEnv};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::policy::Ttl;
@@ -39,7 +39,7 @@ fn rows(server: &PostgresServer) -> u64 {
 }
 
 /// The idemgate binary with `config`, run to its exit: (exit code, stderr).
-fn run_binary(config: &TestConfig) -> (Option<i32>, String) {
+fn run_binary(config: &GatewayConfig) -> (Option<i32>, String) {
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), config.to_toml()).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
@@ -122,7 +122,7 @@ async fn a_newer_schema_is_refused_and_a_foreign_table_too() {
         other => panic!("expected the newer schema refused, got {other:?}"),
     }
     // The binary exits 1 saying so.
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .postgres(&server)
         .upstream("http://127.0.0.1:9");
     let (code, logs) = run_binary(&config);
@@ -202,7 +202,7 @@ async fn a_table_of_schema_1_is_migrated_at_start_and_keeps_its_records() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_password_exits_1_without_printing_it() {
     let server = PostgresServer::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
         .set("store.backend", "postgres")
         .set("store.url", server.url_with("idemgate", "not-the-password"));
@@ -263,7 +263,7 @@ async fn a_stalled_server_is_a_store_error_within_the_timeout() {
 /// Committed records survive the server's kill -9 and restart: a retry replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_records_replay_after_the_server_is_killed_and_restarted() {
-    let env = TestEnv::start(Backend::Postgres, TestConfig::new()).await;
+    let env = TestEnv::start(Backend::Postgres, GatewayConfig::new()).await;
     let first = send(env.post_keyed("/v1/p", "k").body("x")).await;
     assert_eq!(first.status, 201);
     env.postgres().kill();
@@ -285,7 +285,7 @@ async fn a_server_down_at_start_up_is_picked_up_later() {
     let server = PostgresServer::start().await;
     server.stop();
     let upstream = common::CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .postgres(&server)
         .set("store.timeout", "500ms");
@@ -310,7 +310,7 @@ async fn two_gateways_run_each_key_once() {
         .await
         .delay(Duration::from_millis(300));
     // Two pools filling at once on a loaded machine: a store timeout with room to spare.
-    let config = TestConfig::new().set("store.timeout", "10s");
+    let config = GatewayConfig::new().set("store.timeout", "10s");
     let env = TestEnv::start_with(Backend::Postgres, upstream, config).await;
     let other = InProcessGateway::start(&env.config()).await;
     let keys = 10;
@@ -409,7 +409,7 @@ async fn tls_verifies_the_certificate_and_a_wrong_setup_exits_1() {
         Ok(_) => panic!("a self-signed certificate was trusted without its CA"),
         Err(other) => panic!("unexpected {other:?}"),
     }
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
         .set("store.backend", "postgres")
         .set("store.url", url.as_str());
@@ -454,7 +454,7 @@ async fn a_client_certificate_for_a_server_that_asks_for_one() {
         Claim::Claimed
     ));
     let upstream = common::CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .set("store.backend", "postgres")
         .set("store.url", url.as_str())
@@ -628,8 +628,8 @@ async fn evict(gateway: &InProcessGateway, key: &str) -> u64 {
     body["evicted"].as_u64().unwrap()
 }
 
-fn with_admin() -> TestConfig {
-    TestConfig::new()
+fn with_admin() -> GatewayConfig {
+    GatewayConfig::new()
         .set("admin.listen", "127.0.0.1:0")
         .set("admin.admin_token", ADMIN_TOKEN)
 }
@@ -723,7 +723,7 @@ async fn an_eviction_reaches_every_gateways_local_cache() {
 /// another gateway polls, and gets the replay all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_are_woken_by_their_gateways_completion() {
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .set("defaults.on_in_flight", "wait")
         .set("defaults.wait_timeout", "5s");
     let env = TestEnv::start(Backend::Postgres, config).await;
@@ -785,7 +785,7 @@ async fn pool_size_bounds_the_whole_process() {
     let upstream = common::CountingUpstream::start()
         .await
         .delay(Duration::from_millis(200));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .set("workers", 2)
         .set("store.pool_size", 4)
         .set("store.timeout", "10s");
@@ -1106,7 +1106,7 @@ async fn a_big_table_of_schema_1_is_migrated_once_while_it_is_served() {
     let writes = older_gateway_writes(session(&server).await, done.clone());
     let (builds, watching) = watch_builds(session(&server).await, done.clone());
     let upstream = common::CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .postgres(&server)
         .set("store.timeout", "200ms");

@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use common::{send, Backend, InProcessGateway, TestConfig, TestEnv};
+use common::{send, Backend, GatewayConfig, InProcessGateway, TestEnv};
 
 /// Two keys of 32 bytes in base64, as `openssl rand -base64 32` makes them.
 const K1: &str = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
@@ -15,14 +15,14 @@ const K2: &str = "k2:HxwdHhobGBkWFxQVEhMQEQ4PDA0KCwgJBgcEBQIDAAE=";
 const MARKER: &str = "pan=4242424242424242;holder=MARKER-Ada-Lovelace";
 
 /// The settings of a sealing gateway whose retries read the store (no local cache).
-fn sealed(mode: &str, keys: &str) -> TestConfig {
-    TestConfig::new()
+fn sealed(mode: &str, keys: &str) -> GatewayConfig {
+    GatewayConfig::new()
         .set("admin.listen", "127.0.0.1:0")
         .seal(mode, keys)
 }
 
 /// The same with the local cache off, on the shared stores (so that a retry reads the store).
-fn sealed_uncached(backend: Backend, mode: &str, keys: &str) -> TestConfig {
+fn sealed_uncached(backend: Backend, mode: &str, keys: &str) -> GatewayConfig {
     let config = sealed(mode, keys);
     match backend {
         Backend::Redis | Backend::Postgres => config.set("store.local_cache", "0"),
@@ -191,7 +191,7 @@ async fn rotation_opens_records_of_every_listed_key() {
 async fn required_refuses_a_clear_record_that_on_still_replays() {
     let env = TestEnv::start(
         Backend::Redis,
-        TestConfig::new()
+        GatewayConfig::new()
             .set("admin.listen", "127.0.0.1:0")
             .set("store.local_cache", "0"),
     )

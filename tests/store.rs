@@ -640,7 +640,7 @@ async fn rediss_with_a_client_certificate() {
     records_and_replays(&s, 12, "mutual").await;
     // The gateway with the same files named in [store].
     let upstream = common::CountingUpstream::start().await;
-    let config = common::TestConfig::new()
+    let config = common::GatewayConfig::new()
         .upstream(&upstream.url())
         .set("store.backend", "redis")
         .set("store.url", &*url)

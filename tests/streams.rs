@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::upstream::sse_event;
-use common::{send, Backend, CountingUpstream, Seen, TestConfig, TestEnv};
+use common::{send, Backend, CountingUpstream, GatewayConfig, Seen, TestEnv};
 use http::HeaderMap;
 use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
@@ -21,8 +21,8 @@ const ADMIN_TOKEN: &str = "streams-admin-token-0123456789";
 /// Events 300 ms apart: an answer that takes 0.9 s to end.
 const EVENTS: &str = "?events=4&gap_ms=300";
 
-fn config() -> TestConfig {
-    TestConfig::new()
+fn config() -> GatewayConfig {
+    GatewayConfig::new()
         .set("admin.listen", "127.0.0.1:0")
         .route(
             "/live/events",

@@ -19,8 +19,8 @@ use prost::Message;
 use sha2::{Digest, Sha256};
 
 use common::{
-    binary, client, free_port, send, wait_until, CountingUpstream, GatewayProcess, TestCa,
-    TestConfig, Validity,
+    binary, client, free_port, send, wait_until, CountingUpstream, GatewayConfig, GatewayProcess,
+    TestCa, Validity,
 };
 
 /// An OTLP/HTTP receiver: every export's raw bytes, kept for the test to decode, and the
@@ -130,9 +130,9 @@ const KEY: &str = "order-7f3a-raw-key-never-exported";
 
 /// A gateway exporting to `collector` at `sample_ratio`, with an admin listener, batching
 /// every 100 ms so that the test waits little.
-fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (TestConfig, u16) {
+fn traced(upstream: &CountingUpstream, collector: &str, sample_ratio: f64) -> (GatewayConfig, u16) {
     let admin = free_port();
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .set("workers", 1)
         .set("admin.listen", &*format!("127.0.0.1:{admin}"))

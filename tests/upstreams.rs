@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::{
-    send, Backend, CountingUpstream, InProcessGateway, Seen, StoreServer, TestCa, TestConfig,
+    send, Backend, CountingUpstream, GatewayConfig, InProcessGateway, Seen, StoreServer, TestCa,
     Validity,
 };
 use toml::toml;
@@ -22,7 +22,7 @@ on_both_backends!(
 );
 
 /// A gateway on `backend` with `config` (its store filled in), and the Redis it uses.
-async fn start(b: Backend, config: TestConfig) -> (InProcessGateway, Option<StoreServer>) {
+async fn start(b: Backend, config: GatewayConfig) -> (InProcessGateway, Option<StoreServer>) {
     let redis = StoreServer::for_backend(b).await;
     let gateway = InProcessGateway::start(&config.store(redis.as_ref())).await;
     (gateway, redis)
@@ -45,7 +45,7 @@ async fn an_https_upstream_with_a_private_ca(b: Backend) {
     let ca = TestCa::new();
     let cert = ca.server("upstream", &["127.0.0.1", "localhost"], Validity::Now);
     let upstream = CountingUpstream::start_tls(ca.server_config(&cert, false)).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.https_url())
         .set("upstreams.default.ca_file", ca.ca());
     let (gateway, _redis) = start(b, config).await;
@@ -82,7 +82,7 @@ async fn a_tls_failure_releases_the_key_and_says_so(b: Backend) {
     ];
     for (case, server) in cases {
         let upstream = CountingUpstream::start_tls(server).await;
-        let config = TestConfig::new()
+        let config = GatewayConfig::new()
             .upstream(&upstream.https_url())
             .set("upstreams.default.ca_file", ca.ca());
         let (gateway, _redis) = start(b, config).await;
@@ -109,7 +109,7 @@ async fn mutual_tls_presents_the_client_certificate(b: Backend) {
     let client = ca.client("gateway");
     let upstream = CountingUpstream::start_tls(ca.server_config(&server, true)).await;
     let redis = StoreServer::for_backend(b).await;
-    let base = TestConfig::new()
+    let base = GatewayConfig::new()
         .upstream(&upstream.https_url())
         .set("upstreams.default.ca_file", ca.ca())
         .store(redis.as_ref());
@@ -141,7 +141,7 @@ async fn the_server_name_can_differ_from_the_host(b: Backend) {
     let ca = TestCa::new();
     let cert = ca.server("upstream", &["payments.internal"], Validity::Now);
     let upstream = CountingUpstream::start_tls(ca.server_config(&cert, false)).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.https_url())
         .set("upstreams.default.ca_file", ca.ca())
         .set("upstreams.default.server_name", "payments.internal");
@@ -155,7 +155,7 @@ async fn two_named_upstreams_behind_two_routes(b: Backend) {
     let ca = TestCa::new();
     let cert = ca.server("refunds", &["127.0.0.1"], Validity::Now);
     let refunds = CountingUpstream::start_tls(ca.server_config(&cert, false)).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&payments.url())
         .set("upstreams.refunds.url", refunds.https_url().as_str())
         .set("upstreams.refunds.ca_file", ca.ca())
@@ -178,7 +178,7 @@ async fn two_named_upstreams_behind_two_routes(b: Backend) {
 async fn http2_to_the_upstream(b: Backend) {
     // h2c with prior knowledge...
     let plain = CountingUpstream::start().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&plain.url())
         .set("upstreams.default.http2", true);
     let (gateway, _redis) = start(b, config).await;
@@ -190,7 +190,7 @@ async fn http2_to_the_upstream(b: Backend) {
     let ca = TestCa::new();
     let cert = ca.server("h2", &["127.0.0.1"], Validity::Now);
     let tls = CountingUpstream::start_tls(ca.server_config(&cert, false)).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&tls.https_url())
         .set("upstreams.default.ca_file", ca.ca())
         .set("upstreams.default.http2", true)
@@ -207,7 +207,7 @@ async fn http2_to_the_upstream(b: Backend) {
         "the requests share one HTTP/2 connection"
     );
     // Without http2 the same upstream is spoken to in HTTP/1.1 (ALPN http/1.1).
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&tls.https_url())
         .set("upstreams.default.ca_file", ca.ca());
     let (gateway, _redis3) = start(b, config).await;
@@ -217,7 +217,7 @@ async fn http2_to_the_upstream(b: Backend) {
 
 async fn forwarding_headers_reach_the_upstream(b: Backend) {
     let upstream = CountingUpstream::start().await;
-    let (gateway, _redis) = start(b, TestConfig::new().upstream(&upstream.url())).await;
+    let (gateway, _redis) = start(b, GatewayConfig::new().upstream(&upstream.url())).await;
     send(post(&gateway, "/v1/p", "xff")).await;
     let seen = upstream.last_headers();
     assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
@@ -243,7 +243,7 @@ async fn metrics_name_the_upstream() {
     let untrusted = TestCa::new();
     let cert = untrusted.server("refunds", &["127.0.0.1"], Validity::Now);
     let refunds = CountingUpstream::start_tls(untrusted.server_config(&cert, false)).await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&payments.url())
         .set("upstreams.refunds.url", refunds.https_url().as_str())
         .set("upstreams.refunds.ca_file", ca.ca())
@@ -272,7 +272,7 @@ async fn max_connections_bounds_the_connections_a_worker_opens() {
     let upstream = CountingUpstream::start()
         .await
         .delay(std::time::Duration::from_millis(300));
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .upstream(&upstream.url())
         .set("upstreams.default.max_connections", 1)
         .set("workers", 1);

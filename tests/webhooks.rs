@@ -10,7 +10,7 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use common::{send, Backend, Seen, TestConfig, TestEnv};
+use common::{send, Backend, GatewayConfig, Seen, TestEnv};
 use serde_json::{json, Value};
 use testkit::PythonEnv;
 use toml::toml;
@@ -56,8 +56,8 @@ print(json.dumps(out))
 "#;
 
 /// The webhook routes, their secrets in the gateway's environment, and a plain route beside.
-fn config() -> TestConfig {
-    TestConfig::new()
+fn config() -> GatewayConfig {
+    GatewayConfig::new()
         .admin()
         .route(
             "/hooks/stripe",
@@ -494,7 +494,7 @@ print(json.dumps(out))
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stripe_deliveries_are_accepted_exactly_as_stripe_python_accepts_them() {
     let py = senders().await;
-    let config = TestConfig::new()
+    let config = GatewayConfig::new()
         .route(
             "/hooks/stripe",
             toml! { webhook = "stripe" webhook_secret_env = "WH_STRIPE" },

@@ -184,7 +184,8 @@ pub struct Config {
     pub tls: Option<ListenerTls>,
     /// The secret derived keys are made with (`IDEMGATE_KEY_SECRET`), when set.
     pub key_secret: Option<KeySecret>,
-    /// The store and its settings. Default: the memory store (`[store]` without `backend`).
+    /// The store and its settings. Default: the embedded store in `idemgate-data` (no `[store]`,
+    /// or `[store]` without `backend`).
     pub store: StoreConfig,
     /// The policy for requests that match no route.
     pub defaults: Arc<Policy>,
@@ -492,6 +493,7 @@ fn forwarded_to(
 mod tests {
     use super::*;
     use crate::record::policy::Ttl;
+    use crate::store::EmbeddedSettings;
     use http::{Method, StatusCode};
 
     fn err(text: &str) -> String {
@@ -502,7 +504,10 @@ mod tests {
     fn minimal_config_uses_builtin_defaults() {
         let c = Config::from_toml("upstream = \"http://127.0.0.1:9000\"").unwrap();
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
-        assert_eq!(c.store, StoreConfig::Memory(MemorySettings::default()));
+        assert_eq!(
+            c.store,
+            StoreConfig::Embedded(EmbeddedSettings::new("idemgate-data"))
+        );
         assert_eq!(*c.defaults, Policy::default());
         assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
         assert_eq!(c.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
@@ -1006,17 +1011,19 @@ mod tests {
             DEFAULT_CLIENT_MIN_BODY_RATE_GRACE
         );
         assert_eq!(c.max_client_connections, DEFAULT_MAX_CLIENT_CONNECTIONS);
-        // The memory store's fields are shown commented out (so that the same file can switch
+        // The embedded store's fields are shown commented out (so that the same file can switch
         // to Redis from the environment); each such line parses to the default.
-        let memory = MemorySettings::default();
+        let embedded = EmbeddedSettings::new(crate::store::embedded::DEFAULT_PATH);
+        assert_eq!(c.store, StoreConfig::Embedded(embedded.clone()));
         for line in [
-            format!("max_entries = {}", memory.max_entries),
-            format!("max_bytes = \"{}MiB\"", memory.max_bytes >> 20),
+            format!("max_entries = {}", embedded.max_entries),
+            format!("max_bytes = \"{}MiB\"", embedded.max_bytes >> 20),
+            format!("path = {:?}", embedded.path),
         ] {
             assert!(example.contains(&line), "example.toml lacks {line:?}");
             let c =
                 Config::from_toml(&format!("upstream = \"http://h:1\"\n[store]\n{line}")).unwrap();
-            assert_eq!(c.store, StoreConfig::Memory(memory.clone()), "{line}");
+            assert_eq!(c.store, StoreConfig::Embedded(embedded.clone()), "{line}");
         }
         // So are the telemetry's, each with the required endpoint.
         let endpoint = "otlp_endpoint = \"http://127.0.0.1:4318\"";

@@ -63,7 +63,7 @@ trait Table: serde::de::DeserializeOwned {
 /// The table as written, read as its backend's.
 fn read(mut table: toml::Table) -> Result<StoreConfig, Refused> {
     let name = match table.remove("backend") {
-        None => "memory".to_string(),
+        None => "embedded".to_string(),
         Some(v) => String::deserialize(v).map_err(|e| refused("backend", e.message()))?,
     };
     let Some(backend) = BACKENDS.iter().find(|b| b.name == name) else {
@@ -148,14 +148,16 @@ struct EmbeddedTable {
 
 impl Table for EmbeddedTable {
     fn settings(self) -> Result<StoreConfig, Refused> {
-        let path =
-            match self.path {
-                Some(path) if !path.is_empty() => path,
-                _ => return Err(refused(
+        let path = match self.path {
+            None => crate::store::embedded::DEFAULT_PATH.to_string(),
+            Some(path) if !path.is_empty() => path,
+            Some(_) => {
+                return Err(refused(
                     "path",
-                    "is required when store.backend = \"embedded\" (a directory the gateway owns)",
-                )),
-            };
+                    "must name a directory the gateway owns (empty here)",
+                ))
+            }
+        };
         let mut settings = EmbeddedSettings::new(path);
         if let Some(fsync) = self.fsync {
             settings.fsync = fsync;

@@ -298,7 +298,7 @@ mod tests {
         ))
         .unwrap();
         let metrics = Metrics::new();
-        crate::listener::ConnectionCap::new(c.max_client_connections, metrics.clone());
+        crate::listener::ConnectionCap::new(c.max_client_connections, &metrics);
         crate::proxy::Proxy::new(c.upstreams.values(), &metrics);
         let routes = Routes::from_config(&c.defaults, c.route_policies());
         IdempotencyLayer::with_routes(MemoryStore::new(), routes).with_metrics(metrics);

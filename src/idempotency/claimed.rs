@@ -19,13 +19,13 @@ use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Col
 use super::grpc;
 use super::inner::{is_not_sent, Deadline, Inner};
 use super::lease::{Held, Lease};
-use super::outcome::{Answer, Finished, Forwarded};
+use super::metrics::{Outcome, Unsettled};
+use super::outcome::{Answer, Finished, Forwarded, InFlight};
 use super::response::{self, Terms, TRACEPARENT};
 use super::streamed::{StreamTtl, Streaming, Tail};
 use super::trace;
 use crate::error::GatewayError;
 use crate::headers::is_final_status;
-use crate::metrics::{InFlight, Outcome, Unsettled};
 use crate::record::{EntryState, StoredResponse};
 use crate::store::{Keep, Store};
 

@@ -19,7 +19,8 @@ use super::body::ByteBody;
 use super::grpc;
 use super::inner::Inner;
 use super::lease::{Held, Lease};
-use super::outcome::{Finished, Forwarded};
+use super::metrics::{Outcome, StoreOp};
+use super::outcome::{Finished, Forwarded, Unanswered};
 use super::request_body::{find_key, whole_body};
 use super::response::{self, relayed};
 use super::routes::RouteState;
@@ -28,7 +29,6 @@ use super::trace;
 use super::wait::Waiter;
 use super::webhook;
 use crate::error::GatewayError;
-use crate::metrics::{Outcome, StoreOp, Unanswered};
 use crate::record::fingerprint::Fingerprint;
 use crate::record::policy::{OnInFlight, OnStoreError};
 use crate::record::Token;
@@ -72,7 +72,7 @@ impl<St: Store> Shared<St> {
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
-        let key = match webhook::event_key(&self.metrics, &policy, &mut parts, &body) {
+        let key = match webhook::event_key(&self.registry, &policy, &mut parts, &body) {
             Ok(event) => event.or(key),
             Err(e) => return Finished::refused(rejected_invalid, e, format),
         };

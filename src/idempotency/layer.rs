@@ -49,7 +49,7 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 store,
-                RouteTable::new(routes, &metrics),
+                RouteTable::new(routes, &metrics.families()),
                 metrics,
                 TaskTracker::new(),
                 Arc::default(),
@@ -63,7 +63,7 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 self.shared.store.clone(),
-                RouteTable::new(routes, &metrics),
+                RouteTable::new(routes, &metrics.families()),
                 metrics,
                 self.shared.tasks.clone(),
                 self.shared.live.clone(),
@@ -79,7 +79,7 @@ impl<St: Store> IdempotencyLayer<St> {
             shared: Arc::new(Shared::new(
                 store,
                 self.shared.table.clone(),
-                self.shared.metrics.clone(),
+                self.shared.registry.clone(),
                 TaskTracker::new(),
                 self.shared.live.clone(),
             )),
@@ -88,7 +88,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// The metrics the layer counts into (Prometheus text with [`Metrics::encode`]).
     pub fn metrics(&self) -> &Metrics {
-        &self.shared.metrics
+        &self.shared.registry
     }
 
     /// The routes the layer applies.

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, error, warn};
 
+use super::metrics::{StoreOp, Unsettled};
 use super::shared::Shared;
-use crate::metrics::{StoreOp, Unsettled};
 use crate::record::key::{IdempotencyKey, KeySource};
 use crate::record::policy::{ErrorFormat, Policy};
 use crate::record::EntryState;

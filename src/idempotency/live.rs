@@ -21,8 +21,8 @@ use http_body_util::{BodyExt, StreamBody};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::body::{joined, BoxError};
+use super::metrics::Unsettled;
 use super::sse;
-use crate::metrics::Unsettled;
 use crate::record::fingerprint::Fingerprint;
 use crate::record::key::ScopedKey;
 use crate::record::StoredResponse;

@@ -12,6 +12,7 @@ mod keyed;
 mod layer;
 mod lease;
 mod live;
+mod metrics;
 mod outcome;
 pub mod repeatability;
 mod request_body;

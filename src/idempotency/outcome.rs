@@ -4,18 +4,20 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
 use http::Response;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 use tracing::debug;
 
+use super::metrics::{EngineMetrics, Outcome};
 use super::repeatability;
 use super::routes::RouteState;
 use super::shared::Shared;
 use crate::error::GatewayError;
-use crate::metrics::Outcome;
 use crate::record::policy::ErrorFormat;
 
 /// A boxed, sendable future: the service's and the layer's own.
@@ -91,5 +93,69 @@ impl<St> Shared<St> {
             repeatability::mark(resp.headers_mut(), accepted);
         }
         answer
+    }
+}
+
+/// A claimed call counted in `idemgate_in_flight_claims` for as long as it lives: the gauge goes
+/// down however the call's task ends (a panic, a shutdown that drops it).
+pub(super) struct InFlight(Gauge);
+
+impl InFlight {
+    /// Count one more claimed call in flight, until the guard is dropped.
+    pub(super) fn count(metrics: &EngineMetrics) -> Self {
+        let gauge = metrics.in_flight().clone();
+        gauge.inc();
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// A request whose answer is not given yet: dropped before [`answered`](Self::answered) (its
+/// client went away and the server dropped the request), it counts the request in
+/// `idemgate_client_disconnects_total` with the outcome it had come to, `undecided` before that.
+pub(super) struct Unanswered<'m> {
+    metrics: &'m EngineMetrics,
+    // 0: undecided; else the index in `Outcome::ALL` plus one.
+    decided: AtomicU8,
+    answered: bool,
+}
+
+impl<'m> Unanswered<'m> {
+    pub(super) fn new(metrics: &'m EngineMetrics) -> Self {
+        Unanswered {
+            metrics,
+            decided: Default::default(),
+            answered: false,
+        }
+    }
+
+    /// The request has come to `outcome`, though its answer is still to come.
+    pub(super) fn decided(&self, outcome: Outcome) {
+        let at = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.decided.store(at as u8 + 1, Ordering::Relaxed);
+    }
+
+    /// The answer is given: nothing to count.
+    pub(super) fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let at = self.decided.load(Ordering::Relaxed) as usize;
+        let outcome = at
+            .checked_sub(1)
+            .and_then(|at| Outcome::ALL.get(at))
+            .map_or("undecided", |o| o.as_str());
+        self.metrics.disconnected(outcome);
     }
 }

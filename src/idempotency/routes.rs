@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
+use super::metrics::{EngineMetrics, RouteMetrics};
 use crate::error::ConfigError;
-use crate::metrics::{Metrics, RouteMetrics};
 use crate::record::policy::Policy;
 
 /// The policies a layer applies, by request path: path patterns in matchit syntax (the router
@@ -87,6 +87,11 @@ impl Routes {
             .and_then(|m| self.policies.get(*m.value))
             .unwrap_or(&self.defaults)
     }
+
+    /// Every policy: the defaults', then the routes' in order.
+    pub(crate) fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        std::iter::once(&self.defaults).chain(&self.policies)
+    }
 }
 
 /// The routes with their live state: cheap to clone, clones share the state (waiter bounds and
@@ -113,11 +118,8 @@ pub(crate) struct RouteState {
 }
 
 impl RouteState {
-    fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
+    fn new(policy: &Arc<Policy>, metrics: &EngineMetrics) -> Arc<Self> {
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
-        if policy.webhook.is_some() {
-            metrics.webhooks().route(&policy.route);
-        }
         Arc::new(RouteState {
             key_headers,
             scope_headers,
@@ -133,7 +135,7 @@ impl RouteState {
 
 impl RouteTable {
     /// The live table of `routes`, counting into `metrics`.
-    pub(crate) fn new(routes: Routes, metrics: &Metrics) -> Self {
+    pub(crate) fn new(routes: Routes, metrics: &EngineMetrics) -> Self {
         RouteTable {
             states: routes
                 .policies

@@ -43,9 +43,8 @@ use tokio::time::Instant;
 use tracing::{debug, debug_span, field, Instrument, Span};
 
 use super::admit::{admit, Admission};
-use super::outcome::BoxFuture;
+use super::outcome::{BoxFuture, Unanswered};
 use super::trace;
-use crate::metrics::Unanswered;
 use crate::record::policy::Policy;
 use crate::store::Store;
 

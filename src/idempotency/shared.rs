@@ -10,8 +10,9 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug_span, Instrument, Span};
 
 use super::live::LiveAnswers;
+use super::metrics::{EngineMetrics, StoreOp, StoreOpMetrics};
 use super::routes::RouteTable;
-use crate::metrics::{Metrics, StoreOp, StoreOpMetrics};
+use crate::metrics::Metrics;
 
 /// What every clone of a layer and its services share.
 pub(crate) struct Shared<St> {
@@ -21,7 +22,9 @@ pub(crate) struct Shared<St> {
     pub(crate) table: RouteTable,
     // Every claimed call, so that a shutdown can wait for them to be recorded.
     pub(crate) tasks: TaskTracker,
-    pub(crate) metrics: Metrics,
+    // The registry the layer counts into, and the engine's families in it.
+    pub(crate) registry: Metrics,
+    pub(crate) metrics: Arc<EngineMetrics>,
     // The streamed answers being recorded in this process, for duplicates to attach to.
     pub(crate) live: Arc<LiveAnswers>,
     // The store-operation histograms, resolved once.
@@ -32,10 +35,12 @@ impl<St> Shared<St> {
     pub(crate) fn new(
         store: St,
         table: RouteTable,
-        metrics: Metrics,
+        registry: Metrics,
         tasks: TaskTracker,
         live: Arc<LiveAnswers>,
     ) -> Self {
+        let metrics = registry.families::<EngineMetrics>();
+        super::webhook::register(&registry, table.routes());
         Shared {
             store,
             table,
@@ -43,6 +48,7 @@ impl<St> Shared<St> {
             live,
             ops: metrics.store_ops(),
             metrics,
+            registry,
         }
     }
 

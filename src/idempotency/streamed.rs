@@ -11,9 +11,9 @@ use tracing::{error, warn};
 
 use super::lease::{Held, Lease};
 use super::live::{OnAir, Tape};
+use super::metrics::Unsettled;
 use super::response::{self, Terms};
 use super::shared::Shared;
-use crate::metrics::Unsettled;
 use crate::record::{EntryState, StoredResponse};
 use crate::store::{Keep, Store};
 

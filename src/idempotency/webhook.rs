@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use sha2::Sha256;
 
 use crate::error::GatewayError;
-use crate::metrics::Metrics;
+use crate::metrics::{Families, Metrics};
 use crate::record::json::{self, Pointer};
 use crate::record::key::IdempotencyKey;
 use crate::record::policy::Policy;
@@ -41,7 +41,7 @@ const GITHUB_DELIVERY: HeaderName = HeaderName::from_static("x-github-delivery")
 /// [`WEBHOOK_VERIFIED`] added to it); `Ok(None)` on any other route. A refused delivery is
 /// counted on the route.
 pub(super) fn event_key(
-    metrics: &Metrics,
+    registry: &Metrics,
     policy: &Policy,
     parts: &mut Parts,
     body: &[u8],
@@ -55,7 +55,9 @@ pub(super) fn event_key(
     }
     .verify(sender, secrets, policy.webhook_tolerance, SystemTime::now());
     if let Err(rejection) = checked {
-        metrics.webhooks().rejected(&policy.route, rejection);
+        registry
+            .families::<WebhookMetrics>()
+            .rejected(&policy.route, rejection);
         return Err(GatewayError::Webhook(rejection));
     }
     let key = event_id(sender, &parts.headers, body, policy.key_max_len)?;
@@ -267,6 +269,16 @@ fn within(timestamp: u64, tolerance: Duration, now: SystemTime) -> Result<(), Re
 
 // === impl WebhookMetrics ===
 
+/// Register the webhook family in `registry` when `routes` have a webhook route, each such
+/// route's series starting at zero.
+pub(super) fn register(registry: &Metrics, routes: &super::Routes) {
+    let mut webhooks = routes.policies().filter(|p| p.webhook.is_some()).peekable();
+    if webhooks.peek().is_some() {
+        let families = registry.families::<WebhookMetrics>();
+        webhooks.for_each(|p| families.route(&p.route));
+    }
+}
+
 /// The webhook routes' metric family: `idemgate_webhook_rejected_total{route,reason}`.
 #[derive(Debug)]
 pub(crate) struct WebhookMetrics {
@@ -279,9 +291,8 @@ struct RejectedLabels {
     reason: &'static str,
 }
 
-impl WebhookMetrics {
-    /// Register the family in `registry`.
-    pub(crate) fn register(registry: &mut Registry) -> Self {
+impl Families for WebhookMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let rejected = Family::<RejectedLabels, Counter>::default();
         registry.register(
             "idemgate_webhook_rejected",
@@ -290,7 +301,9 @@ impl WebhookMetrics {
         );
         WebhookMetrics { rejected }
     }
+}
 
+impl WebhookMetrics {
     /// Count a delivery on `route` refused for `rejection`.
     fn rejected(&self, route: &str, rejection: Rejection) {
         let labels = RejectedLabels {

@@ -6,6 +6,7 @@
 //!   `client_idle_timeout`) and the socket and body wrappers that report to it.
 //! - `rate.rs`: `client_min_body_rate`, the request body that arrives too slowly cut.
 
+mod metrics;
 mod rate;
 mod watch;
 
@@ -31,10 +32,11 @@ use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 use tracing::{debug, error, warn};
 
+use self::metrics::{ClosedBy, ListenerMetrics};
 use crate::error::GatewayError;
 use crate::headers::admit;
 use crate::idempotency::{grpc, Routes};
-use crate::metrics::{ClosedBy, Metrics};
+use crate::metrics::Metrics;
 use crate::proxy::ProxyError;
 pub(crate) use rate::MinBodyRate;
 use rate::{Cut, Paced};
@@ -52,16 +54,16 @@ pub(crate) struct ConnectionCap {
     permits: Arc<Semaphore>,
     // Workers waiting for a permit, and since when one has been (the time at the cap).
     waiting: Mutex<(usize, Option<Instant>)>,
-    metrics: Metrics,
+    metrics: Arc<ListenerMetrics>,
 }
 
 impl ConnectionCap {
-    pub(crate) fn new(max: usize, metrics: Metrics) -> Arc<Self> {
+    pub(crate) fn new(max: usize, metrics: &Metrics) -> Arc<Self> {
         Arc::new(ConnectionCap {
             // Past tokio's bound, as good as no bound.
             permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
             waiting: Mutex::new((0, None)),
-            metrics,
+            metrics: metrics.families(),
         })
     }
 
@@ -112,7 +114,7 @@ pub(crate) struct Worker<S> {
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
     pub(crate) timeouts: Timeouts,
     pub(crate) cap: Arc<ConnectionCap>,
-    pub(crate) metrics: Metrics,
+    pub(crate) metrics: Arc<ListenerMetrics>,
     // The routes, for the shape of the refusals this listener gives itself.
     pub(crate) routes: Arc<Routes>,
 }
@@ -220,7 +222,7 @@ impl<T> ConnService for T where
 struct Connection {
     http: Arc<auto::Builder<TokioExecutor>>,
     timeouts: Timeouts,
-    metrics: Metrics,
+    metrics: Arc<ListenerMetrics>,
     stop: tokio::sync::watch::Receiver<bool>,
     peer: SocketAddr,
 }
@@ -241,7 +243,7 @@ impl Connection {
             Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake with a client failed"),
             Err(_) => {
                 debug!(%peer, "TLS handshake with a client timed out");
-                self.metrics.client_closed(ClosedBy::header_timeout);
+                self.metrics.closed(ClosedBy::header_timeout);
             }
         }
     }
@@ -253,7 +255,7 @@ impl Connection {
         T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
         Gateway<S>: ConnService,
     {
-        let open = self.metrics.client_connections().clone();
+        let open = self.metrics.open.clone();
         open.inc();
         let state = gateway.conn.clone();
         let mut watchdog = Watchdog::new(state.clone(), self.timeouts);
@@ -278,7 +280,7 @@ impl Connection {
                         Expired::Stalled => ClosedBy::stalled,
                     };
                     debug!(peer = %self.peer, ?reason, "closing a client connection");
-                    self.metrics.client_closed(reason);
+                    self.metrics.closed(reason);
                     if expired != Expired::Idle || closing {
                         break;
                     }
@@ -314,7 +316,7 @@ struct Gateway<S> {
     conn: Arc<ConnState>,
     // `client_min_body_rate`, which request bodies are held to.
     body_rate: Option<MinBodyRate>,
-    metrics: Metrics,
+    metrics: Arc<ListenerMetrics>,
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -409,7 +411,7 @@ where
                     GatewayError::Internal.respond(format())
                 }
                 (None, rate) => {
-                    metrics.client_body_too_slow();
+                    metrics.body_too_slow();
                     let rate = rate.map_or(0, |(r, _)| r.bytes_per_second.get());
                     too_slow(GatewayError::BodyTooSlow(rate).respond(format()), version)
                 }

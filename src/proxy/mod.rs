@@ -11,6 +11,7 @@
 //! - `connect.rs`: TCP and TLS connections, and which failures mean "not sent".
 
 mod connect;
+mod metrics;
 pub(crate) use connect::tls_name;
 mod settings;
 mod upstream;
@@ -27,7 +28,8 @@ use http_body_util::BodyExt;
 use crate::error::GatewayError;
 use crate::headers::content_length;
 use crate::idempotency::{with_trailers, Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
-use crate::metrics::{Metrics, UpstreamResult};
+use crate::metrics::Metrics;
+pub use metrics::{ProxyMetrics, UpstreamCounters, UpstreamResult};
 pub use settings::{UpstreamConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 use upstream::Upstream;
 
@@ -141,10 +143,11 @@ impl Proxy {
         upstreams: impl IntoIterator<Item = &'a Arc<UpstreamConfig>>,
         metrics: &Metrics,
     ) -> Self {
+        let metrics = metrics.families::<ProxyMetrics>();
         Proxy {
             upstreams: upstreams
                 .into_iter()
-                .map(|u| Upstream::new(u, metrics))
+                .map(|u| Upstream::new(u, &metrics))
                 .collect(),
         }
     }

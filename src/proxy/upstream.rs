@@ -25,11 +25,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::connect::{is_handshake_alert, ConnectError, Connector};
+use super::metrics::{ProxyMetrics, UpstreamCounters, UpstreamResult};
 use super::ProxyError;
 use super::UpstreamConfig;
 use crate::headers::{accepts_trailers, is_final_status, relayable};
 use crate::idempotency::NotSent;
-use crate::metrics::{Metrics, UpstreamCounters, UpstreamResult};
 
 /// Most idle connections a worker keeps per upstream.
 const MAX_IDLE: usize = 256;
@@ -203,7 +203,7 @@ impl Upstream {
         reason = "the config refuses an upstream URL without a host, and an authority's \
                   characters are all valid in a header value"
     )]
-    pub(crate) fn new(config: &UpstreamConfig, metrics: &Metrics) -> Self {
+    pub(crate) fn new(config: &UpstreamConfig, metrics: &ProxyMetrics) -> Self {
         let authority = config
             .url
             .authority()
@@ -232,7 +232,7 @@ impl Upstream {
                 .expect("an authority is a valid header value"),
             authority,
             prefix: config.url.path().trim_end_matches('/').to_string(),
-            counters: metrics.upstream_counters(&config.name),
+            counters: metrics.upstream(&config.name),
         }
     }
 

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use tracing::{error, info, warn};
 
+use super::StoreMetrics;
 use super::{
     CachedStore, Claim, ClaimTerms, Claimant, EmbeddedStore, Evicted, Inspect, Inspected, Keep,
     LocalCache, LocalCacheSettings, MemoryStore, PostgresStore, RedisStore, Store, StoreConfig,
@@ -32,20 +33,18 @@ impl AnyStore {
     /// lose records). Fails when the store is misconfigured or refuses; an unreachable Redis or
     /// PostgreSQL is picked up later.
     pub async fn open(settings: &StoreConfig, metrics: &Metrics) -> Result<Self, StoreError> {
+        let metrics = &*metrics.families::<StoreMetrics>();
         let settings = match settings {
             StoreConfig::Memory(m) => {
                 return Ok(AnyStore::Memory(MemoryStore::with_limits_counted(
                     m.max_entries,
                     m.max_bytes,
-                    metrics.store_evictions(),
+                    metrics.evictions(),
                 )));
             }
             StoreConfig::Embedded(e) => {
-                let store = EmbeddedStore::open_counted(
-                    e,
-                    metrics.store_commits(),
-                    metrics.store_evictions(),
-                )?;
+                let store =
+                    EmbeddedStore::open_counted(e, metrics.commits.clone(), metrics.evictions())?;
                 return Ok(AnyStore::Embedded(store));
             }
             StoreConfig::Redis(settings) => settings,
@@ -76,7 +75,7 @@ impl AnyStore {
     /// check the table once it answers; refused (password, TLS, schema): fail.
     async fn open_postgres(
         settings: &super::PostgresSettings,
-        metrics: &Metrics,
+        metrics: &StoreMetrics,
     ) -> Result<Self, StoreError> {
         let store = match PostgresStore::connect(settings).await {
             Ok(store) => store,
@@ -132,10 +131,10 @@ macro_rules! on_store {
 /// drops its entries when any gateway evicts: the shared stores tell it of every eviction.
 fn local_cache(
     settings: &LocalCacheSettings,
-    metrics: &Metrics,
+    metrics: &StoreMetrics,
 ) -> (LocalCache, impl Fn(Evicted) + Send + Sync + 'static) {
-    let cache =
-        LocalCache::new(settings.bytes, settings.ttl).counting_hits(metrics.local_cache_hits());
+    let cache = LocalCache::new(settings.bytes, settings.ttl)
+        .counting_hits(metrics.local_cache_hits.clone());
     let evicted = cache.clone();
     let forget = move |what| match what {
         Evicted::Key(key) => evicted.invalidate(&key),

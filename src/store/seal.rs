@@ -361,9 +361,14 @@ pub enum Unreadable {
 }
 
 impl Unreadable {
+    /// Every reason a record does not open, as labelled in `idemgate_records_unreadable_total`
+    /// (the tag did not verify, the key id is not listed, a clear record where sealing is
+    /// required).
+    pub const REASONS: [&'static str; 3] = ["tampered", "unknown_key", "clear"];
+
     /// The metric label: `tampered`, `unknown_key` or `clear`.
     pub fn reason(&self) -> &'static str {
-        let [tampered, unknown_key, clear] = crate::metrics::UNREADABLE_REASONS;
+        let [tampered, unknown_key, clear] = Self::REASONS;
         match self {
             Unreadable::Tampered { .. } => tampered,
             Unreadable::UnknownKey { .. } => unknown_key,

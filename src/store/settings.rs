@@ -107,9 +107,11 @@ pub enum StoreConfig {
     Embedded(EmbeddedSettings),
 }
 
+/// The durable embedded store in [`DEFAULT_PATH`](super::embedded::DEFAULT_PATH): a gateway
+/// that keeps its records across restarts unless told otherwise.
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig::Memory(MemorySettings::default())
+        StoreConfig::Embedded(EmbeddedSettings::new(super::embedded::DEFAULT_PATH))
     }
 }
 

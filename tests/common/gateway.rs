@@ -17,8 +17,8 @@ use testkit::metrics::{metric, scrape};
 use testkit::{GatewayProcess, Launch};
 
 use super::{
-    client, send, wait_until, Backend, CountingUpstream, PostgresServer, RedisServer, Seen,
-    StoreServer, TestConfig,
+    client, send, wait_until, Backend, CountingUpstream, GatewayConfig, PostgresServer,
+    RedisServer, Seen, StoreServer,
 };
 
 /// The gateway running in this process on a loopback port it bound itself; stopped on drop.
@@ -33,14 +33,14 @@ pub struct InProcessGateway {
 impl InProcessGateway {
     /// Start the gateway with `config` (its `listen` is ignored: a free port is used). Returns
     /// once the store is connected, so the gateway is ready when the test goes on.
-    pub async fn start(config: &TestConfig) -> Self {
+    pub async fn start(config: &GatewayConfig) -> Self {
         Self::try_start(config)
             .await
             .expect("gateway failed to start")
     }
 
     /// [`start`](Self::start), or why the gateway would not.
-    pub async fn try_start(config: &TestConfig) -> Result<Self, idemgate::AppError> {
+    pub async fn try_start(config: &GatewayConfig) -> Result<Self, idemgate::AppError> {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -123,7 +123,7 @@ impl Drop for InProcessGateway {
 
 /// The config as the gateway library parses it, with the secrets a gateway process would find
 /// in its environment.
-fn parse(config: &TestConfig) -> idemgate::config::Config {
+fn parse(config: &GatewayConfig) -> idemgate::config::Config {
     let secrets = idemgate::config::Secrets {
         key_secret: config.key_secret.as_ref().map(|s| s.as_bytes()),
         seal_keys: config.seal_keys.as_deref(),
@@ -152,13 +152,13 @@ pub struct TestEnv {
     /// The embedded store's directory, on that backend (removed when the world goes).
     _dir: Option<tempfile::TempDir>,
     /// The gateway's whole config, to restart it alike or start a sibling.
-    config: TestConfig,
+    config: GatewayConfig,
 }
 
 impl TestEnv {
     /// Start the world for `backend`. `settings` is the gateway's config without its upstream
-    /// and store, which this world fills in: `TestConfig::new().set("defaults.ttl", "1s")`.
-    pub async fn start(backend: Backend, settings: TestConfig) -> Self {
+    /// and store, which this world fills in: `GatewayConfig::new().set("defaults.ttl", "1s")`.
+    pub async fn start(backend: Backend, settings: GatewayConfig) -> Self {
         Self::start_with(backend, CountingUpstream::start().await, settings).await
     }
 
@@ -166,7 +166,7 @@ impl TestEnv {
     pub async fn start_with(
         backend: Backend,
         upstream: CountingUpstream,
-        settings: TestConfig,
+        settings: GatewayConfig,
     ) -> Self {
         let server = StoreServer::for_backend(backend).await;
         let dir = (backend == Backend::Embedded).then(|| tempfile::tempdir().unwrap());
@@ -188,7 +188,7 @@ impl TestEnv {
 
     /// The config the gateway runs with (upstream and store included), to start another
     /// gateway alike: `InProcessGateway::start(&env.config().set("workers", 1))`.
-    pub fn config(&self) -> TestConfig {
+    pub fn config(&self) -> GatewayConfig {
         self.config.clone()
     }
 
@@ -217,7 +217,7 @@ impl TestEnv {
 
     /// Stop the gateway and start a new one with `config` (`env.config()` changed) on the same
     /// store.
-    pub async fn restart_gateway_with(&mut self, config: TestConfig) {
+    pub async fn restart_gateway_with(&mut self, config: GatewayConfig) {
         self.config = config;
         self.restart_gateway().await;
     }

@@ -4,7 +4,7 @@
 //! backend, and an [`InProcessGateway`] between them and the test's HTTP client.
 //!
 //! ```ignore
-//! let env = TestEnv::start(backend, TestConfig::new().set("defaults.ttl", "1s")).await;
+//! let env = TestEnv::start(backend, GatewayConfig::new().set("defaults.ttl", "1s")).await;
 //! let first = send(env.post_keyed("/v1/p", "k").body("x")).await;
 //! assert!(send(env.post_keyed("/v1/p", "k").body("x")).await.replayed());
 //! assert_eq!(env.upstream.calls(), 1);
@@ -13,8 +13,8 @@
 //!
 //! The fixtures, by module (the stores, the gateway's config and process, metrics, ports and
 //! waiting from `testkit`, which the benchmark shares):
-//! - [`config`]: [`TestConfig`] (testkit's `GatewayConfig`), the gateway's TOML config built in
-//!   code (`TestConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
+//! - [`config`]: [`GatewayConfig`] (testkit's), the gateway's TOML config built in
+//!   code (`GatewayConfig::new().upstream(&url).redis(&server).set("workers", 1)`).
 //! - [`redis`]: [`RedisServer`], a redis-server child process that a test can `kill()`,
 //!   `pause()`, `resume()` and `restart()`; [`TlsRedisServer`], one that speaks only TLS.
 //! - [`cluster`]: [`RedisCluster`] (three primaries, one replica each) and [`RedisSentinelSet`]
@@ -53,8 +53,8 @@ pub use self::client::{client, send, Seen};
 pub use self::gateway::{binary, InProcessGateway, TestEnv};
 pub use self::tls::{TestCa, Validity};
 pub use self::upstream::CountingUpstream;
-/// The gateway's config, built in code: the tests' name for testkit's `GatewayConfig`.
-pub use testkit::GatewayConfig as TestConfig;
+/// The gateway's config, built in code.
+pub use testkit::GatewayConfig;
 pub use testkit::{
     free_port, wait_until, Backend, GatewayProcess, PostgresServer, RedisCluster, RedisSentinelSet,
     RedisServer, ReservedPort, StoreServer, TlsRedisServer,

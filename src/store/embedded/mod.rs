@@ -25,10 +25,10 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::codec::Codec;
 use super::{Claim, ClaimTerms, Claimant, Inspected, Keep, Store, StoreError, StoreResult};
-use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::{now_ms, EntryState};
+use crate::store::Evictions;
 
 mod file;
 mod purge;
@@ -38,7 +38,7 @@ mod writer;
 
 use self::file::StoreFile;
 use self::purge::PURGE_BATCH;
-pub use self::settings::EmbeddedSettings;
+pub use self::settings::{EmbeddedSettings, DEFAULT_PATH};
 use self::tables::{Bounds, Row, ENTRIES};
 use self::writer::{Completion, Done, Op, Write, Writer, QUEUE};
 

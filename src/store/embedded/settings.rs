@@ -8,6 +8,11 @@ use crate::store::memory::{DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES};
 use crate::store::settings::DEFAULT_TIMEOUT;
 use crate::store::Seal;
 
+/// Where the embedded store keeps its file when `[store]` names no `path` (or no `[store]` is
+/// written at all): a directory of that name in the working directory (in the container image,
+/// its volume `/var/lib/idemgate`).
+pub const DEFAULT_PATH: &str = "idemgate-data";
+
 /// `backend = "embedded"`: where the file is and how it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EmbeddedSettings {

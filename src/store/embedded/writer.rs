@@ -14,11 +14,11 @@ use super::file::StoreFile;
 use super::purge::PURGE_BATCH;
 use super::tables::{expiry, Bounds, RedbResult, Row, Tables};
 use super::{BACKEND, DURABLE_EVERY};
-use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::EntryState;
 use crate::store::codec;
+use crate::store::Evictions;
 use crate::store::{ClaimTerms, Claimant, Keep, StoreError};
 use crate::time;
 

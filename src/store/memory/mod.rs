@@ -17,10 +17,10 @@ use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::{Claim, ClaimTerms, Claimant, Keep, Store, StoreError, StoreResult};
-use crate::metrics::Evictions;
 use crate::record::key::ScopedKey;
 use crate::record::policy::AfterExpiry;
 use crate::record::{now_ms, Entry, EntryState, Token};
+use crate::store::Evictions;
 use crate::time;
 
 mod settings;
