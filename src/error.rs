@@ -266,7 +266,8 @@ impl GatewayError {
             .into_response(),
             ErrorFormat::Stripe => self.stripe(),
             ErrorFormat::Grpc => {
-                let message = format!("{}: {self}", self.kind());
+                let instance = occurrence(self.kind(), self.status());
+                let message = format!("{}: {self} (instance {instance})", self.kind());
                 grpc_status::trailers_only(self.grpc_code(), &message, self.retry_after())
             }
         }
@@ -348,8 +349,14 @@ impl GatewayError {
             Self::InFlight { .. } => "idempotency_key_in_use".to_string(),
             _ => self.kind().replace('-', "_"),
         };
+        let instance = occurrence(self.kind(), status);
         let body = serde_json::json!({
-            "error": { "type": kind, "message": self.to_string(), "code": code },
+            "error": {
+                "type": kind,
+                "message": self.to_string(),
+                "code": code,
+                "instance": instance,
+            },
         });
         answer(status, "application/json", &body, self.retry_after())
     }
@@ -383,13 +390,14 @@ impl Problem {
         }
     }
 
-    /// The `application/problem+json` response.
+    /// The `application/problem+json` response, with an `instance` of its own.
     pub fn into_response(self) -> Response<Body> {
         let body = serde_json::json!({
             "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
+            "instance": occurrence(self.kind, self.status),
         });
         answer(
             self.status,
@@ -398,6 +406,16 @@ impl Problem {
             self.retry_after,
         )
     }
+}
+
+/// A new occurrence of a problem of `kind`: its RFC 9457 `instance`, a `urn:uuid:` unique to it,
+/// logged with the problem and recorded on the current span (the request's), so that a client
+/// quoting it leads to what happened.
+pub fn occurrence(kind: &str, status: StatusCode) -> String {
+    let instance = format!("urn:uuid:{}", uuid::Uuid::new_v4());
+    tracing::Span::current().record("instance", instance.as_str());
+    tracing::info!(%instance, problem = kind, status = status.as_u16(), "answered with a problem");
+    instance
 }
 
 /// An answer the gateway gives itself: `body` as `content_type` with `status`, and when set, a

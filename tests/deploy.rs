@@ -1,7 +1,10 @@
 //! What `deploy/` ships for operators: the Grafana dashboard and the Prometheus alert rules
 //! query only metrics a running gateway exports, every panel and rule is described in the
 //! operations docs, and the rules pass `promtool check rules` and their own `promtool test
-//! rules` (promtool from Debian's `prometheus` package, which scripts/test installs).
+//! rules` (promtool from Debian's `prometheus` package, which scripts/test installs). The
+//! Kubernetes manifests have their own module, [`kubernetes`].
+
+mod kubernetes;
 
 use crate::common;
 

@@ -358,3 +358,69 @@ async fn an_https_collector_with_a_private_ca_and_mutual_tls_gets_the_spans() {
     .await;
     assert_eq!(receiver.spans().len(), before);
 }
+
+/// The `instance` of a problem answer: a `urn:uuid:` of a version 4 UUID.
+fn instance_of(problem: &serde_json::Value) -> String {
+    let instance = problem["instance"].as_str().unwrap_or_default().to_string();
+    let uuid = instance.strip_prefix("urn:uuid:").unwrap_or_default();
+    assert!(
+        uuid.len() == 36 && uuid.as_bytes()[14] == b'4' && uuid.split('-').count() == 5,
+        "not an urn:uuid: {problem}"
+    );
+    instance
+}
+
+#[tokio::test]
+async fn a_refusal_carries_an_instance_found_in_its_log_line_and_its_span() {
+    let upstream = CountingUpstream::start().await;
+    let (receiver, addr) = Receiver::start().await;
+    let (config, _) = traced(&upstream, &format!("http://{addr}"), 1.0);
+    let config = config.route("/v1/charges", toml::toml! { error_format = "stripe" });
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let gateway = binary()
+        .env("RUST_LOG", "info")
+        .log_to(log.path())
+        .start(&config)
+        .await;
+    let http = client();
+    let pay = |path: &str, body: &'static str| {
+        http.post(gateway.url(path))
+            .header("idempotency-key", "instance-key")
+            .body(body)
+    };
+    let first = send(pay("/v1/payments", "amount=1")).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let mismatch = send(pay("/v1/payments", "amount=2")).await;
+        assert_eq!(mismatch.status, 409);
+        instances.push(instance_of(
+            &serde_json::from_slice(&mismatch.body).unwrap(),
+        ));
+    }
+    assert_ne!(instances[0], instances[1], "one instance per occurrence");
+    // Stripe's shape carries it in its error object (the key, used on another path, is a
+    // mismatch there: 400, as Stripe answers it).
+    let stripe = send(pay("/v1/charges", "amount=1")).await;
+    assert_eq!(stripe.status, 400);
+    let stripe: serde_json::Value = serde_json::from_slice(&stripe.body).unwrap();
+    instances.push(instance_of(&stripe["error"]));
+
+    for instance in &instances {
+        wait_until(
+            Duration::from_secs(10),
+            "the refusal's log line and span name its instance",
+            async || {
+                let logged = std::fs::read_to_string(log.path()).unwrap_or_default();
+                let line = logged.lines().find(|l| l.contains(instance.as_str()));
+                let spanned = receiver.spans().iter().any(|(_, s)| {
+                    s.name == "idempotent_request"
+                        && attribute(s, "instance").as_deref() == Some(instance)
+                        && attribute(s, "outcome").as_deref() == Some("mismatch")
+                });
+                line.is_some_and(|l| l.contains("mismatch")) && spanned
+            },
+        )
+        .await;
+    }
+}

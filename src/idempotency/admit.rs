@@ -9,7 +9,6 @@ use std::sync::Arc;
 use axum::body::Body;
 use http::{Request, Response};
 use tokio::time::Instant;
-use tracing::debug;
 
 use super::body::ByteBody;
 use super::grpc;
@@ -123,7 +122,6 @@ impl<St: Store> Shared<St> {
             format,
             repeatable,
         } = refusal;
-        debug!(problem = e.kind(), route = %route.policy.route, "refused");
         let finished = Finished::answered(Outcome::rejected_invalid, e.respond(format));
         Box::pin(std::future::ready(
             self.finish(route, started, repeatable, finished),

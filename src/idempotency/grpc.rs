@@ -218,10 +218,13 @@ mod tests {
         let resp = GatewayError::MissingKey.respond(ErrorFormat::Grpc);
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()[GRPC_STATUS], "3");
-        assert_eq!(
-            resp.headers()[GRPC_MESSAGE],
-            "missing-key: this endpoint requires an Idempotency-Key header"
-        );
+        let message = resp.headers()[GRPC_MESSAGE].to_str().unwrap();
+        let instance = message
+            .strip_prefix(
+                "missing-key: this endpoint requires an Idempotency-Key header (instance urn:uuid:",
+            )
+            .and_then(|rest| rest.strip_suffix(')'));
+        assert_eq!(instance.map(str::len), Some(36), "{message}");
         let e = GatewayError::InFlight {
             retry_after: Duration::from_secs(1),
         };

@@ -11,7 +11,6 @@ use axum::body::Body;
 use http::Response;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
-use tracing::debug;
 
 use super::metrics::{EngineMetrics, Outcome};
 use super::repeatability;
@@ -57,7 +56,6 @@ pub(super) struct Finished<E> {
 impl<E> Finished<E> {
     /// The layer's own answer, with its outcome; nothing was called.
     pub(super) fn refused(outcome: Outcome, e: GatewayError, format: ErrorFormat) -> Self {
-        debug!(problem = e.kind(), "refused");
         Finished::answered(outcome, e.respond(format))
     }
 

@@ -151,5 +151,6 @@ fn request_span(req: &Request<Body>, policy: &Policy) -> Span {
         outcome = field::Empty,
         status = field::Empty,
         original_trace = field::Empty,
+        instance = field::Empty,
     )
 }
