@@ -655,7 +655,10 @@ fn config_errors_name_the_field_and_never_show_the_secret() {
         "{shown}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(shown.contains("redacted"), "the secrets shown as redacted: {shown}");
+    assert!(
+        shown.contains("redacted"),
+        "the secrets shown as redacted: {shown}"
+    );
     assert!(!shown.contains("whsec_secret"), "{shown}");
     let out = run(None);
     assert!(!out.status.success());
