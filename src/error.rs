@@ -54,6 +54,11 @@ pub enum GatewayError {
     /// that is no HTTP-date.
     #[error("{0}")]
     InvalidRepeatability(&'static str),
+    /// 400: a delivery on a webhook route whose signature is missing, malformed or wrong
+    /// (`webhook-signature`), or whose signed timestamp is outside `webhook_tolerance`
+    /// (`webhook-timestamp`); nothing was forwarded or claimed.
+    #[error("{0}")]
+    Webhook(crate::record::webhook::Rejection),
     /// 412 with `Repeatability-Result: rejected`: a repeatable request first sent longer ago
     /// than the route's `ttl`, or more than a minute in the future; never forwarded.
     #[error("{0}")]
@@ -152,7 +157,8 @@ impl GatewayError {
             | Self::InvalidJson(_)
             | Self::InvalidFraming(_)
             | Self::InvalidAuthority(_)
-            | Self::InvalidRepeatability(_) => StatusCode::BAD_REQUEST,
+            | Self::InvalidRepeatability(_)
+            | Self::Webhook(_) => StatusCode::BAD_REQUEST,
             Self::RepeatabilityRejected(_) => StatusCode::PRECONDITION_FAILED,
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
@@ -185,6 +191,8 @@ impl GatewayError {
             Self::InvalidAuthority(_) => "invalid-authority",
             Self::InvalidRepeatability(_) => "invalid-repeatability",
             Self::RepeatabilityRejected(_) => "repeatability-rejected",
+            Self::Webhook(r) if r.is_timestamp() => "webhook-timestamp",
+            Self::Webhook(_) => "webhook-signature",
             Self::UnsupportedTransferCoding => "unsupported-transfer-coding",
             Self::UnsupportedMethod(_) => "unsupported-method",
             Self::CorruptRecord => "corrupt-record",
@@ -213,6 +221,8 @@ impl GatewayError {
             Self::InvalidAuthority(_) => "Invalid Host or :authority",
             Self::InvalidRepeatability(_) => "Invalid Repeatability headers",
             Self::RepeatabilityRejected(_) => "Request cannot be repeated",
+            Self::Webhook(r) if r.is_timestamp() => "Webhook timestamp outside the tolerance",
+            Self::Webhook(_) => "Webhook signature invalid",
             Self::UnsupportedTransferCoding => "Transfer coding not supported",
             Self::UnsupportedMethod(_) => "Method not supported",
             Self::CorruptRecord => "Stored response damaged",
@@ -276,7 +286,8 @@ impl GatewayError {
             | E::InvalidJson(_)
             | E::InvalidFraming(_)
             | E::InvalidAuthority(_)
-            | E::InvalidRepeatability(_) => Code::InvalidArgument,
+            | E::InvalidRepeatability(_)
+            | E::Webhook(_) => Code::InvalidArgument,
             E::Mismatch { .. }
             | E::NotReplayable
             | E::KeyExpired { .. }
@@ -312,6 +323,7 @@ impl GatewayError {
             | Self::InvalidFraming(_)
             | Self::InvalidAuthority(_)
             | Self::InvalidRepeatability(_)
+            | Self::Webhook(_)
             | Self::RepeatabilityRejected(_)
             | Self::UnsupportedTransferCoding
             | Self::UnsupportedMethod(_)

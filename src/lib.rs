@@ -65,7 +65,8 @@
 //!   built-in policy), `config/store.rs`
 //!   (`[store]`, one table per backend), `config/upstream.rs` (`[upstreams.NAME]`, `[tls]`),
 //!   `config/telemetry.rs` (`[telemetry]`), `config/human.rs` (durations and sizes as people
-//!   write them).
+//!   write them), `config/webhook.rs` (a webhook route's secrets read from its variable, its
+//!   `ttl` covering the senders' retries).
 //! - [`telemetry`] (`telemetry.rs`): the gateway's OpenTelemetry traces: which requests are
 //!   sampled, the layer that records their spans, the OTLP export that never blocks.
 //! - `listener/`: client connections: `listener/mod.rs` (the accept loop under
@@ -126,11 +127,13 @@
 //!   what the engine's spans carry as OTel spans),
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC
 //!   calls: the unary rule, recorded statuses, refusals as gRPC statuses),
-//!   `idempotency/body.rs` (the capped body collector), and `idempotency/tests.rs` (every
+//!   `idempotency/body.rs` (the capped body collector), `idempotency/webhook.rs` (webhook
+//!   deliveries: signatures checked, the event id as key, the rejections' metric family), and `idempotency/tests.rs` (every
 //!   branch of the protocol without sockets).
 //! - [`record`]: the vocabulary of the engine and the store: `record/mod.rs` (what a record
 //!   holds: token, stored response, entry state), `record/key.rs` (the key, read, derived and
-//!   scoped), `record/fingerprint.rs`, `record/policy.rs` ([`Policy`]: the one list of its fields, from which the struct, its
+//!   scoped), `record/fingerprint.rs`, `record/webhook.rs` (a webhook route's sender, secrets
+//!   and rejections), `record/policy.rs` ([`Policy`]: the one list of its fields, from which the struct, its
 //!   defaults, its builder and the TOML table come, and their rules),
 //!   `record/json/mod.rs` with `record/json/parse.rs`, `record/json/canonical.rs` and
 //!   `record/json/pointer.rs` (strict JSON, its canonical form, RFC 6901 pointers;

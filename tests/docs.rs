@@ -434,9 +434,13 @@ fn every_documented_default_is_the_codes() {
 /// upstream have made their series (a family with no series is not exposed; the registry starts
 /// every series of a label set known up front at zero).
 async fn scraped() -> String {
+    // A webhook route: its family's series start at zero.
+    let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DOCS_WEBHOOK_SECRET" };
     let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
-        .set("admin.listen", "127.0.0.1:0");
+        .set("admin.listen", "127.0.0.1:0")
+        .route("/hooks", webhook)
+        .env("DOCS_WEBHOOK_SECRET", "a-webhook-secret");
     let gateway = InProcessGateway::start(&config).await;
     let mut scraped = String::new();
     wait_until(

@@ -38,3 +38,4 @@ mod store_model;
 mod streams;
 mod telemetry;
 mod upstreams;
+mod webhooks;

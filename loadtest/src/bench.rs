@@ -127,11 +127,22 @@ impl Bench {
         .await;
         // Every hot key recorded before a replay phase counts: on a slow store the timed
         // warm-up may leave some unexecuted, whose duplicates would get 409 in-flight.
-        if let Keys::Hot(prefix, n) = &keys {
-            load::record_each(addrs[0], "/v1/payments", self.request.clone(), prefix, *n).await;
+        let hot = match &keys {
+            Keys::Hot(_, n) => Some(*n),
+            Keys::Stripe(inner) => match **inner {
+                Keys::Hot(_, n) => Some(n),
+                _ => None,
+            },
+            _ => None,
+        };
+        if let Some(n) = hot {
+            load::record_each(addrs[0], "/v1/payments", self.request.clone(), &keys, n).await;
         }
         match keys {
             Keys::Unique(_) => Keys::Unique(self.prefix(what)),
+            Keys::Stripe(inner) if matches!(*inner, Keys::Unique(_)) => {
+                Keys::Stripe(Box::new(Keys::Unique(self.prefix(what))))
+            }
             k => k,
         }
     }

@@ -28,7 +28,14 @@ pub enum Keys {
     Hot(String, u64),
     /// `per_key` consecutive requests share a key: duplicates arriving together.
     Storm(String, u64),
+    /// Stripe webhook deliveries: no `Idempotency-Key`; the body is a Stripe event whose id is
+    /// the inner keys' (`evt_<key>`) around the request body, signed as it is sent with
+    /// [`WEBHOOK_SECRET`] (a duplicate is signed again, with its own timestamp).
+    Stripe(Box<Keys>),
 }
+
+/// The secret the benchmark's Stripe deliveries are signed with.
+pub const WEBHOOK_SECRET: &str = "whsec_loadtest_0123456789abcdef";
 
 impl Keys {
     fn key(&self, i: u64) -> Option<String> {
@@ -37,8 +44,57 @@ impl Keys {
             Keys::Unique(p) => Some(format!("{p}-{i}")),
             Keys::Hot(p, n) => Some(format!("{p}-{}", i % n)),
             Keys::Storm(p, per) => Some(format!("{p}-{}", i / per)),
+            Keys::Stripe(inner) => inner.key(i),
         }
     }
+
+    /// Request `i`: a POST of `body` to `path` with its key, or the Stripe delivery of its
+    /// event.
+    fn request(&self, path: &str, body: &Bytes, i: u64) -> http::Request<Full<Bytes>> {
+        match self {
+            Keys::Stripe(_) => stripe_delivery(path, body, &self.key(i).unwrap_or_default()),
+            _ => post(path, body, self.key(i)),
+        }
+    }
+}
+
+/// The Stripe delivery of event `evt_<id>` wrapping `data` (JSON), signed now.
+fn stripe_delivery(path: &str, data: &Bytes, id: &str) -> http::Request<Full<Bytes>> {
+    let event = stripe_event(id, data);
+    http::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .header("stripe-signature", stripe_signature(&event))
+        .body(Full::new(event))
+        .unwrap()
+}
+
+/// The body of Stripe event `evt_<id>` wrapping `data` (JSON).
+pub fn stripe_event(id: &str, data: &[u8]) -> Bytes {
+    Bytes::from(format!(
+        "{{\"id\":\"evt_{id}\",\"object\":\"event\",\"type\":\"payment_intent.succeeded\",\"data\":{}}}",
+        String::from_utf8_lossy(data)
+    ))
+}
+
+/// The `Stripe-Signature` of `body` signed now with [`WEBHOOK_SECRET`], as Stripe signs it:
+/// `t=<now>,v1=<HMAC-SHA256 of "t.body">`.
+pub fn stripe_signature(body: &[u8]) -> String {
+    use hmac::{Hmac, KeyInit, Mac};
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(WEBHOOK_SECRET.as_bytes()).unwrap();
+    mac.update(format!("{t}.").as_bytes());
+    mac.update(body);
+    let sig: String = mac
+        .finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("t={t},v1={sig}")
 }
 
 /// How to pace the requests.
@@ -284,7 +340,7 @@ async fn connection(
             Instant::now()
         };
         let i = counter.fetch_add(1, Ordering::Relaxed);
-        let req = post(path, &body, keys.key(i));
+        let req = keys.request(path, &body, i);
         let result = exchange(sender.as_mut().unwrap(), req).await;
         prev_done = Instant::now();
         let latency = prev_done - start;
@@ -308,15 +364,15 @@ async fn connection(
     r
 }
 
-/// Send one request for each of the hot keys `{prefix}-0` to `{prefix}-{n - 1}` until it is
-/// answered other than `409` (recorded, or run now), over a few connections: after it, every
-/// request with these keys is a replay.
-pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, prefix: &str, n: u64) {
+/// Send one request for each of the hot keys `{prefix}-0` to `{prefix}-{n - 1}` (`keys`, hot or
+/// Stripe deliveries of hot events) until it is answered other than `409` (recorded, or run
+/// now), over a few connections: after it, every request with these keys is a replay.
+pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, keys: &Keys, n: u64) {
     const CONNECTIONS: u64 = 8;
     let give_up = Instant::now() + Duration::from_secs(30);
     let tasks: Vec<_> = (0..CONNECTIONS)
         .map(|c| {
-            let (path, body, prefix) = (path.to_string(), body.clone(), prefix.to_string());
+            let (path, body, keys) = (path.to_string(), body.clone(), keys.clone());
             tokio::spawn(async move {
                 let mut sender = None;
                 let mut i = c;
@@ -328,7 +384,7 @@ pub async fn record_each(addr: SocketAddr, path: &str, body: Bytes, prefix: &str
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     };
-                    let req = post(&path, &body, Some(format!("{prefix}-{i}")));
+                    let req = keys.request(&path, &body, i);
                     match exchange(s, req).await.map(|(status, _)| status) {
                         Some(409) => tokio::time::sleep(Duration::from_millis(5)).await,
                         Some(_) => i += CONNECTIONS,

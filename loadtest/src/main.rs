@@ -2,7 +2,7 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `seal`, `stream`, `telemetry`, `storm`, `soak`, `cluster`, `postgres`,
+//! `fingerprint`, `expiry`, `seal`, `stream`, `telemetry`, `webhook`, `storm`, `soak`, `cluster`, `postgres`,
 //! `embedded`, `failover`, `chaos`), on `bench` (the measuring they share), `load` (the load generator),
 //! `procs` (the processes under test; Redis's come from `testkit`), `metrics`, `table` (the
 //! printed results) and `charts` (the same as SVG charts). `upstream`, `app` and `collector`
@@ -33,6 +33,7 @@ mod table;
 mod telemetry;
 mod tls;
 mod upstream;
+mod webhook;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -70,7 +71,8 @@ struct Cli {
     /// seal = "on" against "off"), stream (the first byte of a keyed streamed miss against a
     /// pass-through at a fixed rate, and replays of a 64 KiB event stream against nginx),
     /// telemetry (the miss and replay with OTel traces exported,
-    /// sampled, or to a collector that is down, against none), storm, soak, cluster (2 gateways
+    /// sampled, or to a collector that is down, against none), webhook (Stripe-signed
+    /// deliveries, first and duplicate, against nginx passing them), storm, soak, cluster (2 gateways
     /// on a Redis Cluster against one Redis, and wait_replicas), postgres (the gateway on
     /// PostgreSQL against pgbench with the
     /// store's statements), embedded (the gateway on the durable embedded store with fsync against
@@ -283,6 +285,9 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("telemetry") {
         telemetry::run(&mut b).await;
+    }
+    if run("webhook") {
+        webhook::run(&mut b, dir.path()).await;
     }
     if run("storm") {
         storm::run(&mut b, &redis_url).await;

@@ -211,7 +211,8 @@ macro_rules! written {
 written! {
     human: NonZero(HumanDuration), LockTtl(HumanDuration), Lifetime(HumanTtl), NonZeroSize(HumanSize);
     as_is: AtLeastOne, KeyMaxLen, MismatchStatus, Methods, HeaderNames, KeyHeaders,
-        OptionalHeaderName, OptionalPointer, Pointers, IgnoredPointers, CookieNames, UpstreamName;
+        OptionalHeaderName, OptionalPointer, Pointers, IgnoredPointers, CookieNames, UpstreamName,
+        OptionalSender, OptionalVarName;
 }
 
 impl<T: DeserializeOwned + Clone> Rule for check::Any<T> {

@@ -28,6 +28,7 @@ mod policy;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+mod webhook;
 
 pub use crate::error::ConfigError;
 pub use crate::record::policy::{
@@ -75,6 +76,9 @@ pub struct Secrets<'a> {
     pub key_secret: Option<&'a [u8]>,
     /// What `IDEMGATE_SEAL_KEYS` holds: the keys records are sealed with (`[store] seal`).
     pub seal_keys: Option<&'a str>,
+    /// The variables a webhook route's `webhook_secret_env` is looked up in; `None`: the
+    /// process's environment.
+    pub vars: Option<&'a [(String, String)]>,
 }
 
 /// Where the gateway listens when `listen` is not given.
@@ -255,6 +259,7 @@ impl Config {
         let secrets = Secrets {
             key_secret: secret.as_ref().map(|s| s.as_encoded_bytes()),
             seal_keys,
+            vars: None,
         };
         Self::from_figment(
             figment::Figment::from(Toml::string(&text)).merge(env),
@@ -366,7 +371,12 @@ impl Config {
             .max_client_connections
             .map_or(DEFAULT_MAX_CLIENT_CONNECTIONS, Checked::into_inner)
             .min(tokio::sync::Semaphore::MAX_PERMITS);
-        let (defaults, routes) = policies(&raw.defaults, &raw.routes, key_secret.as_ref())?;
+        let (defaults, routes) = policies(
+            &raw.defaults,
+            &raw.routes,
+            key_secret.as_ref(),
+            secrets.vars,
+        )?;
         let upstream = forwarded_to(&upstreams, &defaults, &routes)?;
         kept_by(&store, &defaults, &routes)?;
         Ok(Config {
@@ -397,6 +407,7 @@ fn policies(
     defaults: &PolicyTable,
     routes: &[PolicyTable],
     key_secret: Option<&KeySecret>,
+    vars: Option<&[(String, String)]>,
 ) -> Result<(Arc<Policy>, Vec<Route>), ConfigError> {
     if defaults.path.is_some() {
         return Err(invalid("defaults.path", "belongs in a [[routes]] entry"));
@@ -404,6 +415,7 @@ fn policies(
     // Whether `max_ttl` was given, by the table or `[defaults]` under it.
     let resolve = |table: &PolicyTable, over: &Policy, max_ttl_given: bool, at: &str| {
         let policy = table.merged_over(over.clone());
+        let policy = webhook::settle(policy, table.sets_ttl(), vars, at)?;
         let policy = policy.settle_ttls(max_ttl_given || table.sets_max_ttl(), at)?;
         policy.with_key_secret(key_secret, at)
     };

@@ -48,6 +48,11 @@ impl PolicyTable {
     pub(super) fn sets_max_ttl(&self) -> bool {
         self.max_ttl.is_some()
     }
+
+    /// Whether this table sets `ttl` (a webhook route's default differs).
+    pub(super) fn sets_ttl(&self) -> bool {
+        self.ttl.is_some()
+    }
 }
 
 #[cfg(test)]

@@ -62,6 +62,14 @@ pub(super) fn admit(route: &RouteState, req: &Request<Body>) -> Admission {
         Ok(None)
     };
     let repeatable = applies && repeatability::is_repeatable(policy, req.headers());
+    if applies && policy.webhook.is_some() {
+        // A webhook delivery's key is its event id, found once its signature is checked.
+        return Admission::Keyed(Admitted {
+            key: None,
+            grpc: false,
+            repeatable: false,
+        });
+    }
     let grpc = grpc::is_call(req.version(), req.headers());
     let format = grpc::error_format(grpc, policy.error_format);
     let refused = |error, repeatable| {

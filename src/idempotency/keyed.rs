@@ -27,6 +27,7 @@ use super::routes::RouteState;
 use super::sse;
 use super::trace;
 use super::wait::Waiter;
+use super::webhook;
 use crate::error::GatewayError;
 use crate::record::fingerprint::Fingerprint;
 use crate::record::policy::{OnInFlight, OnStoreError};
@@ -57,9 +58,10 @@ impl<St: Store> Shared<St> {
         use Outcome::rejected_invalid;
         let Admitted { key, grpc, .. } = admitted;
         let policy = route.policy.clone();
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
         let format = grpc::error_format(grpc, policy.error_format);
-        let body = match whole_body(body, grpc, key.is_some(), &policy).await {
+        let keyed = key.is_some() || policy.webhook.is_some();
+        let body = match whole_body(body, grpc, keyed, &policy).await {
             Ok(body) => body,
             Err(Ok(body)) => {
                 if grpc && key.is_some() {
@@ -69,6 +71,10 @@ impl<St: Store> Shared<St> {
                 return self.pass_keyless(inner, parts, body, unanswered).await;
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
+        };
+        let key = match webhook::event_key(&self.registry, &policy, &mut parts, &body) {
+            Ok(event) => event.or(key),
+            Err(e) => return Finished::refused(rejected_invalid, e, format),
         };
         let found = match find_key(&policy, &parts, &body, key) {
             Ok(found) => found,

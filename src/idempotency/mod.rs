@@ -24,6 +24,7 @@ mod sse;
 mod streamed;
 pub(crate) mod trace;
 mod wait;
+pub(crate) mod webhook;
 
 pub use crate::record::json::Pointer;
 pub use crate::record::policy::{
@@ -37,6 +38,7 @@ pub use layer::IdempotencyLayer;
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
 pub use routes::Routes;
 pub use service::Idempotency;
+pub use webhook::WEBHOOK_VERIFIED;
 
 #[cfg(test)]
 mod tests;

@@ -77,7 +77,9 @@ impl Terms {
             let storable = grpc::is_storable(code, policy.cache_server_errors);
             (storable, grpc::is_failure(code))
         } else {
-            let storable = is_storable(status, policy.cache_server_errors);
+            // A webhook route records only a 2xx: any other answer lets the sender's retry run.
+            let storable = is_storable(status, policy.cache_server_errors)
+                && (policy.webhook.is_none() || status.is_success());
             (storable, status.as_u16() >= 400)
         };
         if !storable || self.0.no_store {

@@ -87,6 +87,11 @@ impl Routes {
             .and_then(|m| self.policies.get(*m.value))
             .unwrap_or(&self.defaults)
     }
+
+    /// Every policy: the defaults', then the routes' in order.
+    pub(crate) fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        std::iter::once(&self.defaults).chain(&self.policies)
+    }
 }
 
 /// The routes with their live state: cheap to clone, clones share the state (waiter bounds and

@@ -103,6 +103,8 @@ where
         let shared = self.shared.clone();
         let route = shared.table.route_for(req.uri().path()).clone();
         let mut req = req.map(Body::new);
+        // Only the gateway says a webhook delivery was verified.
+        req.headers_mut().remove(super::webhook::WEBHOOK_VERIFIED);
         // The inner service learns the policy applied (the proxy reads its upstream_timeout).
         req.extensions_mut().insert(route.policy.clone());
         let admitted = match admit(&route, &req) {

@@ -40,6 +40,7 @@ impl<St> Shared<St> {
         live: Arc<LiveAnswers>,
     ) -> Self {
         let metrics = registry.families::<EngineMetrics>();
+        super::webhook::register(&registry, table.routes());
         Shared {
             store,
             table,

@@ -8,6 +8,7 @@ pub mod fingerprint;
 pub(crate) mod json;
 pub mod key;
 pub mod policy;
+pub mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;

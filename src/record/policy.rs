@@ -36,6 +36,7 @@ use check::*;
 use super::json::Pointer;
 pub use super::key::KeySecret;
 use super::key::IDEMPOTENCY_KEY;
+pub use super::webhook::{Sender, WebhookSecrets};
 use crate::error::ConfigError;
 pub use crate::error::ErrorFormat;
 
@@ -198,6 +199,16 @@ macro_rules! policy_fields {
             /// buffering it whole first; with `on_in_flight = "wait"`, duplicates attach to the
             /// live answer.
             stream: bool = false, rule Any<bool>, set(stream: bool);
+            /// A webhook route: the sender whose signature every delivery must carry, its event
+            /// id the key (docs/behaviour.md, "Webhooks"); none by default.
+            webhook: Option<Sender> = None, rule OptionalSender;
+            /// With `webhook`: the environment variable holding its secret(s).
+            webhook_secret_env: Option<String> = None, rule OptionalVarName;
+            /// With `webhook`: the secrets read from `webhook_secret_env` (never printed).
+            webhook_secrets: Option<WebhookSecrets> = None;
+            /// With `webhook`: the accepted age (and skew) of a delivery's signed timestamp.
+            webhook_tolerance: Duration = Duration::from_secs(300), rule NonZero,
+                set(tolerance: Duration);
         }
     };
 }
@@ -357,6 +368,7 @@ pub(crate) mod check {
     use http::{HeaderName, Method, StatusCode};
 
     use super::super::json::{Pointer, MAX_IGNORED};
+    use super::super::webhook::Sender;
     use super::{Ttl, MAX_DURATION};
 
     /// A rule for one kind of value: what it reads, what it makes of it, and why it may refuse.
@@ -501,6 +513,22 @@ pub(crate) mod check {
                 None => Ok(names),
             }
         };
+        /// A webhook sender (`"standard"`, `"stripe"`, `"github"`), or `""` for none.
+        OptionalSender: String => Option<Sender> = |name| match name.trim() {
+            "" => Ok(None),
+            "standard" => Ok(Some(Sender::Standard)),
+            "stripe" => Ok(Some(Sender::Stripe)),
+            "github" => Ok(Some(Sender::Github)),
+            other => Err(format!(
+                "{other:?} is not a webhook sender (\"standard\", \"stripe\" or \"github\")"
+            )),
+        };
+        /// The name of an environment variable, or `""` for none.
+        OptionalVarName: String => Option<String> = |name| match name.trim() {
+            "" => Ok(None),
+            n if n.contains(['=', '\0']) => Err(format!("{n:?} is not a variable name")),
+            n => Ok(Some(n.to_string())),
+        };
         /// The name of an `[upstreams.NAME]` table.
         UpstreamName: String => String = |name| {
             let valid = !name.is_empty()
@@ -572,6 +600,16 @@ impl PolicyBuilder {
         self.secret = Some(secret);
         let value = Pointers::check(strings(fields));
         self.set("derived_key", value, |p, v| p.derived_key = v)
+    }
+
+    /// `webhook`: check every delivery's signature as `sender` writes it, with any of
+    /// `secrets`, and key it by its event id; `ttl` becomes at least
+    /// [`WEBHOOK_TTL`](super::webhook::WEBHOOK_TTL) (a later `ttl` sets it).
+    pub fn webhook(mut self, sender: Sender, secrets: WebhookSecrets) -> Self {
+        self.policy.webhook = Some(sender);
+        self.policy.webhook_secrets = Some(secrets);
+        self.policy.ttl = self.policy.ttl.max(Ttl::For(super::webhook::WEBHOOK_TTL));
+        self
     }
 
     /// `max_ttl`: the longest any record lives.

@@ -127,6 +127,7 @@ fn parse(config: &GatewayConfig) -> idemgate::config::Config {
     let secrets = idemgate::config::Secrets {
         key_secret: config.key_secret.as_ref().map(|s| s.as_bytes()),
         seal_keys: config.seal_keys.as_deref(),
+        vars: Some(&config.env),
     };
     idemgate::config::Config::from_toml_with_secrets(&config.to_toml(), secrets)
         .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", config.to_toml()))

@@ -1,7 +1,11 @@
 //! The chaos clients: each sends keyed payments through a gateway picked at random and retries
 //! the same key with the same body on a timeout, a 5xx, a 409 or a broken connection until a
 //! 2xx; some attempts hang up on purpose, mid-body or after sending. Every attempt is recorded
-//! with what it got. After the run, [`settle`] retries every key until it replays.
+//! with what it got. After the run, [`settle`] retries every key until it replays. One client
+//! in four is a webhook sender instead: its keys (`w...`) are Stripe events posted to the
+//! gateway's `webhook = "stripe"` route, each attempt signed again as it is sent; the gateway
+//! keys them by the event id and forwards their headers unchanged, so the upstream logs them by
+//! the `Idempotency-Key` they carry too, and the check is the same: each event reaches it once.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -18,6 +22,22 @@ use super::check::{Attempt, Outcome, Phase};
 
 /// The path the clients post to (the gateway adds its process's prefix upstream).
 const PATH: &str = "/v1/payments";
+
+/// The gateway's webhook route, where the webhook senders post.
+pub const HOOKS: &str = "/hooks/stripe";
+
+/// Whether `key` is a webhook sender's event.
+fn is_event(key: &str) -> bool {
+    key.starts_with('w')
+}
+
+/// The path of `key`'s requests, and its extra header (a delivery's signature, made now).
+fn addressed(key: &str, body: &[u8]) -> (&'static str, Option<String>) {
+    match is_event(key) {
+        true => (HOOKS, Some(crate::load::stripe_signature(body))),
+        false => (PATH, None),
+    }
+}
 
 /// What the clients share: the gateways, the clock, and what they recorded.
 pub struct Clients {
@@ -49,13 +69,18 @@ impl Clients {
         let mut rng =
             fastrand::Rng::with_seed(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut n = 0;
+        let sender = if i % 4 == 3 { "w" } else { "c" };
         while !self.stop.load(Ordering::SeqCst) {
-            let key = format!("c{i}-{n}");
+            let key = format!("{sender}{i}-{n}");
             n += 1;
             let body = Bytes::from(format!(
                 "{{\"amount\":{},\"currency\":\"eur\",\"customer\":\"cus_{key}\"}}",
                 rng.u32(100..100_000)
             ));
+            let body = match is_event(&key) {
+                true => crate::load::stripe_event(&key, &body),
+                false => body,
+            };
             self.keys.lock().unwrap().push((key.clone(), body.clone()));
             while !self.stop.load(Ordering::SeqCst) {
                 let manner = match rng.u32(0..100) {
@@ -153,12 +178,15 @@ async fn exchange(addr: SocketAddr, key: &str, body: Bytes, timeout: Duration) -
             hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream)).await?;
         // Dropped with this future: a timeout closes the socket.
         let conn = AbortOnDrop(tokio::spawn(conn));
-        let req = http::Request::post(PATH)
+        let (path, signature) = addressed(key, &body);
+        let mut req = http::Request::post(path)
             .header("host", "chaos")
             .header("idempotency-key", key)
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .unwrap();
+            .header("content-type", "application/json");
+        if let Some(signature) = signature {
+            req = req.header("stripe-signature", signature);
+        }
+        let req = req.body(Full::new(body)).unwrap();
         let resp = sender.send_request(req).await?;
         let (parts, body) = resp.into_parts();
         let body = body.collect().await?.to_bytes();
@@ -196,8 +224,10 @@ async fn hang_up(
     let Ok(mut stream) = TcpStream::connect(addr).await else {
         return Outcome::Broken;
     };
+    let (path, signature) = addressed(key, body);
+    let signature = signature.map_or(String::new(), |s| format!("stripe-signature: {s}\r\n"));
     let head = format!(
-        "POST {PATH} HTTP/1.1\r\nhost: chaos\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        "POST {path} HTTP/1.1\r\nhost: chaos\r\nidempotency-key: {key}\r\n{signature}content-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
     let sent = async {

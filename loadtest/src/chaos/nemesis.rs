@@ -212,6 +212,11 @@ impl System {
                 "defaults.upstream_timeout",
                 format!("{}ms", r.upstream_timeout.as_millis()),
             )
+            .route(
+                super::client::HOOKS,
+                toml::toml! { webhook = "stripe" webhook_secret_env = "CHAOS_WEBHOOK_SECRET" },
+            )
+            .env("CHAOS_WEBHOOK_SECRET", crate::load::WEBHOOK_SECRET)
             .admin();
         self.store.config(config)
     }

@@ -1,0 +1,154 @@
+//! The words of a webhook route: who signs its deliveries ([`Sender`]), the secrets they are
+//! signed with ([`WebhookSecrets`], never printed), and why a delivery is refused
+//! ([`Rejection`]). The engine checks a delivery with them (`idempotency/webhook.rs`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use serde::Deserialize;
+
+/// How long a webhook route keeps an event's record at least, unless the route sets its own
+/// `ttl`: past the longest retry horizon of the senders (Stripe retries for 3 days, Standard
+/// Webhooks' schedule ends after 75 h 35 min).
+pub const WEBHOOK_TTL: Duration = Duration::from_secs(76 * 3600);
+
+/// The sender whose signature scheme a webhook route checks (`webhook = "..."`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sender {
+    /// Standard Webhooks (and Svix): `webhook-id`, `webhook-timestamp`, `webhook-signature`
+    /// (or their `svix-` twins), HMAC-SHA256 with the base64 secret after `whsec_`.
+    Standard,
+    /// Stripe: `Stripe-Signature: t=..,v1=..`, HMAC-SHA256 over `t.body` with the whole secret.
+    Stripe,
+    /// GitHub: `X-Hub-Signature-256: sha256=<hex>` over the body; no timestamp.
+    Github,
+}
+
+impl Sender {
+    /// The name as written in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sender::Standard => "standard",
+            Sender::Stripe => "stripe",
+            Sender::Github => "github",
+        }
+    }
+}
+
+/// The secrets a webhook route's deliveries may be signed with (several during a rotation), as
+/// the sender's scheme keys its HMAC: never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct WebhookSecrets(Arc<[Vec<u8>]>);
+
+impl WebhookSecrets {
+    /// The secrets in `text` (separated by spaces or commas) as `sender` uses them: a Standard
+    /// Webhooks secret is the base64 after an optional `whsec_`; Stripe's and GitHub's are
+    /// their bytes as written. The reason never repeats a secret.
+    pub fn parse(sender: Sender, text: &str) -> Result<Self, String> {
+        let words: Vec<&str> = text
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|w| !w.is_empty())
+            .collect();
+        if words.is_empty() {
+            return Err("holds no secret".into());
+        }
+        let keys = words
+            .iter()
+            .enumerate()
+            .map(|(i, word)| match sender {
+                Sender::Standard => {
+                    let b64 = word.strip_prefix("whsec_").unwrap_or(word);
+                    match base64::engine::general_purpose::STANDARD.decode(b64) {
+                        Ok(key) if !key.is_empty() => Ok(key),
+                        _ => Err(format!(
+                            "holds a secret ({} of {}) that is not base64 (a Standard Webhooks secret is whsec_ and the base64 of the key)",
+                            i + 1,
+                            words.len()
+                        )),
+                    }
+                }
+                Sender::Stripe | Sender::Github => Ok(word.as_bytes().to_vec()),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(WebhookSecrets(keys.into()))
+    }
+
+    /// The HMAC keys, one per secret.
+    pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.0.iter().map(Vec::as_slice)
+    }
+
+    /// How many secrets there are.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there is none (never, once parsed).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for WebhookSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<{} redacted>", self.0.len())
+    }
+}
+
+/// Why a delivery was refused: the `reason` label of `idemgate_webhook_rejected_total`, and its
+/// problem type (`webhook-signature` or `webhook-timestamp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rejection {
+    /// A header the scheme needs is absent (or repeated).
+    Missing(&'static str),
+    /// A header is there but does not read as the scheme writes it.
+    Malformed(&'static str),
+    /// No signature matches any secret.
+    Mismatch,
+    /// The signed timestamp is older than `webhook_tolerance`.
+    Stale,
+    /// The signed timestamp is further in the future than `webhook_tolerance`.
+    Future,
+}
+
+impl Rejection {
+    /// Every reason label, for the metric's series.
+    pub const REASONS: [&'static str; 5] = ["missing", "malformed", "mismatch", "stale", "future"];
+
+    /// The metric's `reason` label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Rejection::Missing(_) => "missing",
+            Rejection::Malformed(_) => "malformed",
+            Rejection::Mismatch => "mismatch",
+            Rejection::Stale => "stale",
+            Rejection::Future => "future",
+        }
+    }
+
+    /// Whether it is the timestamp that is refused (`webhook-timestamp`), not the signature.
+    pub fn is_timestamp(self) -> bool {
+        matches!(self, Rejection::Stale | Rejection::Future)
+    }
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rejection::Missing(what) => write!(f, "the webhook delivery lacks {what}"),
+            Rejection::Malformed(what) => write!(f, "the webhook delivery's {what} is malformed"),
+            Rejection::Mismatch => f.write_str(
+                "no signature of the webhook delivery matches its body and a secret of this endpoint",
+            ),
+            Rejection::Stale => f.write_str(
+                "the webhook delivery's signed timestamp is older than this endpoint's tolerance",
+            ),
+            Rejection::Future => f.write_str(
+                "the webhook delivery's signed timestamp is further in the future than this endpoint's tolerance",
+            ),
+        }?;
+        f.write_str("; nothing was forwarded")
+    }
+}
