@@ -58,7 +58,7 @@ pub enum GatewayError {
     /// (`webhook-signature`), or whose signed timestamp is outside `webhook_tolerance`
     /// (`webhook-timestamp`); nothing was forwarded or claimed.
     #[error("{0}")]
-    Webhook(crate::record::webhook::Rejection),
+    Webhook(WebhookRejection),
     /// 412 with `Repeatability-Result: rejected`: a repeatable request first sent longer ago
     /// than the route's `ttl`, or more than a minute in the future; never forwarded.
     #[error("{0}")]
@@ -359,6 +359,62 @@ impl GatewayError {
             },
         });
         answer(status, "application/json", &body, self.retry_after())
+    }
+}
+
+/// Why a delivery was refused: the `reason` label of `idemgate_webhook_rejected_total`, and its
+/// problem type (`webhook-signature` or `webhook-timestamp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WebhookRejection {
+    /// A header the scheme needs is absent (or repeated).
+    Missing(&'static str),
+    /// A header is there but does not read as the scheme writes it.
+    Malformed(&'static str),
+    /// No signature matches any secret.
+    Mismatch,
+    /// The signed timestamp is older than `webhook_tolerance`.
+    Stale,
+    /// The signed timestamp is further in the future than `webhook_tolerance`.
+    Future,
+}
+
+impl WebhookRejection {
+    /// Every reason label, for the metric's series.
+    pub const REASONS: [&'static str; 5] = ["missing", "malformed", "mismatch", "stale", "future"];
+
+    /// The metric's `reason` label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            WebhookRejection::Missing(_) => "missing",
+            WebhookRejection::Malformed(_) => "malformed",
+            WebhookRejection::Mismatch => "mismatch",
+            WebhookRejection::Stale => "stale",
+            WebhookRejection::Future => "future",
+        }
+    }
+
+    /// Whether it is the timestamp that is refused (`webhook-timestamp`), not the signature.
+    pub fn is_timestamp(self) -> bool {
+        matches!(self, WebhookRejection::Stale | WebhookRejection::Future)
+    }
+}
+
+impl std::fmt::Display for WebhookRejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WebhookRejection::Missing(what) => write!(f, "the webhook delivery lacks {what}"),
+            WebhookRejection::Malformed(what) => write!(f, "the webhook delivery's {what} is malformed"),
+            WebhookRejection::Mismatch => f.write_str(
+                "no signature of the webhook delivery matches its body and a secret of this endpoint",
+            ),
+            WebhookRejection::Stale => f.write_str(
+                "the webhook delivery's signed timestamp is older than this endpoint's tolerance",
+            ),
+            WebhookRejection::Future => f.write_str(
+                "the webhook delivery's signed timestamp is further in the future than this endpoint's tolerance",
+            ),
+        }?;
+        f.write_str("; nothing was forwarded")
     }
 }
 

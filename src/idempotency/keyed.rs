@@ -30,7 +30,7 @@ use super::wait::Waiter;
 use super::webhook;
 use crate::error::GatewayError;
 use crate::record::fingerprint::Fingerprint;
-use crate::record::policy::{OnInFlight, OnStoreError};
+use crate::record::policy::{OnInFlight, OnStoreError, Policy};
 use crate::record::Token;
 use crate::store::{Claim, Claimant, Replay, Store, StoreError};
 
@@ -64,19 +64,15 @@ impl<St: Store> Shared<St> {
         let body = match whole_body(body, grpc, keyed, &policy).await {
             Ok(body) => body,
             Err(Ok(body)) => {
-                if grpc && key.is_some() {
-                    // Its key cannot be applied: shown, as a retry of it runs again.
-                    self.metrics.grpc_streaming_keyed(&policy.route);
-                }
+                self.streaming_grpc(&policy, key.is_some());
                 return self.pass_keyless(inner, parts, body, unanswered).await;
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
-        let key = match webhook::event_key(&self.registry, &policy, &mut parts, &body) {
-            Ok(event) => event.or(key),
-            Err(e) => return Finished::refused(rejected_invalid, e, format),
-        };
-        let found = match find_key(&policy, &parts, &body, key) {
+        // A webhook delivery is verified first; its event's id is its key.
+        let found = webhook::event_key(&self.registry, &policy, &mut parts, &body)
+            .and_then(|event| find_key(&policy, &parts, &body, event.or(key)));
+        let found = match found {
             Ok(found) => found,
             Err(e) => return Finished::refused(rejected_invalid, e, format),
         };
@@ -106,6 +102,14 @@ impl<St: Store> Shared<St> {
         };
         self.answer_claim(claim, lease, inner, parts, body, unanswered)
             .await
+    }
+
+    /// A gRPC call that streams: a key it carries cannot be applied, which is counted, as a
+    /// retry of it runs again.
+    fn streaming_grpc(&self, policy: &Policy, keyed: bool) {
+        if keyed {
+            self.metrics.grpc_streaming_keyed(&policy.route);
+        }
     }
 
     /// Forward a keyed request whose key cannot be applied (none found, or a streaming gRPC

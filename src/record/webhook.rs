@@ -1,6 +1,6 @@
 //! The words of a webhook route: who signs its deliveries ([`Sender`]), the secrets they are
 //! signed with ([`WebhookSecrets`], never printed), and why a delivery is refused
-//! ([`Rejection`]). The engine checks a delivery with them (`idempotency/webhook.rs`).
+//! ([`Rejection`], which the gateway's own answers name, in `error.rs`). The engine checks a delivery with them (`idempotency/webhook.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,58 +97,4 @@ impl std::fmt::Debug for WebhookSecrets {
     }
 }
 
-/// Why a delivery was refused: the `reason` label of `idemgate_webhook_rejected_total`, and its
-/// problem type (`webhook-signature` or `webhook-timestamp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Rejection {
-    /// A header the scheme needs is absent (or repeated).
-    Missing(&'static str),
-    /// A header is there but does not read as the scheme writes it.
-    Malformed(&'static str),
-    /// No signature matches any secret.
-    Mismatch,
-    /// The signed timestamp is older than `webhook_tolerance`.
-    Stale,
-    /// The signed timestamp is further in the future than `webhook_tolerance`.
-    Future,
-}
-
-impl Rejection {
-    /// Every reason label, for the metric's series.
-    pub const REASONS: [&'static str; 5] = ["missing", "malformed", "mismatch", "stale", "future"];
-
-    /// The metric's `reason` label.
-    pub fn reason(self) -> &'static str {
-        match self {
-            Rejection::Missing(_) => "missing",
-            Rejection::Malformed(_) => "malformed",
-            Rejection::Mismatch => "mismatch",
-            Rejection::Stale => "stale",
-            Rejection::Future => "future",
-        }
-    }
-
-    /// Whether it is the timestamp that is refused (`webhook-timestamp`), not the signature.
-    pub fn is_timestamp(self) -> bool {
-        matches!(self, Rejection::Stale | Rejection::Future)
-    }
-}
-
-impl std::fmt::Display for Rejection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Rejection::Missing(what) => write!(f, "the webhook delivery lacks {what}"),
-            Rejection::Malformed(what) => write!(f, "the webhook delivery's {what} is malformed"),
-            Rejection::Mismatch => f.write_str(
-                "no signature of the webhook delivery matches its body and a secret of this endpoint",
-            ),
-            Rejection::Stale => f.write_str(
-                "the webhook delivery's signed timestamp is older than this endpoint's tolerance",
-            ),
-            Rejection::Future => f.write_str(
-                "the webhook delivery's signed timestamp is further in the future than this endpoint's tolerance",
-            ),
-        }?;
-        f.write_str("; nothing was forwarded")
-    }
-}
+pub use crate::error::WebhookRejection as Rejection;
