@@ -83,7 +83,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("payments API on http://{}", listener.local_addr()?);
     match std::env::var("REDIS_URL") {
         Ok(url) => {
-            let store = RedisStore::connect(&idemgate::store::RedisSettings::new(url)).await?;
+            let store = RedisStore::connect(&idemgate::RedisSettings::new(url)).await?;
             serve(listener, IdempotencyLayer::new(store, policy())).await
         }
         Err(_) => {

@@ -185,5 +185,10 @@ pub use idempotency::{
     AfterExpiry, ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent,
     OnInFlight, OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
-pub use metrics::Metrics;
-pub use store::{MemoryStore, RedisStore, Seal, SealKeys, SealMode, Store, StoreError, Topology};
+pub use metrics::{Families, Metrics};
+pub use record::webhook::{Sender, WebhookSecrets};
+pub use store::{
+    CachedStore, EmbeddedSettings, EmbeddedStore, Evictions, LocalCache, MemoryStore,
+    PostgresSettings, PostgresStore, RedisSettings, RedisStore, Seal, SealKeys, SealMode, Store,
+    StoreError, Topology,
+};
