@@ -16,8 +16,8 @@ use tracing::{debug, error, warn, Span};
 
 use super::admit::Admitted;
 use super::body::ByteBody;
-use super::grpc;
 use super::inner::Inner;
+use super::jsonrpc::{self, Reading};
 use super::lease::{Held, Lease};
 use super::outcome::{Finished, Forwarded};
 use super::request_body::{find_key, whole_body};
@@ -58,7 +58,7 @@ impl<St: Store> Shared<St> {
         let Admitted { key, grpc, .. } = admitted;
         let policy = route.policy.clone();
         let (parts, body) = req.into_parts();
-        let format = grpc::error_format(grpc, policy.error_format);
+        let format = jsonrpc::error_format(&policy, grpc);
         let body = match whole_body(body, grpc, key.is_some(), &policy).await {
             Ok(body) => body,
             Err(Ok(body)) => {
@@ -70,36 +70,60 @@ impl<St: Store> Shared<St> {
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
-        let found = match find_key(&policy, &parts, &body, key) {
-            Ok(found) => found,
-            Err(e) => return Finished::refused(rejected_invalid, e, format),
-        };
-        let Some((key, source)) = found.key else {
-            drop(found.doc);
-            let body = Body::from(body);
-            return self.pass_keyless(inner, parts, body, unanswered).await;
+        let (key, source, fingerprint, call) = if policy.protocol.is_jsonrpc() {
+            match jsonrpc::read(&policy, &parts, &body, key) {
+                Reading::Keyed(k) => (k.key, k.source, k.fingerprint, Some(k.call)),
+                Reading::Pass => {
+                    let body = Body::from(body);
+                    return self.pass_keyless(inner, parts, body, unanswered).await;
+                }
+                Reading::Swallowed => return jsonrpc::swallowed(),
+                Reading::Refused(e, id) => {
+                    return jsonrpc::refused(rejected_invalid, e, id.as_ref())
+                }
+            }
+        } else {
+            let found = match find_key(&policy, &parts, &body, key) {
+                Ok(found) => found,
+                Err(e) => return Finished::refused(rejected_invalid, e, format),
+            };
+            let Some((key, source)) = found.key else {
+                drop(found.doc);
+                let body = Body::from(body);
+                return self.pass_keyless(inner, parts, body, unanswered).await;
+            };
+            let fingerprint = Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy);
+            (key, source, fingerprint, None)
         };
         Span::current().record("key", key.short_hash());
         Span::current().record("key_source", source.as_str());
+        if let Some(call) = &call {
+            call.traced(&Span::current());
+        }
         let held = Held {
             who: Claimant {
                 key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
-                fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
+                fingerprint,
                 token: Token::random(),
             },
             policy: policy.clone(),
             client_key: key,
             source,
             format,
+            jsonrpc: call.clone(),
         };
-        drop(found.doc);
         let lease = Lease::new(self.clone(), held);
-        let claim = match self.claim_waiting(&route, &lease, &parts.headers).await {
-            Ok(claim) => claim,
-            Err(attached) => return attached,
+        let finished = match self.claim_waiting(&route, &lease, &parts.headers).await {
+            Ok(claim) => {
+                self.answer_claim(claim, lease, inner, parts, body, unanswered)
+                    .await
+            }
+            Err(attached) => attached,
         };
-        self.answer_claim(claim, lease, inner, parts, body, unanswered)
-            .await
+        match call {
+            Some(call) => jsonrpc::with_id(&call.id, finished),
+            None => finished,
+        }
     }
 
     /// Forward a keyed request whose key cannot be applied (none found, or a streaming gRPC
@@ -269,6 +293,16 @@ impl<St: Store> Shared<St> {
     /// Content-Length).
     fn replayed<E>(&self, replay: &Replay, parts: &Parts, held: &Held) -> Finished<E> {
         let stored = &replay.response;
+        let lives = replay.expires_in;
+        let replied = held
+            .jsonrpc
+            .as_ref()
+            .and_then(|call| jsonrpc::replayed(call, stored, &held.policy, lives));
+        match replied {
+            Some(Ok(answer)) => return Finished::answered(Outcome::replayed, answer),
+            Some(Err(e)) => return Finished::refused(Outcome::rejected_invalid, e, held.format),
+            None => {}
+        }
         if !response::framed(stored, parts.method == Method::HEAD) {
             error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
             return Finished::refused(
@@ -286,7 +320,6 @@ impl<St: Store> Shared<St> {
         }
         let from = sse::resume_at(stored, &stored.body, sse::last_event_id(&parts.headers));
         self.metrics.replayed_bytes(stored.body.len() - from);
-        let lives = replay.expires_in;
         let answer = response::replay(stored, &held.policy, lives, from);
         Finished::answered(Outcome::replayed, answer)
     }

@@ -150,5 +150,7 @@ fn request_span(req: &Request<Body>, policy: &Policy) -> Span {
         outcome = field::Empty,
         status = field::Empty,
         original_trace = field::Empty,
+        jsonrpc.method = field::Empty,
+        jsonrpc.name = field::Empty,
     )
 }
