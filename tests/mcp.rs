@@ -270,13 +270,32 @@ fn modern_call(id: Value, tool: &str, args: Value, key: &str) -> Value {
     })
 }
 
+/// A 2026-07-28 POST of `body`, with the routing headers that revision sends (`Mcp-Method`,
+/// and `Mcp-Name` for a call) as the body says.
 fn post_mcp(url: &str, body: &Value) -> reqwest::RequestBuilder {
-    client()
+    let method = body["method"].as_str().unwrap_or_default();
+    post_routed(url, body, method, body["params"]["name"].as_str())
+}
+
+/// A 2026-07-28 POST of `body` with the routing headers `method` and `name`.
+fn post_routed(
+    url: &str,
+    body: &Value,
+    method: &str,
+    name: Option<&str>,
+) -> reqwest::RequestBuilder {
+    let mut req = client()
         .post(url)
         .header("content-type", "application/json")
         .header("accept", "application/json, text/event-stream")
-        .header("mcp-protocol-version", "2026-07-28")
-        .body(body.to_string())
+        .header("mcp-protocol-version", "2026-07-28");
+    if !method.is_empty() {
+        req = req.header("mcp-method", method);
+    }
+    if let Some(name) = name {
+        req = req.header("mcp-name", name);
+    }
+    req.body(body.to_string())
 }
 
 /// The JSON of an answer, checked to be `application/json`.
@@ -315,14 +334,17 @@ async fn the_wire_ids_batches_and_headers() {
     assert_eq!(refused.status, 400);
     assert_eq!(json_of(&refused)["error"]["code"], -32600);
 
-    let mismatch = send(post_mcp(&url, &call(json!(2))).header("mcp-method", "tools/list")).await;
+    let routed = |id: i64, method: &str, name: &str| {
+        send(post_routed(&url, &call(json!(id)), method, Some(name)))
+    };
+    let mismatch = routed(2, "tools/list", "send_mail").await;
     assert_eq!(mismatch.status, 400);
     let error = json_of(&mismatch);
     assert_eq!(
         (error["id"].clone(), error["error"]["code"].clone()),
         (json!(2), json!(-32020))
     );
-    let name = send(post_mcp(&url, &call(json!(3))).header("mcp-name", "other")).await;
+    let name = routed(3, "tools/call", "other").await;
     assert_eq!(json_of(&name)["error"]["code"], -32020);
 
     let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
@@ -351,6 +373,8 @@ async fn a_streamed_call_over_http2() {
             .header("content-type", "application/json")
             .header("accept", "application/json, text/event-stream")
             .header("mcp-protocol-version", "2026-07-28")
+            .header("mcp-method", "tools/call")
+            .header("mcp-name", "slow")
             .body(body.to_string())
     };
     let first = send(post(&call)).await;
