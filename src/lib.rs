@@ -121,6 +121,12 @@
 //!   what the engine's spans carry as OTel spans),
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC
 //!   calls: the unary rule, recorded statuses, refusals as gRPC statuses),
+//!   `idempotency/jsonrpc/mod.rs` (JSON-RPC and MCP routes: a POST body read into a keyed call
+//!   or passed on, its fingerprint), `idempotency/jsonrpc/answer.rs` (the terminal response of
+//!   a call, from JSON or an event stream, recorded or released),
+//!   `idempotency/jsonrpc/reply.rs` (replays with the retry's id, refusals as JSON-RPC errors),
+//!   `idempotency/jsonrpc/cancel.rs` (the claimed calls whose cancellation is not passed on),
+//!   `idempotency/jsonrpc/metrics.rs` (their metric family), `idempotency/jsonrpc/tests.rs`,
 //!   `idempotency/body.rs` (the capped body collector), and `idempotency/tests.rs` (every
 //!   branch of the protocol without sockets).
 //! - [`record`]: the vocabulary of the engine and the store: `record/mod.rs` (what a record

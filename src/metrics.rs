@@ -303,6 +303,7 @@ struct Inner {
     upstream_requests: Family<UpstreamLabels, Counter>,
     upstream_connections: Family<UpstreamName, Counter>,
     clients: ClientConnections,
+    jsonrpc: crate::idempotency::jsonrpc::JsonRpcMetrics,
 }
 
 /// The store's families besides its operations' latency.
@@ -553,6 +554,7 @@ impl Metrics {
         let store = StoreFamilies::register(&mut registry);
         let (upstream_requests, upstream_connections) = register_upstream(&mut registry);
         let clients = ClientConnections::register(&mut registry);
+        let jsonrpc = crate::idempotency::jsonrpc::JsonRpcMetrics::register(&mut registry);
         let metrics = Metrics {
             inner: Arc::new(Inner {
                 clients,
@@ -571,6 +573,7 @@ impl Metrics {
                 store,
                 disconnects,
                 trace_spans_dropped,
+                jsonrpc,
             }),
         };
         metrics.start_at_zero();
@@ -604,6 +607,11 @@ impl Metrics {
         for reason in UNREADABLE_REASONS {
             drop(m.store.unreadable.get_or_create(&ReasonLabels { reason }));
         }
+    }
+
+    /// The JSON-RPC routes' family.
+    pub(crate) fn jsonrpc(&self) -> &crate::idempotency::jsonrpc::JsonRpcMetrics {
+        &self.inner.jsonrpc
     }
 
     /// The counters of one route, one per outcome, resolved now so requests only increment.

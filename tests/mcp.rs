@@ -354,6 +354,9 @@ async fn the_wire_ids_batches_and_headers() {
 
     let (_, counts) = world.run(json!([])).await;
     assert_eq!(count(&counts, "send_mail"), 1, "{counts}");
+    let metrics = world.gateway.metrics().await;
+    let replayed = r#"idemgate_jsonrpc_calls_total{route="/mcp",method="tools/call",tool="send_mail",outcome="replayed"} 1"#;
+    assert!(metrics.contains(replayed), "{metrics}");
 }
 
 /// The streamed case over HTTP/2: the first caller gets the event stream with its progress, the

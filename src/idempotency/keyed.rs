@@ -121,7 +121,12 @@ impl<St: Store> Shared<St> {
             Err(attached) => attached,
         };
         match call {
-            Some(call) => jsonrpc::with_id(&call.id, finished),
+            Some(call) => {
+                self.metrics
+                    .jsonrpc()
+                    .count(&policy.route, &call, finished.outcome);
+                jsonrpc::with_id(&call.id, finished)
+            }
             None => finished,
         }
     }

@@ -8,7 +8,7 @@ mod body;
 mod claimed;
 pub(crate) mod grpc;
 mod inner;
-mod jsonrpc;
+pub(crate) mod jsonrpc;
 mod keyed;
 mod layer;
 mod lease;

@@ -14,6 +14,7 @@
 
 mod answer;
 mod cancel;
+mod metrics;
 mod reply;
 
 use std::sync::Arc;
@@ -37,6 +38,7 @@ use crate::record::policy::{Policy, Protocol};
 
 pub(super) use answer::{read_answer, JsonRpcStream, StreamTail};
 pub(super) use cancel::Claimed;
+pub(crate) use metrics::JsonRpcMetrics;
 pub(super) use reply::{refused, replayed, with_id};
 
 /// The header MCP 2026-07-28 clients send with the JSON-RPC method of the body.
