@@ -436,7 +436,8 @@ fn every_documented_default_is_the_codes() {
 async fn scraped() -> String {
     let config = TestConfig::new()
         .upstream("http://127.0.0.1:9")
-        .set("admin.listen", "127.0.0.1:0");
+        .set("admin.listen", "127.0.0.1:0")
+        .route("/mcp", toml::toml! { protocol = "mcp" });
     let gateway = InProcessGateway::start(&config).await;
     let mut scraped = String::new();
     wait_until(

@@ -115,6 +115,11 @@ pub(crate) struct RouteState {
 impl RouteState {
     fn new(policy: &Arc<Policy>, metrics: &Metrics) -> Arc<Self> {
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
+        if policy.protocol.is_jsonrpc() {
+            metrics
+                .jsonrpc()
+                .start_at_zero(&policy.route, &policy.keyed_methods);
+        }
         Arc::new(RouteState {
             key_headers,
             scope_headers,

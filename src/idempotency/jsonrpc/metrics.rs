@@ -45,6 +45,20 @@ impl JsonRpcMetrics {
         metrics
     }
 
+    /// Start the series of a JSON-RPC route's keyed methods at zero (misses, no tool named
+    /// yet): a rule's `increase()` then sees the first call.
+    pub(in crate::idempotency) fn start_at_zero(&self, route: &str, methods: &[String]) {
+        for method in methods {
+            let labels = CallLabels {
+                route: route.to_string(),
+                method: self.bounded(Some(method)),
+                tool: String::new(),
+                outcome: Outcome::miss,
+            };
+            drop(self.calls.get_or_create(&labels));
+        }
+    }
+
     /// Count a keyed call on `route` that came to `outcome`.
     pub(in crate::idempotency) fn count(&self, route: &str, call: &Call, outcome: Outcome) {
         let labels = CallLabels {
