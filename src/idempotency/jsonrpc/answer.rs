@@ -58,10 +58,11 @@ fn classify(message: &Value) -> Option<Class> {
     })
 }
 
-/// How a response of `class` is kept, given how its HTTP head would be (`keep`).
+/// How a response of `class` is kept, given how its HTTP head would be (`keep`): a failure for
+/// `failure_ttl`, leaving no tombstone, as a 4xx.
 fn keep_for(class: Class, keep: Keep, policy: &Policy) -> Option<Keep> {
     let failure = Keep {
-        ttl: policy.failure_ttl.min(keep.ttl),
+        ttl: policy.failure_ttl,
         tombstone: None,
     };
     match class {
@@ -173,9 +174,7 @@ impl<St: Store> Shared<St> {
         };
         let relayed = tokio::select! {
             biased;
-            relayed = tokio::time::timeout(policy.upstream_timeout, relay(&mut tail, &call, policy)) => {
-                relayed.unwrap_or(Relayed::Broken)
-            }
+            relayed = relay(&mut tail, &call, policy) => relayed,
             never = lease.hold() => match never {},
         };
         match relayed {
@@ -193,13 +192,11 @@ impl<St: Store> Shared<St> {
                     None => lease.release().await,
                 }
                 // The rest goes on to the first client; nothing of it is kept.
-                let rest = relay_rest(&mut tail);
-                let _ = tokio::time::timeout(policy.upstream_timeout, rest).await;
+                relay_rest(&mut tail, policy).await;
             }
             Relayed::TooLarge => {
                 lease.complete(&EntryState::NotReplayable, tail.keep).await;
-                let rest = relay_rest(&mut tail);
-                let _ = tokio::time::timeout(policy.upstream_timeout, rest).await;
+                relay_rest(&mut tail, policy).await;
             }
             Relayed::Broken => {
                 warn!(route = %policy.route, key = %held.tag(), "event stream ended without the call's response; key stays claimed until its lease ends");
@@ -226,18 +223,30 @@ fn recorded(
     StoredResponse::new(head, (message, None), traceparent, source)
 }
 
+/// The stream's next chunk of data; `None` at its end, when it fails, or when none comes within
+/// `upstream_timeout` (which bounds each wait, as on any streamed route).
+async fn next_chunk(body: &mut Body, policy: &Policy) -> Option<Bytes> {
+    loop {
+        let frame = tokio::time::timeout(policy.upstream_timeout, body.frame()).await;
+        match frame {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(chunk) = frame.into_data() {
+                    return Some(chunk);
+                }
+            }
+            _ => return None,
+        }
+    }
+}
+
 /// Relay the stream's chunks until the event carrying the call's response (by its id), or its
 /// end.
 async fn relay(tail: &mut StreamTail, call: &Call, policy: &Policy) -> Relayed {
     let mut events = Events::default();
     let max = usize::try_from(policy.max_body).unwrap_or(usize::MAX);
     loop {
-        let chunk = match tail.body.frame().await {
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(chunk) => chunk,
-                Err(_) => continue,
-            },
-            Some(Err(_)) | None => return Relayed::Broken,
+        let Some(chunk) = next_chunk(&mut tail.body, policy).await else {
+            return Relayed::Broken;
         };
         events.push(&chunk);
         // The client may have gone: the call goes on for its retry all the same.
@@ -254,11 +263,9 @@ async fn relay(tail: &mut StreamTail, call: &Call, policy: &Policy) -> Relayed {
 }
 
 /// Relay what is left of the stream after its terminal response.
-async fn relay_rest(tail: &mut StreamTail) {
-    while let Some(Ok(frame)) = tail.body.frame().await {
-        if let Ok(chunk) = frame.into_data() {
-            let _ = tail.to_client.send(chunk).await;
-        }
+async fn relay_rest(tail: &mut StreamTail, policy: &Policy) {
+    while let Some(chunk) = next_chunk(&mut tail.body, policy).await {
+        let _ = tail.to_client.send(chunk).await;
     }
 }
 

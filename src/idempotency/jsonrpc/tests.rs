@@ -216,3 +216,40 @@ fn replies_carry_the_calls_id_as_sent() {
     assert_eq!(resp.status(), http::StatusCode::CONFLICT);
     assert_eq!(resp.headers()["content-type"], "application/json");
 }
+
+#[test]
+fn a_client_that_takes_only_an_event_stream_gets_its_replay_as_one_event() {
+    let policy = mcp();
+    let body = call(json!(1), "t", json!({}), json!({"idempotencyKey": "k"}));
+    let headers = [("accept", "text/event-stream")];
+    let call = keyed(read_body(&policy, &headers, body)).call;
+    assert!(!call.takes_json);
+    let stored = StoredResponse::new(
+        http::Response::new(()).into_parts().0,
+        (Bytes::from(r#"{"jsonrpc":"2.0","id":0,"result":{}}"#), None),
+        None,
+        KeySource::Body,
+    );
+    let resp = replayed(&call, &stored, &policy, None).unwrap().unwrap();
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let len: usize = resp.headers()["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(len > "event: message\ndata: {}\n\n".len());
+    for accept in [
+        "application/json, text/event-stream",
+        "*/*",
+        "application/json;q=0.9",
+    ] {
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "t", "_meta": {"idempotencyKey": "k"}}});
+        assert!(
+            keyed(read_body(&policy, &[("accept", accept)], body))
+                .call
+                .takes_json,
+            "{accept}"
+        );
+    }
+}
