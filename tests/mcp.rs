@@ -93,6 +93,7 @@ impl World {
         let dir = (backend == Backend::Embedded).then(|| tempfile::tempdir().unwrap());
         let config = TestConfig::new()
             .upstream(&server.url())
+            .admin()
             .route("/mcp", route);
         let config = match &dir {
             Some(dir) => config.embedded(dir.path()),
