@@ -11,6 +11,7 @@
 //!   errors.
 //! - `cancel.rs`: the claimed calls of this process, whose `notifications/cancelled` are not
 //!   passed on.
+//! - `metrics.rs`: `idemgate_jsonrpc_calls`, by method and (bounded) tool.
 
 mod answer;
 mod cancel;
@@ -19,13 +20,11 @@ mod reply;
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
 use sha2::{Digest, Sha256};
-
-use axum::body::Body;
-use http::{Response, StatusCode};
 
 use super::grpc;
 use super::outcome::Finished;
@@ -167,7 +166,11 @@ impl Call {
     pub(super) fn traced(&self, span: &tracing::Span) {
         span.record("jsonrpc.method", self.method.as_str());
         if let Some(name) = &self.name {
-            span.record("jsonrpc.name", name.as_str());
+            let cut = name
+                .char_indices()
+                .nth(TRACED_NAME)
+                .map_or(name.len(), |(at, _)| at);
+            span.record("jsonrpc.name", name.get(..cut).unwrap_or_default());
         }
     }
 }
@@ -268,6 +271,9 @@ fn name_of(method: &str, doc: &Json<'_>) -> Option<String> {
     };
     string_at(doc, at)
 }
+
+/// At most this many characters of a name go into a trace.
+const TRACED_NAME: usize = 128;
 
 /// The fingerprint of a call: the route's path, and the call's canonical JSON without its id
 /// and what a retry may change.
