@@ -281,8 +281,9 @@ fn is_response_to(data: &[u8], call: &Call) -> bool {
 /// lines, joined.
 #[derive(Default)]
 struct Events {
-    // Bytes not yet parsed: the start of an incomplete line.
+    // Bytes received; those before `start` are parsed.
     buf: Vec<u8>,
+    start: usize,
     // The data of the event being read.
     data: Vec<u8>,
     // Whether the event being read has a data line.
@@ -291,28 +292,41 @@ struct Events {
 
 impl Events {
     fn push(&mut self, chunk: &[u8]) {
+        // What was parsed goes once per chunk (not once per line or event: a chunk of many
+        // costs its length).
+        self.buf.drain(..self.start.min(self.buf.len()));
+        self.start = 0;
         self.buf.extend_from_slice(chunk);
     }
 
     /// Bytes held for events not yet complete.
     fn pending(&self) -> usize {
-        self.buf.len().saturating_add(self.data.len())
+        self.buf
+            .len()
+            .saturating_sub(self.start)
+            .saturating_add(self.data.len())
     }
 
     /// The data of the next complete event, if one is.
     fn next(&mut self) -> Option<Vec<u8>> {
-        while let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.buf.drain(..=end).collect();
-            let line = line.strip_suffix(b"\n").unwrap_or(&line);
+        let mut at = self.start;
+        let mut found = None;
+        while let Some(rest) = self.buf.get(at..) {
+            let Some(end) = rest.iter().position(|&b| b == b'\n') else {
+                break;
+            };
+            let line = rest.get(..end).unwrap_or_default();
+            at += end + 1;
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             if line.is_empty() {
                 if std::mem::take(&mut self.has_data) {
-                    return Some(std::mem::take(&mut self.data));
+                    found = Some(std::mem::take(&mut self.data));
+                    break;
                 }
                 continue;
             }
             let (field, value) = match line.iter().position(|&b| b == b':') {
-                Some(at) => line.split_at(at),
+                Some(colon) => line.split_at(colon),
                 None => (line, &b""[..]),
             };
             let value = value.strip_prefix(b":").unwrap_or(value);
@@ -325,7 +339,8 @@ impl Events {
                 self.has_data = true;
             }
         }
-        None
+        self.start = at;
+        found
     }
 }
 
@@ -372,5 +387,15 @@ mod tests {
         assert_eq!(events.next().unwrap(), b"{\"a\":1}");
         assert_eq!(events.next().unwrap(), b"x\ny");
         assert_eq!(events.next(), None);
+        assert_eq!(events.pending(), 0);
+        let many: Vec<u8> = (0..1000)
+            .flat_map(|i| format!("data: {i}\n\n").into_bytes())
+            .collect();
+        events.push(&many);
+        let read: Vec<Vec<u8>> = std::iter::from_fn(|| events.next()).collect();
+        assert_eq!(read.len(), 1000);
+        assert_eq!(read[999], b"999");
+        events.push(b"data: tail");
+        assert_eq!((events.next(), events.pending()), (None, 10));
     }
 }
