@@ -180,7 +180,7 @@ pub use app::{run, App, AppError};
 pub use error::ConfigError;
 pub use idempotency::{
     AfterExpiry, ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent,
-    OnInFlight, OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
+    OnInFlight, OnStoreError, Policy, PolicyBuilder, Protocol, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
 pub use metrics::Metrics;
 pub use store::{MemoryStore, RedisStore, Seal, SealKeys, SealMode, Store, StoreError, Topology};
