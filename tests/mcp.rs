@@ -251,6 +251,22 @@ async fn a_retry_under_another_protocol_version_reads_its_replay(backend: Backen
     assert_eq!(count(&counts, "send_mail"), 2, "{counts}");
 }
 
+/// On a route that does not wait, a duplicate of a call still running gets the in-flight
+/// refusal as the SDK's `MCPError` with its code (HTTP 409, `application/json`): the SDK reads
+/// the gateway's own answers as protocol errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_flight_is_an_sdk_error() {
+    let world = World::start_with(Backend::Memory, true, toml! { protocol = "mcp" }).await;
+    let slow = json!({"tool": "slow", "args": {"ms": 2000}, "key": "busy"});
+    let (results, counts) = world.run(json!([[slow, slow]])).await;
+    let both = results[0].as_array().unwrap();
+    let refused: Vec<&Value> = both.iter().filter(|r| r["code"] == -31001).collect();
+    assert_eq!(refused.len(), 1, "{both:?}");
+    assert_eq!(refused[0]["data"]["status"], 409);
+    assert!(both.iter().any(|r| r["text"].is_string()), "{both:?}");
+    assert_eq!(count(&counts, "slow"), 1, "{counts}");
+}
+
 on_both_backends!(
     a_retried_tool_call_runs_once,
     streamed_calls_survive_a_disconnect_and_serve_duplicates,
