@@ -24,6 +24,11 @@ pub enum ErrorFormat {
     /// format (`idempotency/grpc.rs`); not a configuration value.
     #[serde(skip)]
     Grpc,
+    /// A JSON-RPC error response (`application/json`), its code from [`GatewayError::jsonrpc_code`]
+    /// and the problem details in `data`: what every call on a JSON-RPC route gets
+    /// (`idempotency/jsonrpc/`); not a configuration value.
+    #[serde(skip)]
+    JsonRpc,
 }
 
 /// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
@@ -139,6 +144,20 @@ pub enum GatewayError {
     /// 503 with `Retry-After`: the idempotency store is unavailable; nothing was forwarded.
     #[error("the idempotency store is unavailable; nothing was forwarded, retry later")]
     StoreUnavailable,
+    /// 400: a JSON-RPC batch holds a call of a keyed method; keyed calls go one per request.
+    /// Nothing was forwarded.
+    #[error(
+        "this batch holds a keyed call: send keyed calls one per request; nothing was processed"
+    )]
+    KeyedCallInBatch,
+    /// 400: an MCP request's routing header (`Mcp-Method`, `Mcp-Name`) disagrees with its body.
+    /// Nothing was forwarded.
+    #[error("the {0} header disagrees with the request body; nothing was processed")]
+    HeaderMismatch(&'static str),
+    /// 409: the call's recorded answer has no faithful form in the protocol version of this
+    /// retry (MCP); it is neither replayed nor run again.
+    #[error("the call with this idempotency key was recorded under another MCP protocol version, and its result ({0}) cannot be given in this request's version; it was not run again: retry under the version it was made with")]
+    ReplayUntranslatable(&'static str),
     /// 500: the gateway itself failed while handling the request (a defect, logged with its
     /// cause). A claimed key is left to its lease, never answered twice.
     #[error(
@@ -158,7 +177,9 @@ impl GatewayError {
             | Self::InvalidFraming(_)
             | Self::InvalidAuthority(_)
             | Self::InvalidRepeatability(_)
-            | Self::Webhook(_) => StatusCode::BAD_REQUEST,
+            | Self::Webhook(_)
+            | Self::KeyedCallInBatch
+            | Self::HeaderMismatch(_) => StatusCode::BAD_REQUEST,
             Self::RepeatabilityRejected(_) => StatusCode::PRECONDITION_FAILED,
             Self::UnsupportedTransferCoding | Self::UnsupportedMethod(_) => {
                 StatusCode::NOT_IMPLEMENTED
@@ -169,7 +190,9 @@ impl GatewayError {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTooSlow(_) => StatusCode::REQUEST_TIMEOUT,
             Self::Mismatch { status } => *status,
-            Self::InFlight { .. } | Self::NotReplayable => StatusCode::CONFLICT,
+            Self::InFlight { .. } | Self::NotReplayable | Self::ReplayUntranslatable(_) => {
+                StatusCode::CONFLICT
+            }
             Self::KeyExpired { .. } => StatusCode::GONE,
             Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => {
                 StatusCode::BAD_GATEWAY
@@ -207,6 +230,9 @@ impl GatewayError {
             Self::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             Self::UpstreamTimeout | Self::UpstreamBusy => "upstream-timeout",
             Self::StoreUnavailable => "store-unavailable",
+            Self::KeyedCallInBatch => "keyed-call-in-batch",
+            Self::HeaderMismatch(_) => "header-mismatch",
+            Self::ReplayUntranslatable(_) => "replay-untranslatable",
             Self::Internal => "internal",
         }
     }
@@ -236,6 +262,9 @@ impl GatewayError {
             Self::Upstream | Self::UpstreamTls | Self::UpstreamInvalidResponse(_) => "Bad gateway",
             Self::UpstreamTimeout | Self::UpstreamBusy => "Gateway timeout",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::KeyedCallInBatch => "Keyed call in a batch",
+            Self::HeaderMismatch(_) => "Header mismatch",
+            Self::ReplayUntranslatable(_) => "Replay not possible in this protocol version",
             Self::Internal => "Internal error",
         }
     }
@@ -270,7 +299,69 @@ impl GatewayError {
                 let message = format!("{}: {self} (instance {instance})", self.kind());
                 grpc_status::trailers_only(self.grpc_code(), &message, self.retry_after())
             }
+            ErrorFormat::JsonRpc => self.jsonrpc(),
         }
+    }
+
+    /// The JSON-RPC error code of each of the gateway's own answers to a JSON-RPC call: outside
+    /// the range JSON-RPC reserves (-32768..-32000), one per refusal, except the two the
+    /// protocols name (a keyed call in a batch is an invalid request, -32600; MCP's
+    /// HeaderMismatch, -32020). docs/behaviour.md lists them.
+    pub fn jsonrpc_code(&self) -> i64 {
+        use GatewayError as E;
+        match self {
+            E::InFlight { .. } => -31001,
+            E::Mismatch { .. } => -31002,
+            E::InvalidKey(_) => -31003,
+            E::MissingKey => -31004,
+            E::KeyExpired { .. } => -31005,
+            E::NotReplayable => -31006,
+            E::ReplayUntranslatable(_) => -31007,
+            E::BodyTooLarge { .. } => -31008,
+            E::StoreUnavailable => -31009,
+            E::CorruptRecord | E::RecordUnreadable => -31010,
+            E::Upstream
+            | E::UpstreamTls
+            | E::UpstreamInvalidResponse(_)
+            | E::UpstreamBusy
+            | E::UpstreamTimeout => -31011,
+            E::InvalidBody
+            | E::InvalidJson(_)
+            | E::InvalidFraming(_)
+            | E::InvalidAuthority(_)
+            | E::InvalidRepeatability(_)
+            | E::RepeatabilityRejected(_)
+            | E::BodyTooSlow(_)
+            | E::UnsupportedTransferCoding
+            | E::UnsupportedMethod(_)
+            | E::Webhook(_) => -31012,
+            E::Internal => -31013,
+            E::KeyedCallInBatch => -32600,
+            E::HeaderMismatch(_) => -32020,
+        }
+    }
+
+    /// The JSON-RPC error response (`id` null until the call's own is put in,
+    /// `idempotency/jsonrpc/reply.rs`): the code, the message, and the problem details in
+    /// `data`; `application/json`, which MCP's SDKs read at any status, with this answer's
+    /// status. The error object rides along as a [`JsonRpcError`] extension.
+    fn jsonrpc(self) -> Response<Body> {
+        let status = self.status();
+        let error = serde_json::json!({
+            "code": self.jsonrpc_code(),
+            "message": self.to_string(),
+            "data": {
+                "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind()),
+                "title": self.title(),
+                "status": status.as_u16(),
+                "detail": self.to_string(),
+                "instance": occurrence(self.kind(), status),
+            },
+        });
+        let body = serde_json::json!({ "jsonrpc": "2.0", "id": null, "error": &error });
+        let mut resp = answer(status, "application/json", &body, self.retry_after());
+        resp.extensions_mut().insert(JsonRpcError(error));
+        resp
     }
 
     /// The gRPC status of each of the gateway's own answers: the key's refusals say what the
@@ -287,9 +378,12 @@ impl GatewayError {
             | E::InvalidFraming(_)
             | E::InvalidAuthority(_)
             | E::InvalidRepeatability(_)
-            | E::Webhook(_) => Code::InvalidArgument,
+            | E::Webhook(_)
+            | E::KeyedCallInBatch
+            | E::HeaderMismatch(_) => Code::InvalidArgument,
             E::Mismatch { .. }
             | E::NotReplayable
+            | E::ReplayUntranslatable(_)
             | E::KeyExpired { .. }
             | E::RepeatabilityRejected(_) => Code::FailedPrecondition,
             E::InFlight { .. } => Code::Aborted,
@@ -313,9 +407,10 @@ impl GatewayError {
     fn stripe_type(&self) -> (&'static str, StatusCode) {
         match self {
             Self::Mismatch { .. } => ("idempotency_error", StatusCode::BAD_REQUEST),
-            Self::InFlight { .. } | Self::NotReplayable | Self::KeyExpired { .. } => {
-                ("idempotency_error", self.status())
-            }
+            Self::InFlight { .. }
+            | Self::NotReplayable
+            | Self::KeyExpired { .. }
+            | Self::ReplayUntranslatable(_) => ("idempotency_error", self.status()),
             Self::InvalidKey(_)
             | Self::MissingKey
             | Self::InvalidBody
@@ -328,7 +423,9 @@ impl GatewayError {
             | Self::UnsupportedTransferCoding
             | Self::UnsupportedMethod(_)
             | Self::BodyTooLarge { .. }
-            | Self::BodyTooSlow(_) => ("invalid_request_error", self.status()),
+            | Self::BodyTooSlow(_)
+            | Self::KeyedCallInBatch
+            | Self::HeaderMismatch(_) => ("invalid_request_error", self.status()),
             Self::CorruptRecord
             | Self::RecordUnreadable
             | Self::Upstream
@@ -417,6 +514,10 @@ impl std::fmt::Display for WebhookRejection {
         f.write_str("; nothing was forwarded")
     }
 }
+
+/// The error object of the gateway's own JSON-RPC error response, for the call's id to be put in.
+#[derive(Debug, Clone)]
+pub(crate) struct JsonRpcError(pub(crate) serde_json::Value);
 
 /// An RFC 9457 problem: every answer the gateway and its admin listener give themselves is built
 /// here, so they all have the same shape.

@@ -127,8 +127,15 @@
 //!   what the engine's spans carry as OTel spans),
 //!   `idempotency/repeatability.rs` (OASIS Repeatable Requests), `idempotency/grpc.rs` (gRPC
 //!   calls: the unary rule, recorded statuses, refusals as gRPC statuses),
-//!   `idempotency/body.rs` (the capped body collector), `idempotency/webhook.rs` (webhook
-//!   deliveries: signatures checked, the event id as key, the rejections' metric family), and `idempotency/tests.rs` (every
+//!   `idempotency/jsonrpc/mod.rs` (JSON-RPC and MCP routes: a POST body read into a keyed call
+//!   or passed on, its fingerprint), `idempotency/jsonrpc/answer.rs` (the terminal response of
+//!   a call, from JSON or an event stream, recorded or released),
+//!   `idempotency/jsonrpc/reply.rs` (replays with the retry's id, refusals as JSON-RPC errors),
+//!   `idempotency/jsonrpc/cancel.rs` (the claimed calls whose cancellation is not passed on),
+//!   `idempotency/jsonrpc/metrics.rs` (their metric family), `idempotency/jsonrpc/tests.rs`,
+//!   `idempotency/webhook.rs` (webhook deliveries: signatures checked, the event id as key, the
+//!   rejections' metric family), `idempotency/body.rs` (the capped body collector), and
+//!   `idempotency/tests.rs` (every
 //!   branch of the protocol without sockets).
 //! - [`record`]: the vocabulary of the engine and the store: `record/mod.rs` (what a record
 //!   holds: token, stored response, entry state), `record/key.rs` (the key, read, derived and
@@ -183,7 +190,7 @@ pub use app::{run, App, AppError};
 pub use error::ConfigError;
 pub use idempotency::{
     AfterExpiry, ErrorFormat, FingerprintMode, Idempotency, IdempotencyLayer, KeySecret, NotSent,
-    OnInFlight, OnStoreError, Policy, PolicyBuilder, Routes, Ttl, IDEMPOTENT_REPLAYED,
+    OnInFlight, OnStoreError, Policy, PolicyBuilder, Protocol, Routes, Ttl, IDEMPOTENT_REPLAYED,
 };
 pub use metrics::{Families, Metrics};
 pub use record::webhook::{Sender, WebhookSecrets};

@@ -440,6 +440,7 @@ async fn scraped() -> String {
         .upstream("http://127.0.0.1:9")
         .set("admin.listen", "127.0.0.1:0")
         .route("/hooks", webhook)
+        .route("/mcp", toml::toml! { protocol = "mcp" })
         .env("DOCS_WEBHOOK_SECRET", "a-webhook-secret");
     let gateway = InProcessGateway::start(&config).await;
     let mut scraped = String::new();

@@ -30,6 +30,7 @@ mod framing;
 mod gateway;
 mod grpc;
 mod http2;
+mod mcp;
 mod policy;
 mod postgres;
 mod sealing;

@@ -2,7 +2,7 @@
 //! one run, and prints one table. See loadtest/README.md; run it with `loadtest/run [--quick]`.
 //!
 //! One module per section of the run (`proxy`, the main table; `https`, `http2`, `library`,
-//! `fingerprint`, `expiry`, `seal`, `stream`, `telemetry`, `webhook`, `storm`, `soak`, `cluster`, `postgres`,
+//! `fingerprint`, `mcp`, `expiry`, `seal`, `stream`, `telemetry`, `webhook`, `storm`, `soak`, `cluster`, `postgres`,
 //! `embedded`, `failover`, `chaos`), on `bench` (the measuring they share), `load` (the load generator),
 //! `procs` (the processes under test; Redis's come from `testkit`), `metrics`, `table` (the
 //! printed results) and `charts` (the same as SVG charts). `upstream`, `app` and `collector`
@@ -21,6 +21,7 @@ mod http2;
 mod https;
 mod library;
 mod load;
+mod mcp;
 mod metrics;
 mod postgres;
 mod procs;
@@ -66,7 +67,8 @@ struct Cli {
     #[arg(long)]
     soak: Option<u64>,
     /// Run only these sections (comma-separated): proxy (the main table), https, http2,
-    /// library, fingerprint, expiry (the Redis miss with after_expiry = "refuse" against the
+    /// library, fingerprint, mcp (an MCP tools/call's miss and replay against nginx), expiry
+    /// (the Redis miss with after_expiry = "refuse" against the
     /// default), seal (the Redis miss and replay, with and without the local cache, with
     /// seal = "on" against "off"), stream (the first byte of a keyed streamed miss against a
     /// pass-through at a fixed rate, and replays of a 64 KiB event stream against nginx),
@@ -269,6 +271,9 @@ async fn bench(cli: Cli) -> ExitCode {
     }
     if run("fingerprint") {
         fingerprint::run(&mut b, sizes).await;
+    }
+    if run("mcp") {
+        mcp::run(&mut b, dir.path()).await;
     }
     if run("expiry") {
         // The run's Redis, for its CPU per miss: a section before may have set others (none).

@@ -44,15 +44,17 @@ pub async fn serve(
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let body = Bytes::from(json_body(body_size));
     let noise = Bytes::from(random_bytes(body_size, 0x5eed));
+    let tool_result = Bytes::from(tool_result(body_size));
     let count = Arc::new(AtomicU64::new(0));
     let per_key: Option<Arc<PerKey>> = count_keys.then(Default::default);
     let streams = Arc::new(Streams::default());
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        let (body, noise, count, tls, per_key, streams) = (
+        let (body, noise, tool_result, count, tls, per_key, streams) = (
             body.clone(),
             noise.clone(),
+            tool_result.clone(),
             count.clone(),
             tls.clone(),
             per_key.clone(),
@@ -60,9 +62,10 @@ pub async fn serve(
         );
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
-                let (body, noise, count, per_key, streams) = (
+                let (body, noise, tool_result, count, per_key, streams) = (
                     body.clone(),
                     noise.clone(),
+                    tool_result.clone(),
                     count.clone(),
                     per_key.clone(),
                     streams.clone(),
@@ -96,6 +99,8 @@ pub async fn serve(
                     }
                     let (body, content_type) = if req_path_is_incompressible(&path) {
                         (noise, "application/octet-stream")
+                    } else if path.starts_with("/mcp") {
+                        (tool_result, "application/json")
                     } else {
                         (body, "application/json")
                     };
@@ -252,6 +257,15 @@ impl PerKey {
         let twice = map.values().filter(|&&n| n > 1).count();
         format!("{} {executions} {twice}", map.len())
     }
+}
+
+/// The answer to a POST under `/mcp` (the `mcp` section): an MCP `tools/call` result of about
+/// `size` bytes, its text the padding, as a JSON-RPC response to id 1.
+pub fn tool_result(size: usize) -> String {
+    let head = r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":""#;
+    let tail = r#""}],"isError":false}}"#;
+    let text = "x".repeat(size.saturating_sub(head.len() + tail.len()));
+    format!("{head}{text}{tail}")
 }
 
 fn req_path_is_incompressible(path: &str) -> bool {

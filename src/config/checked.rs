@@ -211,7 +211,7 @@ macro_rules! written {
 written! {
     human: NonZero(HumanDuration), LockTtl(HumanDuration), Lifetime(HumanTtl), NonZeroSize(HumanSize);
     as_is: AtLeastOne, KeyMaxLen, MismatchStatus, Methods, HeaderNames, KeyHeaders,
-        OptionalHeaderName, OptionalPointer, Pointers, IgnoredPointers, CookieNames, UpstreamName,
+        OptionalHeaderName, Pointers, IgnoredPointers, CookieNames, UpstreamName, MethodNames,
         OptionalSender, OptionalVarName;
 }
 
@@ -220,5 +220,26 @@ impl<T: DeserializeOwned + Clone> Rule for check::Any<T> {
     type Value = T;
     fn check(raw: T) -> Result<T, String> {
         Ok(raw)
+    }
+}
+
+/// One string or a list of them, as `key_from_body` is written (a single pointer, the older
+/// form, or pointers tried in order).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Rule for check::BodyKeyPointers {
+    type Raw = OneOrMany;
+    type Value = <check::BodyKeyPointers as check::Rule>::Value;
+    fn check(raw: OneOrMany) -> Result<Self::Value, String> {
+        let texts = match raw {
+            OneOrMany::One(text) => vec![text],
+            OneOrMany::Many(texts) => texts,
+        };
+        <check::BodyKeyPointers as check::Rule>::check(texts)
     }
 }

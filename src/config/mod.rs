@@ -32,7 +32,7 @@ mod webhook;
 
 pub use crate::error::ConfigError;
 pub use crate::record::policy::{
-    FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder,
+    FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Protocol,
 };
 pub use human::{HumanDuration, HumanRate, HumanSize, MAX_DURATION};
 pub use store::{
@@ -414,7 +414,10 @@ fn policies(
     }
     // Whether `max_ttl` was given, by the table or `[defaults]` under it.
     let resolve = |table: &PolicyTable, over: &Policy, max_ttl_given: bool, at: &str| {
-        let policy = table.merged_over(over.clone());
+        let given = |field: &str| table.sets(field) || defaults.sets(field);
+        let policy = table
+            .merged_over(over.clone())
+            .with_protocol_defaults(given);
         let policy = webhook::settle(policy, table.sets_ttl(), vars, at)?;
         let policy = policy.settle_ttls(max_ttl_given || table.sets_max_ttl(), at)?;
         policy.with_key_secret(key_secret, at)

@@ -3,6 +3,8 @@
 //! `[defaults]`, merged over the built-in [`Policy::default`]. The table's fields are those of
 //! the policy's one list, [`policy_fields!`] (in `record/policy.rs`), that have a rule.
 
+use std::marker::PhantomData;
+
 use serde::Deserialize;
 
 use super::checked::Checked;
@@ -36,6 +38,17 @@ macro_rules! policy_table {
                     policy.$field = Checked::<$rule>::get(value).clone();
                 })?)*
                 policy
+            }
+
+            /// Whether this table names `field`.
+            pub(super) fn sets(&self, field: &str) -> bool {
+                match field {
+                    $($(stringify!($field) => {
+                        let _: PhantomData<$rule> = PhantomData;
+                        self.$field.is_some()
+                    })?)*
+                    _ => false,
+                }
             }
         }
     };

@@ -71,7 +71,7 @@ pub(super) fn admit(route: &RouteState, req: &Request<Body>) -> Admission {
         });
     }
     let grpc = grpc::is_call(req.version(), req.headers());
-    let format = grpc::error_format(grpc, policy.error_format);
+    let format = super::jsonrpc::error_format(policy, grpc);
     let refused = |error, repeatable| {
         Admission::Refused(Refusal {
             error,

@@ -18,6 +18,7 @@ use tracing::{debug, debug_span, error, warn, Instrument, Span};
 use super::body::{collect_capped, replay_then_rest, with_trailers, ByteBody, Collected};
 use super::grpc;
 use super::inner::{is_not_sent, Deadline, Inner};
+use super::jsonrpc;
 use super::lease::{Held, Lease};
 use super::metrics::{Outcome, Unsettled};
 use super::outcome::{Answer, Finished, Forwarded, InFlight};
@@ -50,7 +51,7 @@ impl Execution {
 }
 
 /// What the inner service's call came to, for a claimed request.
-enum Called<E> {
+pub(super) enum Called<E> {
     /// It failed, and its error carries [`NotSent`](super::NotSent): safe to run again.
     NotSent(E),
     /// It failed after the request may have been processed.
@@ -74,6 +75,17 @@ enum Called<E> {
     TooLarge(http::response::Parts, Vec<Bytes>, Body, Keep),
     /// A storable response on a `stream = true` route: sent as it comes, recorded at its end.
     Streamed(Streaming),
+    /// A JSON-RPC call's answer in an event stream: sent as it comes, its terminal response
+    /// recorded (`jsonrpc/answer.rs`).
+    JsonRpcStream(jsonrpc::JsonRpcStream),
+}
+
+/// What is left to do once the first answer of a streamed response has gone out.
+enum Rest {
+    /// Read the body onto its tape and record it.
+    Tape(Tail),
+    /// Relay a JSON-RPC call's event stream and record its terminal response.
+    JsonRpc(jsonrpc::StreamTail),
 }
 
 impl<St: Store> Shared<St> {
@@ -101,8 +113,10 @@ impl<St: Store> Shared<St> {
                 if tx.send(forwarded).is_err() {
                     debug!("client went away; the response is recorded for its retry");
                 }
-                if let Some(tail) = tail {
-                    this.record_stream(&lease, tail).await;
+                match tail {
+                    Some(Rest::Tape(tail)) => this.record_stream(&lease, tail).await,
+                    Some(Rest::JsonRpc(tail)) => this.record_jsonrpc(&lease, tail).await,
+                    None => {}
                 }
             };
             // A defect must not take the key with it: the call's outcome is unknown, so the
@@ -132,7 +146,7 @@ impl<St: Store> Shared<St> {
         lease: &Lease<St>,
         parts: Parts,
         body: Bytes,
-    ) -> (Forwarded<S::Error>, Option<Tail>)
+    ) -> (Forwarded<S::Error>, Option<Rest>)
     where
         S: Inner<RB>,
         RB: ByteBody,
@@ -163,40 +177,34 @@ impl<St: Store> Shared<St> {
         lease: &Lease<St>,
         called: Option<Called<E>>,
         execution: &Execution,
-    ) -> (Answer<E>, Option<Tail>) {
+    ) -> (Answer<E>, Option<Rest>) {
         let (held, policy, format) = (&*lease.held, &*lease.held.policy, lease.held.format);
         let unsettled = || self.metrics.unsettled(&policy.route, execution.unsettled());
+        // The outcome is unknown: the claim is kept until its lease ends.
+        let left = |e: GatewayError| {
+            unsettled();
+            Ok(e.respond(format))
+        };
         let answer = match called {
             None => {
                 // The inner service may still be executing: keep the claim until its lease ends.
                 warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, "upstream timed out; key stays claimed until its lease ends");
-                unsettled();
-                Ok(GatewayError::UpstreamTimeout.respond(format))
+                left(GatewayError::UpstreamTimeout)
             }
             Some(Called::NotSent(e)) => {
                 warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream unreachable; nothing was sent");
                 lease.release().await;
                 Err(e)
             }
-            Some(Called::Failed(e)) if execution.timed_out => {
-                // The inner service gave up at the same deadline (the proxy's own timeout).
-                warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, error = %e, "upstream timed out; key stays claimed until its lease ends");
-                unsettled();
-                Err(e)
-            }
             Some(Called::Failed(e)) => {
-                warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream failed after the request may have been sent; key stays claimed until its lease ends");
+                warn_failed(held, execution.timed_out, &e);
                 unsettled();
                 Err(e)
             }
-            Some(Called::BodyFailed) => {
-                unsettled();
-                Ok(GatewayError::Upstream.respond(format))
-            }
+            Some(Called::BodyFailed) => left(GatewayError::Upstream),
             Some(Called::NotFinal(status)) => {
                 warn!(route = %policy.route, key = %held.tag(), %status, "inner service answered with no final response; key stays claimed until its lease ends");
-                unsettled();
-                Ok(GatewayError::UpstreamInvalidResponse(status.as_u16()).respond(format))
+                left(GatewayError::UpstreamInvalidResponse(status.as_u16()))
             }
             Some(Called::Transient(resp)) => {
                 lease.release().await;
@@ -213,7 +221,11 @@ impl<St: Store> Shared<St> {
             Some(Called::Streamed(streaming)) => {
                 let traceparent = execution.traceparent.clone();
                 let (first, tail) = self.stream_on(held, streaming, execution.is_head, traceparent);
-                return (Ok(first), Some(tail));
+                return (Ok(first), Some(Rest::Tape(tail)));
+            }
+            Some(Called::JsonRpcStream(stream)) => {
+                let (first, tail) = stream.start(execution.traceparent.clone());
+                return (Ok(first), Some(Rest::JsonRpc(tail)));
             }
         };
         (answer, None)
@@ -299,6 +311,10 @@ impl<St: Store> Shared<St> {
         }
         let (mut head, body) = resp.into_parts();
         let body = Body::new(body);
+        // A JSON-RPC call is judged by its terminal response, whatever the route streams.
+        if held.jsonrpc.is_some() {
+            return jsonrpc::read_answer(policy, head, body).await;
+        }
         // A gRPC call's status comes in the trailers: decided once the body is read.
         let later = grpc && grpc::status_follows(&head);
         let now = (!later).then(|| response::recorded_for(&mut head, None, grpc, policy));
@@ -351,5 +367,16 @@ async fn read_answer<E>(
             warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream response body failed midway; key stays claimed until its lease ends");
             Called::BodyFailed
         }
+    }
+}
+
+/// Log a claimed call that failed after its request may have been sent: timed out when the
+/// inner service gave up at the route's deadline (the proxy's own timeout).
+fn warn_failed(held: &Held, timed_out: bool, e: &dyn std::fmt::Display) {
+    let policy = &held.policy;
+    if timed_out {
+        warn!(route = %policy.route, key = %held.tag(), timeout = ?policy.upstream_timeout, error = %e, "upstream timed out; key stays claimed until its lease ends");
+    } else {
+        warn!(route = %policy.route, key = %held.tag(), error = %e, "upstream failed after the request may have been sent; key stays claimed until its lease ends");
     }
 }

@@ -9,15 +9,15 @@ use super::shared::Shared;
 use axum::body::Body;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Method, Request};
+use http::{HeaderMap, Method, Request};
 use tokio::time::Instant;
 use tower::ServiceExt;
 use tracing::{debug, error, warn, Span};
 
 use super::admit::Admitted;
 use super::body::ByteBody;
-use super::grpc;
 use super::inner::Inner;
+use super::jsonrpc::{self, Call, Reading};
 use super::lease::{Held, Lease};
 use super::metrics::{Outcome, StoreOp};
 use super::outcome::{Finished, Forwarded, Unanswered};
@@ -30,6 +30,8 @@ use super::wait::Waiter;
 use super::webhook;
 use crate::error::GatewayError;
 use crate::record::fingerprint::Fingerprint;
+use crate::record::key::{IdempotencyKey, KeySource};
+use crate::record::policy::ErrorFormat;
 use crate::record::policy::{OnInFlight, OnStoreError, Policy};
 use crate::record::Token;
 use crate::store::{Claim, Claimant, Replay, Store, StoreError};
@@ -38,6 +40,46 @@ use crate::store::{Claim, Claimant, Replay, Store, StoreError};
 const IN_FLIGHT: GatewayError = GatewayError::InFlight {
     retry_after: Duration::from_secs(1),
 };
+
+/// Who a keyed request is: its key, where the key was found, its fingerprint and, on a JSON-RPC
+/// route, its call.
+struct Identity {
+    key: IdempotencyKey,
+    source: KeySource,
+    fingerprint: Fingerprint,
+    call: Option<Arc<Call>>,
+}
+
+impl Identity {
+    /// What a request so identified holds when it claims on `route`, recorded on its span.
+    fn held(self, route: &RouteState, headers: &HeaderMap, format: ErrorFormat) -> Held {
+        let span = Span::current();
+        span.record("key", self.key.short_hash());
+        span.record("key_source", self.source.as_str());
+        if let Some(call) = &self.call {
+            call.traced(&span);
+        }
+        let policy = &route.policy;
+        Held {
+            who: Claimant {
+                key: (self.key).scoped(headers, &route.scope_headers, &policy.scope_cookies),
+                fingerprint: self.fingerprint,
+                token: Token::random(),
+            },
+            policy: policy.clone(),
+            client_key: self.key,
+            source: self.source,
+            format,
+            jsonrpc: self.call,
+        }
+    }
+}
+
+/// A request the keyed path does not claim for: it goes on without a key, or it is answered.
+enum NotKeyed<E> {
+    Pass,
+    Answered(Box<Finished<E>>),
+}
 
 impl<St: Store> Shared<St> {
     /// The state machine of a keyed request, up to the claim. Without a key (no header carried
@@ -59,7 +101,7 @@ impl<St: Store> Shared<St> {
         let Admitted { key, grpc, .. } = admitted;
         let policy = route.policy.clone();
         let (mut parts, body) = req.into_parts();
-        let format = grpc::error_format(grpc, policy.error_format);
+        let format = jsonrpc::error_format(&policy, grpc);
         let keyed = key.is_some() || policy.webhook.is_some();
         let body = match whole_body(body, grpc, keyed, &policy).await {
             Ok(body) => body,
@@ -69,39 +111,81 @@ impl<St: Store> Shared<St> {
             }
             Err(Err(e)) => return Finished::refused(rejected_invalid, e, format),
         };
-        // A webhook delivery is verified first; its event's id is its key.
-        let found = webhook::event_key(&self.registry, &policy, &mut parts, &body)
-            .and_then(|event| find_key(&policy, &parts, &body, event.or(key)));
-        let found = match found {
-            Ok(found) => found,
-            Err(e) => return Finished::refused(rejected_invalid, e, format),
+        let identity = match self.identify(&policy, &mut parts, &body, key, format) {
+            Ok(identity) => identity,
+            Err(NotKeyed::Pass) => {
+                let body = Body::from(body);
+                return self.pass_keyless(inner, parts, body, unanswered).await;
+            }
+            Err(NotKeyed::Answered(finished)) => return *finished,
         };
+        let call = identity.call.clone();
+        let lease = Lease::new(self.clone(), identity.held(&route, &parts.headers, format));
+        let finished = match self.claim_waiting(&route, &lease, &parts.headers).await {
+            Ok(claim) => {
+                self.answer_claim(claim, lease, inner, parts, body, unanswered)
+                    .await
+            }
+            Err(attached) => attached,
+        };
+        match call {
+            Some(call) => self.answered_call(&policy, &call, finished),
+            None => finished,
+        }
+    }
+
+    /// A JSON-RPC call's answer, with the call's own id, counted by its method and tool.
+    fn answered_call<E>(&self, policy: &Policy, call: &Call, finished: Finished<E>) -> Finished<E> {
+        let name = call.name.as_deref();
+        self.jsonrpc
+            .count(&policy.route, &call.method, name, finished.outcome);
+        jsonrpc::with_id(&call.id, finished)
+    }
+
+    /// What the body says of a keyed request: who it is (its key, the key's source, its
+    /// fingerprint, its JSON-RPC call), or that it goes on without a key, or its answer (a
+    /// refusal, a swallowed cancellation). A webhook delivery is verified first, and its event's
+    /// id is its key.
+    fn identify<E>(
+        &self,
+        policy: &Policy,
+        parts: &mut Parts,
+        body: &Bytes,
+        key: Option<IdempotencyKey>,
+        format: ErrorFormat,
+    ) -> Result<Identity, NotKeyed<E>> {
+        let answered = |finished| NotKeyed::Answered(Box::new(finished));
+        let refused = |e| answered(Finished::refused(Outcome::rejected_invalid, e, format));
+        if policy.protocol.is_jsonrpc() {
+            return match jsonrpc::read(policy, parts, body, key) {
+                Reading::Keyed(k) => Ok(Identity {
+                    key: k.key,
+                    source: k.source,
+                    fingerprint: k.fingerprint,
+                    call: Some(k.call),
+                }),
+                Reading::Pass => Err(NotKeyed::Pass),
+                Reading::Swallowed => Err(answered(jsonrpc::swallowed())),
+                Reading::Refused(e, id) => Err(answered(jsonrpc::refused(
+                    Outcome::rejected_invalid,
+                    e,
+                    id.as_ref(),
+                ))),
+            };
+        }
+        let found = webhook::event_key(&self.registry, policy, parts, body)
+            .and_then(|event| find_key(policy, parts, body, event.or(key)))
+            .map_err(refused)?;
         let Some((key, source)) = found.key else {
-            drop(found.doc);
-            let body = Body::from(body);
-            return self.pass_keyless(inner, parts, body, unanswered).await;
+            return Err(NotKeyed::Pass);
         };
-        Span::current().record("key", key.short_hash());
-        Span::current().record("key_source", source.as_str());
-        let held = Held {
-            who: Claimant {
-                key: key.scoped(&parts.headers, &route.scope_headers, &policy.scope_cookies),
-                fingerprint: Fingerprint::for_policy(&parts, &body, found.doc.as_ref(), &policy),
-                token: Token::random(),
-            },
-            policy: policy.clone(),
-            client_key: key,
+        let fingerprint = Fingerprint::for_policy(parts, body, found.doc.as_ref(), policy);
+        Ok(Identity {
+            key,
             source,
-            format,
-        };
-        drop(found.doc);
-        let lease = Lease::new(self.clone(), held);
-        let claim = match self.claim_waiting(&route, &lease, &parts.headers).await {
-            Ok(claim) => claim,
-            Err(attached) => return attached,
-        };
-        self.answer_claim(claim, lease, inner, parts, body, unanswered)
-            .await
+            fingerprint,
+            call: None,
+        })
     }
 
     /// A gRPC call that streams: a key it carries cannot be applied, which is counted, as a
@@ -279,6 +363,16 @@ impl<St: Store> Shared<St> {
     /// Content-Length).
     fn replayed<E>(&self, replay: &Replay, parts: &Parts, held: &Held) -> Finished<E> {
         let stored = &replay.response;
+        let lives = replay.expires_in;
+        let replied = held
+            .jsonrpc
+            .as_ref()
+            .and_then(|call| jsonrpc::replayed(call, stored, &held.policy, lives));
+        match replied {
+            Some(Ok(answer)) => return Finished::answered(Outcome::replayed, answer),
+            Some(Err(e)) => return Finished::refused(Outcome::rejected_invalid, e, held.format),
+            None => {}
+        }
         if !response::framed(stored, parts.method == Method::HEAD) {
             error!(route = %held.policy.route, key = %held.tag(), "stored record is damaged (its body disagrees with its Content-Length); refused (evict the key through the admin API to let it run again)");
             return Finished::refused(
@@ -296,7 +390,6 @@ impl<St: Store> Shared<St> {
         }
         let from = sse::resume_at(stored, &stored.body, sse::last_event_id(&parts.headers));
         self.metrics.replayed_bytes(stored.body.len() - from);
-        let lives = replay.expires_in;
         let answer = response::replay(stored, &held.policy, lives, from);
         Finished::answered(Outcome::replayed, answer)
     }

@@ -49,7 +49,7 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 store,
-                RouteTable::new(routes, &metrics.families()),
+                RouteTable::new(routes, &metrics),
                 metrics,
                 TaskTracker::new(),
                 Arc::default(),
@@ -63,7 +63,7 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 self.shared.store.clone(),
-                RouteTable::new(routes, &metrics.families()),
+                RouteTable::new(routes, &metrics),
                 metrics,
                 self.shared.tasks.clone(),
                 self.shared.live.clone(),

@@ -30,6 +30,8 @@ pub(super) struct Held {
     pub(super) source: KeySource,
     // The shape of the gateway's own answers to this request (a gRPC status to a gRPC call).
     pub(super) format: ErrorFormat,
+    // A keyed JSON-RPC call: its id and how its answers are read and replayed.
+    pub(super) jsonrpc: Option<Arc<super::jsonrpc::Call>>,
 }
 
 impl Held {

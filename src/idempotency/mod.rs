@@ -8,6 +8,7 @@ mod body;
 mod claimed;
 pub(crate) mod grpc;
 mod inner;
+pub(crate) mod jsonrpc;
 mod keyed;
 mod layer;
 mod lease;
@@ -29,7 +30,7 @@ pub(crate) mod webhook;
 pub use crate::record::json::Pointer;
 pub use crate::record::policy::{
     AfterExpiry, ErrorFormat, FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy,
-    PolicyBuilder, Ttl, DEFAULT_UPSTREAM,
+    PolicyBuilder, Protocol, Ttl, DEFAULT_UPSTREAM,
 };
 pub use crate::record::{self as record, fingerprint, key, policy};
 pub(crate) use body::with_trailers;

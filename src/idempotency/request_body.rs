@@ -88,7 +88,7 @@ fn body_key(
     doc: Option<&Json<'_>>,
 ) -> Result<Option<(IdempotencyKey, KeySource)>, GatewayError> {
     let Some(doc) = doc else { return Ok(None) };
-    if let Some(pointer) = &policy.key_from_body {
+    for pointer in &policy.key_from_body {
         if let Some(key) = IdempotencyKey::from_json(doc, pointer, policy.key_max_len)? {
             return Ok(Some((key, KeySource::Body)));
         }

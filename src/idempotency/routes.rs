@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
+use super::jsonrpc::metrics::JsonRpcMetrics;
 use super::metrics::{EngineMetrics, RouteMetrics};
 use crate::error::ConfigError;
+use crate::metrics::Metrics;
 use crate::record::policy::Policy;
 
 /// The policies a layer applies, by request path: path patterns in matchit syntax (the router
@@ -118,8 +120,11 @@ pub(crate) struct RouteState {
 }
 
 impl RouteState {
-    fn new(policy: &Arc<Policy>, metrics: &EngineMetrics) -> Arc<Self> {
+    fn new(policy: &Arc<Policy>, metrics: &EngineMetrics, jsonrpc: &JsonRpcMetrics) -> Arc<Self> {
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
+        if policy.protocol.is_jsonrpc() {
+            jsonrpc.start_at_zero(&policy.route, &policy.keyed_methods);
+        }
         Arc::new(RouteState {
             key_headers,
             scope_headers,
@@ -135,14 +140,15 @@ impl RouteState {
 
 impl RouteTable {
     /// The live table of `routes`, counting into `metrics`.
-    pub(crate) fn new(routes: Routes, metrics: &EngineMetrics) -> Self {
+    pub(crate) fn new(routes: Routes, metrics: &Metrics) -> Self {
+        let (engine, jsonrpc) = (metrics.families(), metrics.families());
         RouteTable {
             states: routes
                 .policies
                 .iter()
-                .map(|p| RouteState::new(p, metrics))
+                .map(|p| RouteState::new(p, &engine, &jsonrpc))
                 .collect(),
-            defaults: RouteState::new(&routes.defaults, metrics),
+            defaults: RouteState::new(&routes.defaults, &engine, &jsonrpc),
             routes,
         }
     }

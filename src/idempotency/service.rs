@@ -152,5 +152,7 @@ fn request_span(req: &Request<Body>, policy: &Policy) -> Span {
         status = field::Empty,
         original_trace = field::Empty,
         instance = field::Empty,
+        jsonrpc.method = field::Empty,
+        jsonrpc.name = field::Empty,
     )
 }

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{debug_span, Instrument, Span};
 
+use super::jsonrpc::metrics::JsonRpcMetrics;
 use super::live::LiveAnswers;
 use super::metrics::{EngineMetrics, StoreOp, StoreOpMetrics};
 use super::routes::RouteTable;
@@ -25,6 +26,7 @@ pub(crate) struct Shared<St> {
     // The registry the layer counts into, and the engine's families in it.
     pub(crate) registry: Metrics,
     pub(crate) metrics: Arc<EngineMetrics>,
+    pub(crate) jsonrpc: Arc<JsonRpcMetrics>,
     // The streamed answers being recorded in this process, for duplicates to attach to.
     pub(crate) live: Arc<LiveAnswers>,
     // The store-operation histograms, resolved once.
@@ -48,6 +50,7 @@ impl<St> Shared<St> {
             live,
             ops: metrics.store_ops(),
             metrics,
+            jsonrpc: registry.families(),
             registry,
         }
     }

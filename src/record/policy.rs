@@ -40,6 +40,16 @@ pub use super::webhook::{Sender, WebhookSecrets};
 use crate::error::ConfigError;
 pub use crate::error::ErrorFormat;
 
+/// The key headers of a `protocol = "mcp"` route unless it names its own: the standard one, then
+/// the header MCP 2026-07-28 mirrors a tool argument annotated `x-mcp-header` into.
+pub const MCP_KEY_HEADERS: [&str; 2] = ["idempotency-key", "mcp-param-idempotency-key"];
+
+/// The body keys of a `protocol = "mcp"` route unless it names its own, tried in order.
+pub const MCP_KEY_POINTERS: [&str; 2] = [
+    "/params/_meta/idempotencyKey",
+    "/params/arguments/idempotency_key",
+];
+
 /// The name of the upstream requests go to unless their route names another.
 pub const DEFAULT_UPSTREAM: &str = "default";
 
@@ -89,6 +99,28 @@ pub enum AfterExpiry {
     Run,
     /// Refused with 410 for `tombstone_ttl` after the record expires; never run again.
     Refuse,
+}
+
+/// What a route's POST bodies speak (`protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// Any request: the key from a header or a JSON body, the fingerprint from the request.
+    #[default]
+    Http,
+    /// JSON-RPC 2.0 over HTTP: calls of `keyed_methods` are keyed, one per request
+    /// (docs/behaviour.md, "MCP and JSON-RPC").
+    Jsonrpc,
+    /// The Model Context Protocol's streamable HTTP: JSON-RPC with MCP's defaults
+    /// (`keyed_methods = ["tools/call"]`, MCP's key headers and `_meta` key) and headers.
+    Mcp,
+}
+
+impl Protocol {
+    /// Whether the route's POST bodies are read as JSON-RPC.
+    pub fn is_jsonrpc(self) -> bool {
+        self != Protocol::Http
+    }
 }
 
 /// The policy's fields, each once: `$callback! { rows }`, one row per field in the struct's
@@ -145,9 +177,10 @@ macro_rules! policy_fields {
             /// Request headers that carry the key, tried in order (lower-case names).
             key_headers: Vec<HeaderName> = vec![IDEMPOTENCY_KEY], rule KeyHeaders,
                 set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
-            /// Where in a JSON body the key is, when no header carries one (`""`: nowhere).
-            key_from_body: Option<Pointer> = None, rule OptionalPointer,
-                set(pointer: &str) => pointer.to_string();
+            /// Where in a JSON body the key is, when no header carries one: JSON pointers tried
+            /// in order (none: nowhere).
+            key_from_body: Vec<Pointer> = Vec::new(), rule BodyKeyPointers,
+                set<'a>(pointers: impl IntoIterator<Item = &'a str>) => strings(pointers);
             /// Fields of a JSON body whose canonical values, with [`Policy::key_secret`], make
             /// the key (an HMAC-SHA256) when no header or body key is present.
             derived_key: Vec<Pointer> = Vec::new(), rule Pointers;
@@ -209,6 +242,13 @@ macro_rules! policy_fields {
             /// With `webhook`: the accepted age (and skew) of a delivery's signed timestamp.
             webhook_tolerance: Duration = Duration::from_secs(300), rule NonZero,
                 set(tolerance: Duration);
+            /// What the route's POST bodies speak: plain HTTP, JSON-RPC 2.0, or MCP (JSON-RPC on
+            /// streamable HTTP, with MCP's defaults for `key_headers` and `key_from_body`).
+            protocol: Protocol = Protocol::Http, rule Any<Protocol>, set(protocol: Protocol);
+            /// On a `jsonrpc` or `mcp` route: the JSON-RPC methods whose calls are keyed (empty:
+            /// every method; `mcp` takes `["tools/call"]` unless given).
+            keyed_methods: Vec<String> = Vec::new(), rule MethodNames,
+                set<'a>(names: impl IntoIterator<Item = &'a str>) => strings(names);
         }
     };
 }
@@ -340,9 +380,31 @@ impl Policy {
         .map(|(field, _)| field)
     }
 
-    /// Whether a request without a key header may carry its key in the body.
+    /// Whether a request without a key header may carry its key in the body (a JSON-RPC
+    /// route reads every POST body: whether it is keyed is in it).
     pub fn keys_from_body(&self) -> bool {
-        self.key_from_body.is_some() || self.key_secret.is_some()
+        !self.key_from_body.is_empty() || self.key_secret.is_some() || self.protocol.is_jsonrpc()
+    }
+
+    /// The defaults `protocol = "mcp"` gives the fields a configuration did not name
+    /// (`given` says which it named): MCP's key headers, `_meta` key and keyed methods.
+    pub(crate) fn with_protocol_defaults(mut self, given: impl Fn(&str) -> bool) -> Self {
+        if self.protocol != Protocol::Mcp {
+            return self;
+        }
+        if !given("key_headers") {
+            self.key_headers = MCP_KEY_HEADERS.map(HeaderName::from_static).to_vec();
+        }
+        if !given("key_from_body") {
+            self.key_from_body = MCP_KEY_POINTERS
+                .iter()
+                .filter_map(|p| Pointer::parse(p).ok())
+                .collect();
+        }
+        if !given("keyed_methods") {
+            self.keyed_methods = vec!["tools/call".to_string()];
+        }
+        self
     }
 
     /// Whether idempotency applies to `method` on this route.
@@ -486,10 +548,14 @@ pub(crate) mod check {
             "" => Ok(None),
             n => Ok(HeaderNames::check(vec![n.to_string()])?.pop()),
         };
-        /// An RFC 6901 pointer, or `""` for none.
-        OptionalPointer: String => Option<Pointer> = |text| match text.as_str() {
-            "" => Ok(None),
-            p => Pointer::parse(p).map(Some),
+        /// RFC 6901 pointers tried in order (`""` among them: none).
+        BodyKeyPointers: Vec<String> => Vec<Pointer> = |texts| {
+            texts.iter().filter(|t| !t.is_empty()).map(|t| Pointer::parse(t)).collect()
+        };
+        /// JSON-RPC method names, none empty.
+        MethodNames: Vec<String> => Vec<String> = |names| match names.iter().find(|n| n.is_empty()) {
+            Some(_) => Err("a method name cannot be empty".into()),
+            None => Ok(names),
         };
         /// RFC 6901 pointers.
         Pointers: Vec<String> => Vec<Pointer> = |texts| {
@@ -569,6 +635,8 @@ pub struct PolicyBuilder {
     max_ttl_given: bool,
     // The first value refused, with its field's name.
     refused: Option<(&'static str, String)>,
+    // The fields set, for the defaults a protocol gives the others.
+    given: Vec<&'static str>,
 }
 
 impl PolicyBuilder {
@@ -580,6 +648,7 @@ impl PolicyBuilder {
         value: Result<T, String>,
         put: impl FnOnce(&mut Policy, T),
     ) -> Self {
+        self.given.push(field);
         match value {
             Ok(value) => put(&mut self.policy, value),
             Err(reason) => {
@@ -623,7 +692,9 @@ impl PolicyBuilder {
         if let Some((field, reason)) = self.refused {
             return Err(ConfigError::invalid(format!("policy.{field}"), reason));
         }
-        let policy = self.policy.settle_ttls(self.max_ttl_given, "policy")?;
+        let given = self.given;
+        let policy = self.policy.with_protocol_defaults(|f| given.contains(&f));
+        let policy = policy.settle_ttls(self.max_ttl_given, "policy")?;
         policy.with_key_secret(self.secret.as_ref(), "policy")
     }
 }
