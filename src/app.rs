@@ -19,6 +19,7 @@ use crate::proxy::{Proxy, ProxyError};
 use crate::store::{AnyStore, StoreError};
 use crate::telemetry::Sampling;
 use crate::telemetry::SpanMetrics;
+use crate::tls::CertificateMetrics;
 
 /// Why the gateway could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +55,10 @@ impl App {
     pub async fn with_metrics(config: Config, metrics: Metrics) -> Result<Self, AppError> {
         // The trace exporter's family, whether or not traces are exported: it reads zero then.
         drop(metrics.families::<SpanMetrics>());
+        let certificates = metrics.families::<CertificateMetrics>();
+        for (name, file) in config.presented_certificates() {
+            certificates.record(&name, &file);
+        }
         let store = AnyStore::open(&config.store, &metrics).await?;
         let admin = match config.admin.listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),

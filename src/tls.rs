@@ -5,9 +5,16 @@
 
 use std::sync::Arc;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use x509_cert::der::Decode;
+
+use crate::metrics::{registered, Families};
 
 /// The protocols a listener offers by ALPN, in order of preference.
 pub(crate) const SERVER_ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
@@ -140,4 +147,57 @@ pub(crate) fn server_config(
         .map_err(|e| ("key_file", pairing(e)))?;
     config.alpn_protocols = SERVER_ALPN.iter().map(|p| p.to_vec()).collect();
     Ok(config)
+}
+
+/// The not-after of the first certificate of a PEM file (the one presented), in seconds since
+/// the Unix epoch; `None` when the file or its certificate cannot be read.
+pub(crate) fn not_after(path: &str) -> Option<u64> {
+    let first = certs(path).ok()?.into_iter().next()?;
+    let cert = x509_cert::Certificate::from_der(first.as_ref()).ok()?;
+    Some(
+        cert.tbs_certificate
+            .validity
+            .not_after
+            .to_unix_duration()
+            .as_secs(),
+    )
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct NameLabels {
+    name: String,
+}
+
+/// `idemgate_tls_certificate_expiry_timestamp_seconds{name}`: when each certificate the gateway
+/// presents stops being valid.
+#[derive(Debug)]
+pub(crate) struct CertificateMetrics {
+    expiry: Family<NameLabels, Gauge>,
+}
+
+impl Families for CertificateMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        CertificateMetrics {
+            expiry: registered(
+                registry,
+                "idemgate_tls_certificate_expiry_timestamp_seconds",
+                "The not-after of each certificate the gateway presents, in seconds since the Unix epoch (name: listener, upstream:NAME, store, collector)",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+impl CertificateMetrics {
+    /// Show the not-after of the certificate in `path` as `name`'s.
+    pub(crate) fn record(&self, name: &str, path: &str) {
+        if let Some(secs) = not_after(path) {
+            let labels = NameLabels {
+                name: name.to_string(),
+            };
+            self.expiry
+                .get_or_create(&labels)
+                .set(i64::try_from(secs).unwrap_or(i64::MAX));
+        }
+    }
 }

@@ -11,7 +11,7 @@ use crate::common;
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use common::{send, Backend, GatewayConfig, TestEnv};
+use common::{send, Backend, GatewayConfig, InProcessGateway, TestCa, TestEnv, Validity};
 
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/idemgate.json");
 const ALERTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yml");
@@ -96,8 +96,18 @@ async fn the_dashboard_and_the_rules_query_only_exported_metrics() {
     // A miss and a replay, so that the families with labels hold a series too.
     send(env.post_keyed("/v1/p", "k").body("x")).await;
     send(env.post_keyed("/v1/p", "k").body("x")).await;
-    let scraped = exported(&env.gateway.metrics().await);
+    let mut scraped = exported(&env.gateway.metrics().await);
     assert!(scraped.contains("idemgate_requests_total"), "{scraped:?}");
+    // And a gateway presenting a certificate, whose expiry family then holds a series.
+    let ca = TestCa::new();
+    let cert = ca.server("gateway", &["127.0.0.1"], Validity::Now);
+    let tls = GatewayConfig::new()
+        .upstream("http://127.0.0.1:9")
+        .set("admin.listen", "127.0.0.1:0")
+        .set("tls.cert_file", cert.cert())
+        .set("tls.key_file", cert.key_path());
+    let tls = InProcessGateway::start(&tls).await;
+    scraped.extend(exported(&tls.metrics().await));
 
     let mut queried = BTreeSet::new();
     for (title, exprs) in panels() {

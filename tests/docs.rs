@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idemgate::config::Config;
 
-use crate::common::{wait_until, GatewayConfig, InProcessGateway};
+use crate::common::{wait_until, GatewayConfig, InProcessGateway, TestCa, Validity};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -436,9 +436,14 @@ fn every_documented_default_is_the_codes() {
 async fn scraped() -> String {
     // A webhook route: its family's series start at zero.
     let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DOCS_WEBHOOK_SECRET" };
+    // A listener certificate: the expiry family holds its series.
+    let ca = TestCa::new();
+    let cert = ca.server("gateway", &["127.0.0.1"], Validity::Now);
     let config = GatewayConfig::new()
         .upstream("http://127.0.0.1:9")
         .set("admin.listen", "127.0.0.1:0")
+        .set("tls.cert_file", cert.cert())
+        .set("tls.key_file", cert.key_path())
         .route("/hooks", webhook)
         .route("/mcp", toml::toml! { protocol = "mcp" })
         .env("DOCS_WEBHOOK_SECRET", "a-webhook-secret");

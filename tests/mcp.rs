@@ -163,7 +163,13 @@ async fn a_retried_tool_call_runs_once(backend: Backend) {
         for mismatch in &results[2..4] {
             assert_eq!(mismatch["code"], -31002, "{results:?}");
             assert_eq!(mismatch["data"]["type"], "urn:idemgate:problem:mismatch");
+            let instance = mismatch["data"]["instance"].as_str().unwrap_or_default();
+            assert!(instance.starts_with("urn:uuid:"), "{results:?}");
         }
+        assert_ne!(
+            results[2]["data"]["instance"],
+            results[3]["data"]["instance"]
+        );
         assert_eq!(results[5]["replayed"], false);
         assert_eq!(
             count(&counts, "send_mail"),

@@ -308,3 +308,34 @@ async fn max_connections_bounds_the_connections_a_worker_opens() {
     let retry = send(post(&gateway, "/v1/p?delay_ms=0", "busy")).await;
     assert_eq!(retry.status, 201, "released, not in flight: {retry:?}");
 }
+
+#[tokio::test]
+async fn each_presented_certificate_shows_its_not_after() {
+    let ca = TestCa::new();
+    // rcgen's Expired certificate ends on 2021-01-01; its default one on 4096-01-01.
+    let listener = ca.server("gateway", &["127.0.0.1"], Validity::Expired);
+    let client = ca.client("gateway-client");
+    let gateway = InProcessGateway::start(
+        &GatewayConfig::new()
+            .upstream("https://127.0.0.1:9")
+            .set("upstreams.default.ca_file", ca.ca())
+            .set("upstreams.default.client_cert_file", client.cert())
+            .set("upstreams.default.client_key_file", client.key_path())
+            .set("tls.cert_file", listener.cert())
+            .set("tls.key_file", listener.key_path())
+            .admin(),
+    )
+    .await;
+    let admin = gateway.admin.unwrap();
+    let family = "idemgate_tls_certificate_expiry_timestamp_seconds";
+    let of = |name: &str| format!("{family}{{name=\"{name}\"}}");
+    assert_eq!(
+        common::metrics::metric(admin, &of("listener")).await,
+        1_609_459_200.0
+    );
+    assert_eq!(
+        common::metrics::metric(admin, &of("upstream:default")).await,
+        // 4096-01-01T00:00:00Z
+        67_090_118_400.0
+    );
+}

@@ -223,6 +223,34 @@ pub struct Config {
 }
 
 impl Config {
+    /// Every certificate the gateway presents, by the name its expiry metric gives it, with its
+    /// PEM file: the listener's, each upstream's client certificate, the store's and the
+    /// collector's.
+    pub fn presented_certificates(&self) -> Vec<(String, String)> {
+        let mut found = Vec::new();
+        if let Some(tls) = &self.tls {
+            found.push(("listener".to_string(), tls.cert_file.clone()));
+        }
+        for (name, upstream) in &self.upstreams {
+            if let Some(cert) = &upstream.client_cert_file {
+                found.push((format!("upstream:{name}"), cert.clone()));
+            }
+        }
+        let store_tls = match &self.store {
+            StoreConfig::Redis(redis) => Some(&redis.tls),
+            StoreConfig::Postgres(postgres) => Some(&postgres.tls),
+            StoreConfig::Memory(_) | StoreConfig::Embedded(_) => None,
+        };
+        if let Some(cert) = store_tls.and_then(|tls| tls.cert_file.as_ref()) {
+            found.push(("store".to_string(), cert.clone()));
+        }
+        let collector = self.telemetry.as_ref();
+        if let Some(cert) = collector.and_then(|t| t.client_cert_file.as_ref()) {
+            found.push(("collector".to_string(), cert.clone()));
+        }
+        found
+    }
+
     /// Read and validate a TOML file (if any), with the `IDEMGATE_...` variables of the
     /// process's environment over it: nested fields joined by a double underscore
     /// (`IDEMGATE_STORE__URL`, `IDEMGATE_DEFAULTS__TTL`), values read as TOML-like values
@@ -418,6 +446,13 @@ fn policies(
         let policy = table
             .merged_over(over.clone())
             .with_protocol_defaults(given);
+        if table.sets("keyed_methods")
+            && !policy.keyed_methods.is_empty()
+            && !policy.protocol.is_jsonrpc()
+        {
+            let reason = "applies only where protocol = \"jsonrpc\" or \"mcp\"";
+            return Err(invalid(format!("{at}.keyed_methods"), reason));
+        }
         let policy = webhook::settle(policy, table.sets_ttl(), vars, at)?;
         let policy = policy.settle_ttls(max_ttl_given || table.sets_max_ttl(), at)?;
         policy.with_key_secret(key_secret, at)
@@ -501,6 +536,15 @@ mod tests {
 
     fn err(text: &str) -> String {
         Config::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn keyed_methods_without_a_jsonrpc_protocol_is_refused() {
+        let base = "upstream = \"http://h:1\"\n[[routes]]\npath = \"/rpc\"\n";
+        let e = Config::from_toml(&format!("{base}keyed_methods = [\"a\"]")).unwrap_err();
+        assert!(e.to_string().contains("routes[0].keyed_methods"), "{e}");
+        let ok = format!("{base}protocol = \"jsonrpc\"\nkeyed_methods = [\"a\"]");
+        assert!(Config::from_toml(&ok).is_ok());
     }
 
     #[test]

@@ -280,8 +280,11 @@ impl PostgresServer {
 
     fn signal_all(&self, sig: &str) {
         let pid = self.child.pid().expect("running");
-        for pid in std::iter::once(pid).chain(children(pid)) {
-            signal(pid, sig);
+        // The postmaster first, and its children listed after: a stopped postmaster forks no
+        // backend between the listing and the signal (a pool may be opening a connection).
+        signal(pid, sig);
+        for child in children(pid) {
+            signal(child, sig);
         }
     }
 
