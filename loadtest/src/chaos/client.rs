@@ -6,6 +6,10 @@
 //! gateway's `webhook = "stripe"` route, each attempt signed again as it is sent; the gateway
 //! keys them by the event id and forwards their headers unchanged, so the upstream logs them by
 //! the `Idempotency-Key` they carry too, and the check is the same: each event reaches it once.
+//! One in four is a JSON-RPC caller: its keys (`m...`) are `tools/call`s posted to the
+//! gateway's `protocol = "jsonrpc"` route, each attempt under an id of its own as agents retry;
+//! its answer counts as the call's `result` when it carries the attempt's own id (a wrong id is
+//! a wrong body), and a JSON-RPC refusal by the problem type in its `data`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -26,16 +30,71 @@ const PATH: &str = "/v1/payments";
 /// The gateway's webhook route, where the webhook senders post.
 pub const HOOKS: &str = "/hooks/stripe";
 
+/// The gateway's JSON-RPC route, where the JSON-RPC callers post.
+pub const RPC: &str = "/rpc";
+
 /// Whether `key` is a webhook sender's event.
 fn is_event(key: &str) -> bool {
     key.starts_with('w')
 }
 
-/// The path of `key`'s requests, and its extra header (a delivery's signature, made now).
-fn addressed(key: &str, body: &[u8]) -> (&'static str, Option<String>) {
-    match is_event(key) {
-        true => (HOOKS, Some(crate::load::stripe_signature(body))),
-        false => (PATH, None),
+/// Whether `key` is a JSON-RPC caller's call.
+fn is_call(key: &str) -> bool {
+    key.starts_with('m')
+}
+
+/// One attempt of `key` as sent: its path, its extra header (a delivery's signature, made
+/// now), its body (a JSON-RPC call wraps the payment in a `tools/call` of a fresh id) and that id.
+struct Addressed {
+    path: &'static str,
+    signature: Option<String>,
+    body: Bytes,
+    id: Option<u64>,
+}
+
+fn addressed(key: &str, body: &Bytes) -> Addressed {
+    if is_event(key) {
+        let signature = Some(crate::load::stripe_signature(body));
+        return Addressed {
+            path: HOOKS,
+            signature,
+            body: body.clone(),
+            id: None,
+        };
+    }
+    if is_call(key) {
+        let id = fastrand::u64(..1 << 52);
+        let call = format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"tools/call\",\"params\":{{\"name\":\"charge\",\"arguments\":{}}}}}",
+            String::from_utf8_lossy(body)
+        );
+        return Addressed {
+            path: RPC,
+            signature: None,
+            body: Bytes::from(call),
+            id: Some(id),
+        };
+    }
+    Addressed {
+        path: PATH,
+        signature: None,
+        body: body.clone(),
+        id: None,
+    }
+}
+
+/// A JSON-RPC call's answer as the check reads it: the `result` when the answer carries the
+/// attempt's own id, else the answer itself marked as the wrong id.
+fn result_of(id: u64, body: Bytes) -> Bytes {
+    let Ok(answer) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    if answer.get("id").and_then(|v| v.as_u64()) != Some(id) {
+        return Bytes::from(format!("wrong id (sent {id}): {answer}"));
+    }
+    match answer.get("result") {
+        Some(result) => Bytes::from(serde_json::to_vec(result).unwrap_or_default()),
+        None => body,
     }
 }
 
@@ -69,7 +128,11 @@ impl Clients {
         let mut rng =
             fastrand::Rng::with_seed(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut n = 0;
-        let sender = if i % 4 == 3 { "w" } else { "c" };
+        let sender = match i % 4 {
+            3 => "w",
+            2 => "m",
+            _ => "c",
+        };
         while !self.stop.load(Ordering::SeqCst) {
             let key = format!("{sender}{i}-{n}");
             n += 1;
@@ -178,24 +241,32 @@ async fn exchange(addr: SocketAddr, key: &str, body: Bytes, timeout: Duration) -
             hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream)).await?;
         // Dropped with this future: a timeout closes the socket.
         let conn = AbortOnDrop(tokio::spawn(conn));
-        let (path, signature) = addressed(key, &body);
-        let mut req = http::Request::post(path)
+        let sent = addressed(key, &body);
+        let mut req = http::Request::post(sent.path)
             .header("host", "chaos")
             .header("idempotency-key", key)
             .header("content-type", "application/json");
-        if let Some(signature) = signature {
+        if let Some(signature) = sent.signature {
             req = req.header("stripe-signature", signature);
         }
-        let req = req.body(Full::new(body)).unwrap();
+        let req = req.body(Full::new(sent.body)).unwrap();
         let resp = sender.send_request(req).await?;
         let (parts, body) = resp.into_parts();
-        let body = body.collect().await?.to_bytes();
+        let mut body = body.collect().await?.to_bytes();
         drop(conn);
-        let problem = parts
+        // The gateway's own answers: problem+json, or on the JSON-RPC route an error whose
+        // `data` is the problem.
+        let refused = parts
             .headers
             .get("content-type")
             .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
-            .then(|| problem_type(&body));
+            || sent.id.is_some()
+                && parts.status.as_u16() >= 400
+                && body.windows(21).any(|w| w == b"urn:idemgate:problem:");
+        let problem = refused.then(|| problem_type(&body));
+        if let (Some(id), true) = (sent.id, parts.status.is_success()) {
+            body = result_of(id, body);
+        }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Outcome::Answered {
             status: parts.status.as_u16(),
             replayed: parts
@@ -224,7 +295,12 @@ async fn hang_up(
     let Ok(mut stream) = TcpStream::connect(addr).await else {
         return Outcome::Broken;
     };
-    let (path, signature) = addressed(key, body);
+    let Addressed {
+        path,
+        signature,
+        body,
+        ..
+    } = addressed(key, body);
     let signature = signature.map_or(String::new(), |s| format!("stripe-signature: {s}\r\n"));
     let head = format!(
         "POST {path} HTTP/1.1\r\nhost: chaos\r\nidempotency-key: {key}\r\n{signature}content-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -232,7 +308,7 @@ async fn hang_up(
     );
     let sent = async {
         stream.write_all(head.as_bytes()).await?;
-        stream.write_all(&body[..bytes]).await?;
+        stream.write_all(&body[..bytes.min(body.len())]).await?;
         stream.flush().await
     };
     if sent.await.is_err() {

@@ -216,6 +216,10 @@ impl System {
                 super::client::HOOKS,
                 toml::toml! { webhook = "stripe" webhook_secret_env = "CHAOS_WEBHOOK_SECRET" },
             )
+            .route(
+                super::client::RPC,
+                toml::toml! { protocol = "jsonrpc" keyed_methods = ["tools/call"] },
+            )
             .env("CHAOS_WEBHOOK_SECRET", crate::load::WEBHOOK_SECRET)
             .admin();
         self.store.config(config)

@@ -113,8 +113,10 @@ async fn execute(req: Request<Incoming>, log: Arc<Log>) -> Result<Response<Answe
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    // A JSON-RPC call (the gateway's JSON-RPC route, under the process's prefix).
+    let rpc = req.uri().path().ends_with(super::client::RPC);
     // The whole request first: an execution is a request the upstream received.
-    let _ = req.into_body().collect().await;
+    let request = req.into_body().collect().await.map(|b| b.to_bytes());
     let Draw {
         index,
         act,
@@ -131,6 +133,11 @@ async fn execute(req: Request<Incoming>, log: Arc<Log>) -> Result<Response<Answe
         due: delay,
     };
     tokio::time::sleep(delay).await;
+    // A call's success is its JSON-RPC response, the logged body as its `result`.
+    let body = match (rpc, (200..300).contains(&status), request) {
+        (true, true, Ok(request)) => jsonrpc_response(&request, &body),
+        _ => body,
+    };
     let cut = (act == Act::Reset).then_some(body.len() / 2);
     let mut resp = Response::new(Answer {
         body: Some(body.clone()),
@@ -246,13 +253,26 @@ fn answer(
     size: usize,
     rng: &mut fastrand::Rng,
 ) -> Bytes {
-    let head = format!(
-        "{{\"chaos\":\"{key}\",\"n\":{n},\"by\":\"p{process}\",\"status\":{status},\"pad\":\""
-    );
-    let pad: String = (0..size.saturating_sub(head.len() + 2))
+    // Keys in order and no space, as serde_json writes it: a JSON-RPC caller compares the
+    // `result` it got, written again, with these bytes.
+    let head = format!("{{\"by\":\"p{process}\",\"chaos\":\"{key}\",\"n\":{n},\"pad\":\"");
+    let tail = format!("\",\"status\":{status}}}");
+    let pad: String = (0..size.saturating_sub(head.len() + tail.len()))
         .map(|_| rng.alphanumeric())
         .collect();
-    Bytes::from(format!("{head}{pad}\"}}"))
+    Bytes::from(format!("{head}{pad}{tail}"))
+}
+
+/// The JSON-RPC response to `request` (a call) whose `result` is `result`.
+fn jsonrpc_response(request: &[u8], result: &[u8]) -> Bytes {
+    let id = serde_json::from_slice::<serde_json::Value>(request)
+        .ok()
+        .and_then(|call| call.get("id").cloned())
+        .unwrap_or(serde_json::Value::Null);
+    let mut out = format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"result\":").into_bytes();
+    out.extend_from_slice(result);
+    out.push(b'}');
+    Bytes::from(out)
 }
 
 /// FNV-1a: a hash of the key that is the same in every run (the seed's draws must be).
@@ -323,7 +343,10 @@ mod tests {
             assert_eq!(x.status == 503, x.act == Act::Unavailable);
             assert!(x
                 .body
-                .starts_with(format!("{{\"chaos\":\"{key}\",\"n\":0,").as_bytes()));
+                .starts_with(format!("{{\"by\":\"p1\",\"chaos\":\"{key}\",\"n\":0,").as_bytes()));
+            // Written as serde_json writes it, which a JSON-RPC caller compares it with.
+            let parsed: serde_json::Value = serde_json::from_slice(&x.body).unwrap();
+            assert_eq!(serde_json::to_vec(&parsed).unwrap(), x.body);
             *acts.entry(format!("{:?}", x.act)).or_insert(0) += 1;
             *acts.entry(format!("max-age {}", x.max_age)).or_insert(0) += 1;
             assert_ne!(
