@@ -89,10 +89,14 @@ impl Tombstone {
     }
 }
 
+/// The header naming an MCP session (streamable HTTP), never stored.
+pub(crate) const MCP_SESSION_ID: http::HeaderName = http::HeaderName::from_static("mcp-session-id");
+
 impl StoredResponse {
     /// What is stored of a response: its status, its end-to-end headers in order (hop-by-hop ones
-    /// never are), its whole body and trailers, and the `traceparent` of the request that
-    /// produced it.
+    /// never are, nor `Mcp-Session-Id`: an MCP session belongs to the client that opened it, and
+    /// a retry may come on another), its whole body and trailers, and the `traceparent` of the
+    /// request that produced it.
     pub fn new(
         mut head: http::response::Parts,
         (body, trailers): (Bytes, Option<http::HeaderMap>),
@@ -100,6 +104,7 @@ impl StoredResponse {
         key_source: KeySource,
     ) -> Self {
         crate::headers::strip_hop_by_hop(&mut head.headers);
+        head.headers.remove(&MCP_SESSION_ID);
         StoredResponse {
             status: head.status,
             headers: in_order(head.headers),
@@ -189,3 +194,23 @@ pub struct Entry {
 }
 
 pub use crate::time::now_ms;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn neither_hop_by_hop_headers_nor_an_mcp_session_are_stored() {
+        let resp = http::Response::builder()
+            .header("content-type", "application/json")
+            .header("connection", "keep-alive")
+            .header("Mcp-Session-Id", "session-of-the-first-caller")
+            .header("x-request-id", "r1")
+            .body(())
+            .unwrap();
+        let (head, ()) = resp.into_parts();
+        let stored = StoredResponse::new(head, (Bytes::new(), None), None, KeySource::Header);
+        let names: Vec<_> = stored.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "x-request-id"]);
+    }
+}

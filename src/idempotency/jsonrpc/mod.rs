@@ -34,6 +34,7 @@ use crate::record::fingerprint::Fingerprint;
 use crate::record::json::{self, hash_canonical, Json, Pointer};
 use crate::record::key::{write_field, IdempotencyKey, KeySource};
 use crate::record::policy::{Policy, Protocol};
+use crate::record::MCP_SESSION_ID;
 
 pub(super) use answer::{read_answer, JsonRpcStream, StreamTail};
 pub(super) use cancel::Claimed;
@@ -45,8 +46,6 @@ const MCP_METHOD: HeaderName = HeaderName::from_static("mcp-method");
 const MCP_NAME: HeaderName = HeaderName::from_static("mcp-name");
 /// The header of the MCP protocol version a request speaks.
 const MCP_PROTOCOL_VERSION: HeaderName = HeaderName::from_static("mcp-protocol-version");
-/// The session a 2025-11-25 MCP request belongs to.
-const MCP_SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 
 /// What a fingerprint leaves out of a call: its id, and what a retry of it may change.
 const NOT_FINGERPRINTED: [&str; 5] = [
