@@ -40,21 +40,23 @@ pub struct AdminState<S> {
     metrics: Metrics,
     // The key API's bearer token; none: the key API is off.
     admin_token: Option<String>,
-    routes: Routes,
+    // The routes in force now (a reload may change them).
+    routes: Box<dyn Fn() -> Routes + Send + Sync>,
 }
 
-/// The admin router over `store`; the key API answers requests that carry `admin_token`.
+/// The admin router over `store`; the key API answers requests that carry `admin_token`, and
+/// scopes a key by the policy `routes` gives (called per request: the routes in force).
 pub fn router<S: Inspect>(
     store: S,
     metrics: Metrics,
     admin_token: Option<String>,
-    routes: Routes,
+    routes: impl Fn() -> Routes + Send + Sync + 'static,
 ) -> Router {
     let state = Arc::new(AdminState {
         store,
         metrics,
         admin_token,
-        routes,
+        routes: Box::new(routes),
     });
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -169,9 +171,8 @@ fn scoped<S>(
     key: &str,
     query: &HashMap<String, String>,
 ) -> Result<crate::record::key::ScopedKey, Response> {
-    let route = s
-        .routes
-        .policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
+    let routes = (s.routes)();
+    let route = routes.policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
     let key = IdempotencyKey::parse(key.as_bytes(), route.key_max_len)
         .map_err(|e| problem(StatusCode::BAD_REQUEST, "invalid-key", &e.to_string()))?;
     // The route's scope as requests have it (with Repeatable Requests' client id).

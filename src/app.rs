@@ -15,7 +15,8 @@ use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::listener::{ConnectionCap, MinBodyRate, Timeouts, Worker};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, ProxyError};
+use crate::proxy::{Proxy, ProxyError, UpstreamSet};
+use crate::reload::Reloader;
 use crate::store::{AnyStore, StoreError};
 use crate::telemetry::Sampling;
 use crate::telemetry::SpanMetrics;
@@ -34,9 +35,12 @@ pub enum AppError {
 
 /// A gateway whose store is open, ready to serve.
 pub struct App {
-    config: Config,
-    store: AnyStore,
-    metrics: Metrics,
+    config: Arc<Config>,
+    // The idempotency layer over the store, with the routes in force.
+    layer: IdempotencyLayer<AnyStore>,
+    // The upstreams in force, which every worker's proxy follows.
+    upstreams: UpstreamSet,
+    reloader: Reloader,
     // Bound at start-up so that a taken port fails the start, not a later moment.
     admin: Option<TcpListener>,
 }
@@ -59,10 +63,24 @@ impl App {
             Some(addr) => Some(TcpListener::bind(addr).await?),
             None => None,
         };
+        let config = Arc::new(config);
+        let layer = IdempotencyLayer::with_routes(
+            store,
+            Routes::from_config(&config.defaults, config.route_policies()),
+        )
+        .with_metrics(metrics);
+        let upstreams = UpstreamSet::new(config.upstreams.values());
+        let reloader = Reloader::new(
+            config.clone(),
+            layer.clone(),
+            upstreams.clone(),
+            layer.metrics(),
+        );
         Ok(App {
             config,
-            store,
-            metrics,
+            layer,
+            upstreams,
+            reloader,
             admin,
         })
     }
@@ -72,6 +90,12 @@ impl App {
         self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// What puts a new configuration in force while the gateway serves (the binary calls it on
+    /// `SIGHUP`).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
+    }
+
     /// Serve on `listener` until `shutdown` resolves; then stop accepting, let open requests
     /// finish and be recorded within `shutdown_grace`, and return.
     pub async fn serve(
@@ -79,20 +103,16 @@ impl App {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
-        let config = Arc::new(self.config);
-        let layer = IdempotencyLayer::with_routes(
-            self.store,
-            Routes::from_config(&config.defaults, config.route_policies()),
-        )
-        .with_metrics(self.metrics);
+        let (config, layer) = (self.config, self.layer);
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
         let admin = self.admin.map(|listener| {
             info!(listen = ?listener.local_addr().ok(), "admin listening");
+            let routes = layer.clone();
             let router = admin::router(
                 layer.store().clone(),
                 layer.metrics().clone(),
                 config.admin.admin_token.clone(),
-                layer.routes().clone(),
+                move || routes.routes(),
             );
             tokio::spawn(async move {
                 let stopped = async {
@@ -106,7 +126,7 @@ impl App {
                 }
             })
         });
-        let result = serve(listener, config, layer, shutdown).await;
+        let result = serve(listener, config, layer, self.upstreams, shutdown).await;
         // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
         drop(stop_admin);
         if let Some(admin) = admin {
@@ -133,6 +153,7 @@ async fn serve(
     listener: TcpListener,
     config: Arc<Config>,
     layer: IdempotencyLayer<AnyStore>,
+    upstreams: UpstreamSet,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let listener = listener.into_std()?;
@@ -151,9 +172,10 @@ async fn serve(
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
-        let (config, layer, cap, stop, ready, done) = (
+        let (config, layer, upstreams, cap, stop, ready, done) = (
             config.clone(),
             layer.clone(),
+            upstreams.clone(),
             cap.clone(),
             stop_rx.clone(),
             ready_tx.clone(),
@@ -174,7 +196,7 @@ async fn serve(
                 };
                 runtime.block_on(async move {
                     let layer = layer.with_store(layer.store().for_worker(config.workers).await);
-                    worker(listener, config, layer, cap, stop, ready).await;
+                    worker(listener, config, layer, upstreams, cap, stop, ready).await;
                 });
                 drop(done);
             })?;
@@ -203,6 +225,7 @@ async fn worker(
     listener: std::net::TcpListener,
     config: Arc<Config>,
     layer: IdempotencyLayer<AnyStore>,
+    upstreams: UpstreamSet,
     cap: Arc<ConnectionCap>,
     stop: tokio::sync::watch::Receiver<bool>,
     ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
@@ -219,7 +242,7 @@ async fn worker(
     let tasks = layer.tasks();
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in loadtest/README.md); keyed requests have a debug span of their own.
-    let stack = layer.layer(Proxy::new(config.upstreams.values(), layer.metrics()));
+    let stack = layer.layer(Proxy::following(&upstreams, layer.metrics()));
     // Without [telemetry], no sampling service: the stack is what it would be without it.
     let connections = match &config.telemetry {
         None => accept(listener, stack, &config, &layer, cap, stop).await,
@@ -291,7 +314,7 @@ where
         },
         cap,
         metrics: layer.metrics().families(),
-        routes: Arc::new(layer.routes().clone()),
+        routes: layer.live_routes(),
     };
     worker.run(stop).await
 }

@@ -35,7 +35,7 @@ use tracing::{debug, error, warn};
 use self::metrics::{ClosedBy, ListenerMetrics};
 use crate::error::GatewayError;
 use crate::headers::admit;
-use crate::idempotency::{grpc, Routes};
+use crate::idempotency::{grpc, LiveTable};
 use crate::metrics::Metrics;
 use crate::proxy::ProxyError;
 pub(crate) use rate::MinBodyRate;
@@ -115,8 +115,8 @@ pub(crate) struct Worker<S> {
     pub(crate) timeouts: Timeouts,
     pub(crate) cap: Arc<ConnectionCap>,
     pub(crate) metrics: Arc<ListenerMetrics>,
-    // The routes, for the shape of the refusals this listener gives itself.
-    pub(crate) routes: Arc<Routes>,
+    // The routes in force, for the shape of the refusals this listener gives itself.
+    pub(crate) routes: LiveTable,
 }
 
 impl<S, RB> Worker<S>
@@ -307,7 +307,7 @@ impl Connection {
 struct Gateway<S> {
     stack: S,
     // Each route's `error_format`, for the answers given here rather than by the engine.
-    routes: Arc<Routes>,
+    routes: LiveTable,
     // The client's address, as `X-Forwarded-For` appends it.
     peer: HeaderValue,
     // The listener's scheme, as `X-Forwarded-Proto` says it.
