@@ -13,10 +13,10 @@ use tracing::{info, warn};
 use crate::admin;
 use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
-use crate::listener::{ConnectionCap, MinBodyRate, Timeouts, Worker};
+use crate::listener::Worker;
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, ProxyError, UpstreamSet};
-use crate::reload::Reloader;
+use crate::proxy::{Proxy, ProxyError};
+use crate::reload::{Live, Reloader};
 use crate::store::{AnyStore, StoreError};
 use crate::telemetry::Sampling;
 use crate::telemetry::SpanMetrics;
@@ -36,10 +36,8 @@ pub enum AppError {
 /// A gateway whose store is open, ready to serve.
 pub struct App {
     config: Arc<Config>,
-    // The idempotency layer over the store, with the routes in force.
-    layer: IdempotencyLayer<AnyStore>,
-    // The upstreams in force, which every worker's proxy follows.
-    upstreams: UpstreamSet,
+    // What a reload replaces: the layer's routes, the upstreams, the client settings.
+    live: Live,
     reloader: Reloader,
     // Bound at start-up so that a taken port fails the start, not a later moment.
     admin: Option<TcpListener>,
@@ -69,17 +67,11 @@ impl App {
             Routes::from_config(&config.defaults, config.route_policies()),
         )
         .with_metrics(metrics);
-        let upstreams = UpstreamSet::new(config.upstreams.values());
-        let reloader = Reloader::new(
-            config.clone(),
-            layer.clone(),
-            upstreams.clone(),
-            layer.metrics(),
-        );
+        let live = Live::new(&config, layer);
+        let reloader = Reloader::new(config.clone(), live.clone(), live.layer.metrics());
         Ok(App {
             config,
-            layer,
-            upstreams,
+            live,
             reloader,
             admin,
         })
@@ -103,15 +95,16 @@ impl App {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
-        let (config, layer) = (self.config, self.layer);
+        let (config, live) = (self.config, self.live);
+        let layer = live.layer.clone();
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
         let admin = self.admin.map(|listener| {
             info!(listen = ?listener.local_addr().ok(), "admin listening");
-            let routes = layer.clone();
+            let (routes, token) = (layer.clone(), live.admin_token.clone());
             let router = admin::router(
                 layer.store().clone(),
                 layer.metrics().clone(),
-                config.admin.admin_token.clone(),
+                move || (**token.load()).clone(),
                 move || routes.routes(),
             );
             tokio::spawn(async move {
@@ -126,7 +119,7 @@ impl App {
                 }
             })
         });
-        let result = serve(listener, config, layer, self.upstreams, shutdown).await;
+        let result = serve(listener, config, live, shutdown).await;
         // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
         drop(stop_admin);
         if let Some(admin) = admin {
@@ -152,8 +145,7 @@ pub async fn run(
 async fn serve(
     listener: TcpListener,
     config: Arc<Config>,
-    layer: IdempotencyLayer<AnyStore>,
-    upstreams: UpstreamSet,
+    live: Live,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let listener = listener.into_std()?;
@@ -166,17 +158,14 @@ async fn serve(
         "idemgate listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let cap = ConnectionCap::new(config.max_client_connections, layer.metrics());
     let (ready_tx, mut ready_rx) =
         tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
-        let (config, layer, upstreams, cap, stop, ready, done) = (
+        let (config, live, stop, ready, done) = (
             config.clone(),
-            layer.clone(),
-            upstreams.clone(),
-            cap.clone(),
+            live.clone(),
             stop_rx.clone(),
             ready_tx.clone(),
             done_tx.clone(),
@@ -195,8 +184,9 @@ async fn serve(
                     }
                 };
                 runtime.block_on(async move {
-                    let layer = layer.with_store(layer.store().for_worker(config.workers).await);
-                    worker(listener, config, layer, upstreams, cap, stop, ready).await;
+                    let store = live.layer.store().for_worker(config.workers).await;
+                    let layer = live.layer.with_store(store);
+                    worker(listener, config, &live, layer, stop, ready).await;
                 });
                 drop(done);
             })?;
@@ -224,9 +214,8 @@ async fn serve(
 async fn worker(
     listener: std::net::TcpListener,
     config: Arc<Config>,
+    live: &Live,
     layer: IdempotencyLayer<AnyStore>,
-    upstreams: UpstreamSet,
-    cap: Arc<ConnectionCap>,
     stop: tokio::sync::watch::Receiver<bool>,
     ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
 ) {
@@ -242,13 +231,13 @@ async fn worker(
     let tasks = layer.tasks();
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in loadtest/README.md); keyed requests have a debug span of their own.
-    let stack = layer.layer(Proxy::following(&upstreams, layer.metrics()));
+    let stack = layer.layer(Proxy::following(&live.upstreams, layer.metrics()));
     // Without [telemetry], no sampling service: the stack is what it would be without it.
     let connections = match &config.telemetry {
-        None => accept(listener, stack, &config, &layer, cap, stop).await,
-        Some(t) => {
-            let stack = Sampling::new(stack, t.sample_ratio);
-            accept(listener, stack, &config, &layer, cap, stop).await
+        None => accept(listener, stack, &config, live, &layer, stop).await,
+        Some(_) => {
+            let stack = Sampling::new(stack, live.sample_ratio.clone());
+            accept(listener, stack, &config, live, &layer, stop).await
         }
     };
     // The grace starts when the stop does.
@@ -279,8 +268,8 @@ async fn accept<S, RB>(
     listener: TcpListener,
     stack: S,
     config: &Config,
+    live: &Live,
     layer: &IdempotencyLayer<AnyStore>,
-    cap: Arc<ConnectionCap>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio_util::task::TaskTracker
 where
@@ -302,17 +291,8 @@ where
             .tls
             .as_ref()
             .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
-        timeouts: Timeouts {
-            header: config.client_header_timeout,
-            idle: config.client_idle_timeout,
-            body_rate: config
-                .client_min_body_rate
-                .map(|bytes_per_second| MinBodyRate {
-                    bytes_per_second,
-                    grace: config.client_min_body_rate_grace,
-                }),
-        },
-        cap,
+        timeouts: live.timeouts.clone(),
+        cap: live.cap.clone(),
         metrics: layer.metrics().families(),
         routes: layer.live_routes(),
     };

@@ -1,12 +1,15 @@
 //! A reload (`SIGHUP`): a new configuration, read and validated as at start, checked against
 //! the running one and put in force whole, or refused whole.
 //!
-//! What a reload changes: the routes and their policies (the engine's route table), and the
-//! upstreams (the proxy's set); each is swapped whole, so that the next request takes the new
-//! one while a request in flight finishes under what it started with. Everything else is the
-//! running process's: a reload that changes it is refused, naming the field.
+//! What a reload changes: the routes and their policies (the engine's route table), the
+//! upstreams (the proxy's set), the admin token, the client timeouts and limits, and
+//! `sample_ratio`; each is swapped whole, so that the next request (or connection) takes the new
+//! one while one in flight finishes under what it started with. Everything else is the running
+//! process's: a reload that changes it is refused, naming the field.
 
 use std::sync::{Arc, Mutex, PoisonError};
+
+use arc_swap::ArcSwap;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -18,9 +21,74 @@ use tracing::{info, warn};
 use crate::config::Config;
 use crate::error::ConfigError;
 use crate::idempotency::{IdempotencyLayer, Routes};
+use crate::listener::{ConnectionCap, MinBodyRate, Timeouts};
 use crate::metrics::{registered, Families, Metrics};
 use crate::proxy::UpstreamSet;
 use crate::store::AnyStore;
+use crate::telemetry::SampleRatio;
+
+/// What a reload replaces in a running gateway, shared with its workers and admin listener.
+#[derive(Clone)]
+pub(crate) struct Live {
+    // The layer whose route table a reload replaces (every worker's layer shares it).
+    pub(crate) layer: IdempotencyLayer<AnyStore>,
+    // The upstream set every worker's proxy follows.
+    pub(crate) upstreams: UpstreamSet,
+    // Read for each new client connection.
+    pub(crate) timeouts: Arc<ArcSwap<Timeouts>>,
+    pub(crate) cap: Arc<ConnectionCap>,
+    // Read for each key API request.
+    pub(crate) admin_token: Arc<ArcSwap<Option<String>>>,
+    pub(crate) sample_ratio: SampleRatio,
+}
+
+impl Live {
+    /// What `config` puts in force, over `layer`.
+    pub(crate) fn new(config: &Config, layer: IdempotencyLayer<AnyStore>) -> Self {
+        let live = Live {
+            upstreams: UpstreamSet::new(config.upstreams.values()),
+            timeouts: Arc::new(ArcSwap::from_pointee(client_timeouts(config))),
+            cap: ConnectionCap::new(config.max_client_connections, layer.metrics()),
+            admin_token: Arc::default(),
+            sample_ratio: SampleRatio::default(),
+            layer,
+        };
+        live.admin_token
+            .store(Arc::new(config.admin.admin_token.clone()));
+        if let Some(t) = &config.telemetry {
+            live.sample_ratio.set(t.sample_ratio);
+        }
+        live
+    }
+
+    /// Put what `config` says in force for the requests and connections that come next.
+    fn put_in_force(&self, config: &Config) {
+        let routes = Routes::from_config(&config.defaults, config.route_policies());
+        self.layer.set_routes(routes);
+        self.upstreams.replace(config.upstreams.values());
+        self.timeouts.store(Arc::new(client_timeouts(config)));
+        self.cap.resize(config.max_client_connections);
+        self.admin_token
+            .store(Arc::new(config.admin.admin_token.clone()));
+        if let Some(t) = &config.telemetry {
+            self.sample_ratio.set(t.sample_ratio);
+        }
+    }
+}
+
+/// The client timeouts `config` sets.
+pub(crate) fn client_timeouts(config: &Config) -> Timeouts {
+    Timeouts {
+        header: config.client_header_timeout,
+        idle: config.client_idle_timeout,
+        body_rate: config
+            .client_min_body_rate
+            .map(|bytes_per_second| MinBodyRate {
+                bytes_per_second,
+                grace: config.client_min_body_rate_grace,
+            }),
+    }
+}
 
 /// Why a reload was refused (the running configuration keeps serving).
 #[derive(Debug, thiserror::Error)]
@@ -46,29 +114,20 @@ struct Inner {
     // The configuration in force, which a new one is compared with. A std Mutex: held for a
     // comparison and two swaps, never across an await.
     running: Mutex<Arc<Config>>,
-    // The layer whose route table a reload replaces (every worker's layer shares it).
-    layer: IdempotencyLayer<AnyStore>,
-    // The upstream set every worker's proxy follows.
-    upstreams: UpstreamSet,
+    live: Live,
     metrics: Arc<ReloadMetrics>,
 }
 
 impl Reloader {
-    /// A reloader for the gateway running `config` with `layer` over proxies following
-    /// `upstreams`; the last successful load is now.
-    pub(crate) fn new(
-        config: Arc<Config>,
-        layer: IdempotencyLayer<AnyStore>,
-        upstreams: UpstreamSet,
-        metrics: &Metrics,
-    ) -> Self {
+    /// A reloader for the gateway running `config` with `live`; the last successful load is
+    /// now.
+    pub(crate) fn new(config: Arc<Config>, live: Live, metrics: &Metrics) -> Self {
         let metrics = metrics.families::<ReloadMetrics>();
         metrics.loaded_now();
         Reloader {
             inner: Arc::new(Inner {
                 running: Mutex::new(config),
-                layer,
-                upstreams,
+                live,
                 metrics,
             }),
         }
@@ -100,13 +159,11 @@ impl Reloader {
         if let Some(field) = needs_restart(&running, &config) {
             return Err(ReloadError::NeedsRestart { field });
         }
-        let routes = Routes::from_config(&config.defaults, config.route_policies());
-        inner.layer.set_routes(routes);
-        inner.upstreams.replace(config.upstreams.values());
+        inner.live.put_in_force(&config);
         info!(
             upstream = %config.upstream,
             routes = config.routes.len(),
-            "new requests take the reloaded routes and upstreams"
+            "new requests take the reloaded configuration"
         );
         *running = Arc::new(config);
         Ok(())
@@ -116,38 +173,22 @@ impl Reloader {
 /// The first field `new` changes that a reload cannot, named as `check-config` names it.
 fn needs_restart(old: &Config, new: &Config) -> Option<&'static str> {
     let debug = |v: &dyn std::fmt::Debug| format!("{v:?}");
-    let fields: [(&'static str, bool); 13] = [
+    // `[telemetry]` but its `sample_ratio`, which a reload changes.
+    let telemetry = |c: &Config| {
+        let mut t = c.telemetry.clone();
+        if let Some(t) = &mut t {
+            t.sample_ratio = 1.0;
+        }
+        debug(&t)
+    };
+    let fields: [(&'static str, bool); 7] = [
         ("listen", old.listen == new.listen),
         ("admin.listen", old.admin.listen == new.admin.listen),
         ("workers", old.workers == new.workers),
         ("store", old.store == new.store),
         ("tls", debug(&old.tls) == debug(&new.tls)),
-        (
-            "admin.admin_token",
-            old.admin.admin_token == new.admin.admin_token,
-        ),
         ("shutdown_grace", old.shutdown_grace == new.shutdown_grace),
-        (
-            "client_header_timeout",
-            old.client_header_timeout == new.client_header_timeout,
-        ),
-        (
-            "client_idle_timeout",
-            old.client_idle_timeout == new.client_idle_timeout,
-        ),
-        (
-            "client_min_body_rate",
-            old.client_min_body_rate == new.client_min_body_rate,
-        ),
-        (
-            "client_min_body_rate_grace",
-            old.client_min_body_rate_grace == new.client_min_body_rate_grace,
-        ),
-        (
-            "max_client_connections",
-            old.max_client_connections == new.max_client_connections,
-        ),
-        ("telemetry", debug(&old.telemetry) == debug(&new.telemetry)),
+        ("telemetry", telemetry(old) == telemetry(new)),
     ];
     fields
         .into_iter()

@@ -327,6 +327,73 @@ async fn a_refused_reload_leaves_the_running_configuration_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_is_replaced() {
+    let old_token = "old-token-0123456789";
+    let config = GatewayConfig::new().set("admin.admin_token", old_token);
+    let mut w = World::start(Backend::Memory, config).await;
+    let inspect = |token: &str| {
+        w.client
+            .get(format!("http://{}/keys/k", w.gateway.admin()))
+            .bearer_auth(token)
+    };
+    assert_eq!(send(inspect(old_token)).await.status, 404, "no record yet");
+    let new_token = "new-token-9876543210";
+    w.reload(w.config.clone().set("admin.admin_token", new_token))
+        .await;
+    let inspect = |token: &str| {
+        w.client
+            .get(format!("http://{}/keys/k", w.gateway.admin()))
+            .bearer_auth(token)
+    };
+    assert_eq!(send(inspect(old_token)).await.status, 401, "the old token");
+    assert_eq!(send(inspect(new_token)).await.status, 404, "the new token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_connections_take_the_new_client_timeouts() {
+    let config = GatewayConfig::new().set("client_header_timeout", "30s");
+    let mut w = World::start(Backend::Memory, config).await;
+    let mut before = RawClient::connect(w.gateway.addr()).await;
+    w.reload(w.config.clone().set("client_header_timeout", "500ms"))
+        .await;
+    let mut after = RawClient::connect(w.gateway.addr()).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A connection that sent no request head within the new 500 ms is closed; one opened
+    // before the reload keeps its 30 s and still serves.
+    assert!(
+        after.response().await.is_none(),
+        "the new timeout did not apply"
+    );
+    let request = b"POST /v1/p HTTP/1.1\r\nhost: gw\r\ncontent-length: 1\r\n\r\nx";
+    let answer = before.send(request).await.response().await;
+    assert_eq!(answer.expect("closed").status(), 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_connection_cap_admits_the_connection_waiting() {
+    let config = GatewayConfig::new().set("max_client_connections", 1);
+    let mut w = World::start(Backend::Memory, config).await;
+    let request = b"POST /v1/p HTTP/1.1\r\nhost: gw\r\ncontent-length: 1\r\n\r\nx";
+    let mut first = RawClient::connect(w.gateway.addr()).await;
+    let answer = first.send(request).await.response().await;
+    assert_eq!(answer.unwrap().status(), 201);
+    let mut second = RawClient::connect(w.gateway.addr()).await;
+    second.send(request).await;
+    let waiting = tokio::time::timeout(Duration::from_millis(700), second.response()).await;
+    assert!(
+        waiting.is_err(),
+        "a second connection was served past the cap of 1"
+    );
+    w.reload(w.config.clone().set("max_client_connections", 2))
+        .await;
+    let answer = second
+        .response()
+        .await
+        .expect("the second connection closed");
+    assert_eq!(answer.status(), 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_in_two_seconds_under_load_fail_no_request() {
     let config = GatewayConfig::new().route("/v1/p", toml! { ttl = "60s" });
     let w = World::start(Backend::Memory, config.clone()).await;

@@ -52,6 +52,8 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub(crate) struct ConnectionCap {
     permits: Arc<Semaphore>,
+    // The cap in force (a reload may change it).
+    max: Mutex<usize>,
     // Workers waiting for a permit, and since when one has been (the time at the cap).
     waiting: Mutex<(usize, Option<Instant>)>,
     metrics: Arc<ListenerMetrics>,
@@ -59,12 +61,40 @@ pub(crate) struct ConnectionCap {
 
 impl ConnectionCap {
     pub(crate) fn new(max: usize, metrics: &Metrics) -> Arc<Self> {
+        // Past tokio's bound, as good as no bound.
+        let max = max.min(Semaphore::MAX_PERMITS);
         Arc::new(ConnectionCap {
-            // Past tokio's bound, as good as no bound.
-            permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
+            permits: Arc::new(Semaphore::new(max)),
+            max: Mutex::new(max),
             waiting: Mutex::new((0, None)),
             metrics: metrics.families(),
         })
+    }
+
+    /// Hold the open connections to `max` from now on: a higher cap admits more at once; a
+    /// lower one takes back the permits as connections close (none is closed for it).
+    pub(crate) fn resize(&self, max: usize) {
+        let max = max.min(Semaphore::MAX_PERMITS);
+        let mut current = self.max.lock().unwrap_or_else(PoisonError::into_inner);
+        if max > *current {
+            self.permits.add_permits(max - *current);
+        } else {
+            let mut owed = *current - max;
+            owed -= self.permits.forget_permits(owed);
+            if owed > 0 {
+                // The rest as connections close; a reload outside a runtime forgets what it can.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let permits = self.permits.clone();
+                    let owed = u32::try_from(owed).unwrap_or(u32::MAX);
+                    runtime.spawn(async move {
+                        if let Ok(taken) = permits.acquire_many_owned(owed).await {
+                            taken.forget();
+                        }
+                    });
+                }
+            }
+        }
+        *current = max;
     }
 
     /// A permit for one more connection, once the open ones are below the cap.
@@ -112,7 +142,8 @@ pub(crate) struct Worker<S> {
     pub(crate) listener: TcpListener,
     pub(crate) stack: S,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
-    pub(crate) timeouts: Timeouts,
+    // The client timeouts in force, read for each new connection (a reload may change them).
+    pub(crate) timeouts: Arc<arc_swap::ArcSwap<Timeouts>>,
     pub(crate) cap: Arc<ConnectionCap>,
     pub(crate) metrics: Arc<ListenerMetrics>,
     // The routes in force, for the shape of the refusals this listener gives itself.
@@ -145,18 +176,19 @@ where
                 _ = stop.wait_for(|stop| *stop) => break,
             };
             let (stream, peer, permit) = accepted;
+            let timeouts = **self.timeouts.load();
             let gateway = Gateway {
                 stack: self.stack.clone(),
                 routes: self.routes.clone(),
                 peer: ip_value(peer),
                 proto: proto.clone(),
                 conn: ConnState::new(),
-                body_rate: self.timeouts.body_rate,
+                body_rate: timeouts.body_rate,
                 metrics: self.metrics.clone(),
             };
             let connection = Connection {
                 http: http.clone(),
-                timeouts: self.timeouts,
+                timeouts,
                 metrics: self.metrics.clone(),
                 stop: stop.clone(),
                 peer,
