@@ -234,10 +234,10 @@ async fn worker(
     let stack = layer.layer(Proxy::following(&live.upstreams, layer.metrics()));
     // Without [telemetry], no sampling service: the stack is what it would be without it.
     let connections = match &config.telemetry {
-        None => accept(listener, stack, &config, live, &layer, stop).await,
+        None => accept(listener, stack, live, &layer, stop).await,
         Some(_) => {
             let stack = Sampling::new(stack, live.sample_ratio.clone());
-            accept(listener, stack, &config, live, &layer, stop).await
+            accept(listener, stack, live, &layer, stop).await
         }
     };
     // The grace starts when the stop does.
@@ -267,7 +267,6 @@ async fn worker(
 async fn accept<S, RB>(
     listener: TcpListener,
     stack: S,
-    config: &Config,
     live: &Live,
     layer: &IdempotencyLayer<AnyStore>,
     stop: tokio::sync::watch::Receiver<bool>,
@@ -287,10 +286,7 @@ where
     let worker = Worker {
         listener,
         stack,
-        tls: config
-            .tls
-            .as_ref()
-            .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
+        tls: live.tls_acceptor(),
         timeouts: live.timeouts.clone(),
         cap: live.cap.clone(),
         metrics: layer.metrics().families(),

@@ -2,8 +2,8 @@
 //! the running one and put in force whole, or refused whole.
 //!
 //! What a reload changes: the routes and their policies (the engine's route table), the
-//! upstreams (the proxy's set), the admin token, the client timeouts and limits, and
-//! `sample_ratio`; each is swapped whole, so that the next request (or connection) takes the new
+//! upstreams (the proxy's set), the listener's certificate and key, the admin token, the client
+//! timeouts and limits, and `sample_ratio`; each is swapped whole, so that the next request (or connection) takes the new
 //! one while one in flight finishes under what it started with. Everything else is the running
 //! process's: a reload that changes it is refused, naming the field.
 
@@ -26,6 +26,7 @@ use crate::metrics::{registered, Families, Metrics};
 use crate::proxy::UpstreamSet;
 use crate::store::AnyStore;
 use crate::telemetry::SampleRatio;
+use crate::tls::LiveCert;
 
 /// What a reload replaces in a running gateway, shared with its workers and admin listener.
 #[derive(Clone)]
@@ -40,6 +41,8 @@ pub(crate) struct Live {
     // Read for each key API request.
     pub(crate) admin_token: Arc<ArcSwap<Option<String>>>,
     pub(crate) sample_ratio: SampleRatio,
+    // The listener's certificate and key, with `[tls]`.
+    pub(crate) cert: Option<Arc<LiveCert>>,
 }
 
 impl Live {
@@ -51,6 +54,10 @@ impl Live {
             cap: ConnectionCap::new(config.max_client_connections, layer.metrics()),
             admin_token: Arc::default(),
             sample_ratio: SampleRatio::default(),
+            cert: config
+                .tls
+                .as_ref()
+                .map(|t| LiveCert::new(t.certified.clone())),
             layer,
         };
         live.admin_token
@@ -73,6 +80,15 @@ impl Live {
         if let Some(t) = &config.telemetry {
             self.sample_ratio.set(t.sample_ratio);
         }
+        if let (Some(cert), Some(tls)) = (&self.cert, &config.tls) {
+            cert.replace(tls.certified.clone());
+        }
+    }
+
+    /// The acceptor of a TLS listener presenting the certificate in force; none without `[tls]`.
+    pub(crate) fn tls_acceptor(&self) -> Option<tokio_rustls::TlsAcceptor> {
+        let cert = self.cert.clone()?;
+        Some(Arc::new(crate::tls::server_config(cert)).into())
     }
 }
 
@@ -186,7 +202,7 @@ fn needs_restart(old: &Config, new: &Config) -> Option<&'static str> {
         ("admin.listen", old.admin.listen == new.admin.listen),
         ("workers", old.workers == new.workers),
         ("store", old.store == new.store),
-        ("tls", debug(&old.tls) == debug(&new.tls)),
+        ("tls", old.tls.is_some() == new.tls.is_some()),
         ("shutdown_grace", old.shutdown_grace == new.shutdown_grace),
         ("telemetry", telemetry(old) == telemetry(new)),
     ];

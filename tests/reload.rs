@@ -11,7 +11,7 @@ use crate::common::metrics::value_of;
 use crate::common::raw::RawClient;
 use crate::common::{
     binary, client, send, wait_until, Backend, CountingUpstream, GatewayConfig, GatewayProcess,
-    StoreServer,
+    StoreServer, TestCa, Validity,
 };
 
 /// One test per backend where the store matters (memory, Redis) for each named `async
@@ -391,6 +391,59 @@ async fn a_higher_connection_cap_admits_the_connection_waiting() {
         .await
         .expect("the second connection closed");
     assert_eq!(answer.status(), 201);
+}
+
+/// The certificate a TLS listener at `addr` presents to a client trusting `ca`.
+async fn presented(addr: std::net::SocketAddr, ca: &TestCa) -> Vec<u8> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.root()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = connector.connect(name, tcp).await.unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_certificate_is_rotated_and_a_mismatched_pair_refused() {
+    let ca = TestCa::new();
+    let names = ["127.0.0.1", "localhost"];
+    let first = ca.server("first", &names, Validity::Now);
+    let second = ca.server("second", &names, Validity::Now);
+    let config = GatewayConfig::new()
+        .set("tls.cert_file", first.cert())
+        .set("tls.key_file", first.key_path());
+    let mut w = World::start(Backend::Memory, config).await;
+    let addr = w.gateway.addr();
+    assert_eq!(presented(addr, &ca).await, first.chain[0].to_vec());
+    let client = ca.client_trusting();
+    let url = format!("https://localhost:{}/v1/p", addr.port());
+    let post = || client.post(&url).header("idempotency-key", "k").body("x");
+    assert_eq!(send(post()).await.status, 201);
+    let rotated = w
+        .config
+        .clone()
+        .set("tls.cert_file", second.cert())
+        .set("tls.key_file", second.key_path());
+    w.reload(rotated).await;
+    assert_eq!(presented(addr, &ca).await, second.chain[0].to_vec());
+    assert!(send(post()).await.replayed(), "served after the rotation");
+    // The first certificate with the second's key: refused, the second pair kept.
+    let mismatched = w
+        .config
+        .clone()
+        .set("tls.cert_file", first.cert())
+        .set("tls.key_file", second.key_path());
+    w.refused(&w.gateway.toml_for(&mismatched)).await;
+    assert_eq!(presented(addr, &ca).await, second.chain[0].to_vec());
+    assert!(send(post()).await.replayed());
+    assert!(w.log().contains("tls.key_file"), "{}", w.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

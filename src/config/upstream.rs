@@ -53,7 +53,8 @@ pub struct ListenerTls {
     pub cert_file: String,
     /// The private key's PEM file (the path only).
     pub key_file: String,
-    pub(crate) config: Arc<rustls::ServerConfig>,
+    // The pair read from them, checked to go together.
+    pub(crate) certified: Arc<rustls::sign::CertifiedKey>,
 }
 
 impl fmt::Debug for ListenerTls {
@@ -252,12 +253,12 @@ pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, C
     let key_file = raw
         .key_file
         .ok_or_else(|| invalid("tls.key_file", "is required in [tls]"))?;
-    let config = crate::tls::server_config(&cert_file, &key_file)
+    let certified = crate::tls::certified_key(&cert_file, &key_file)
         .map_err(|(f, reason)| invalid(format!("tls.{f}"), reason))?;
     Ok(Some(ListenerTls {
         cert_file,
         key_file,
-        config: Arc::new(config),
+        certified,
     }))
 }
 
