@@ -119,7 +119,9 @@ impl App {
                 }
             })
         });
+        let watch = tokio::spawn(self.reloader.watch_certificate());
         let result = serve(listener, config, live, shutdown).await;
+        watch.abort();
         // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
         drop(stop_admin);
         if let Some(admin) = admin {

@@ -153,7 +153,7 @@
 //!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
 //!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
 //!   answer), [`metrics`] (`metrics.rs`: the registry in which each subsystem
-//!   registers the families it counts, and its encoding), `tls.rs` (certificates, keys, rustls configurations),
+//!   registers the families it counts, and its encoding), `tls.rs` (certificates, keys, rustls configurations, the listener's pair in force),
 //!   [`time`] (`time.rs`: every duration from outside bounded, every deadline, expiry and date
 //!   made without overflow or panic).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the

@@ -169,6 +169,44 @@ impl Reloader {
         result
     }
 
+    /// Every `[tls] reload_interval`, look at the listener's certificate and key files, and
+    /// put a changed pair in force when it is valid; a half-written or mismatched one is
+    /// refused (counted as a failed reload) and the pair in force kept, until the files change
+    /// again. Runs until dropped; returns at once without `[tls]`.
+    pub async fn watch_certificate(self) {
+        let Some(cert) = self.inner.live.cert.clone() else {
+            return;
+        };
+        let mut seen = None;
+        loop {
+            let tls = self.running().tls.clone();
+            let Some(tls) = tls.filter(|t| !t.reload_interval.is_zero()) else {
+                return;
+            };
+            let stamps = [&tls.cert_file, &tls.key_file]
+                .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok());
+            if seen.is_some_and(|seen| seen != stamps) {
+                match crate::tls::certified_key(&tls.cert_file, &tls.key_file) {
+                    Ok(certified) => {
+                        cert.replace(certified);
+                        info!(cert_file = %tls.cert_file, "the listener's certificate changed on disk: in force");
+                    }
+                    Err((field, reason)) => {
+                        self.inner.metrics.failures.inc();
+                        warn!(field = %format!("tls.{field}"), error = %reason, "the listener's certificate changed on disk but is not usable: the one in force is kept");
+                    }
+                }
+            }
+            seen = Some(stamps);
+            tokio::time::sleep(tls.reload_interval).await;
+        }
+    }
+
+    fn running(&self) -> Arc<Config> {
+        let running = self.inner.running.lock();
+        running.unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     fn apply(&self, config: Config) -> Result<(), ReloadError> {
         let inner = &self.inner;
         let mut running = inner.running.lock().unwrap_or_else(PoisonError::into_inner);

@@ -447,6 +447,47 @@ async fn the_listener_certificate_is_rotated_and_a_mismatched_pair_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_files_rewritten_on_disk_are_picked_up_and_a_mismatched_pair_ignored() {
+    let ca = TestCa::new();
+    let names = ["127.0.0.1", "localhost"];
+    let first = ca.server("first", &names, Validity::Now);
+    let second = ca.server("second", &names, Validity::Now);
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::copy(&first.cert_file, &cert).unwrap();
+    std::fs::copy(&first.key_file, &key).unwrap();
+    let config = GatewayConfig::new()
+        .set("tls.cert_file", cert.to_str().unwrap())
+        .set("tls.key_file", key.to_str().unwrap())
+        .set("tls.reload_interval", "100ms");
+    let w = World::start(Backend::Memory, config).await;
+    let addr = w.gateway.addr();
+    assert_eq!(presented(addr, &ca).await, first.chain[0].to_vec());
+    // Let the watcher see the files once before they change.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::copy(&second.cert_file, &cert).unwrap();
+    std::fs::copy(&second.key_file, &key).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the rewritten pair presented",
+        async || presented(addr, &ca).await == second.chain[0].to_vec(),
+    )
+    .await;
+    // Half a rotation: the first certificate beside the second key. Ignored, counted.
+    std::fs::copy(&first.cert_file, &cert).unwrap();
+    w.counted(FAILURE, 1.0).await;
+    assert_eq!(presented(addr, &ca).await, second.chain[0].to_vec());
+    // The rotation completed: in force.
+    std::fs::copy(&first.key_file, &key).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the completed pair presented",
+        async || presented(addr, &ca).await == first.chain[0].to_vec(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_reloads_in_two_seconds_under_load_fail_no_request() {
     let config = GatewayConfig::new().route("/v1/p", toml! { ttl = "60s" });
     let w = World::start(Backend::Memory, config.clone()).await;
