@@ -76,6 +76,7 @@
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
 //!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients),
 //!   `listener/rate.rs` (`client_min_body_rate`: a request body that arrives too slowly, cut),
+//!   `listener/cap.rs` (`max_client_connections`, the cap a reload resizes),
 //!   `listener/metrics.rs` (its metric families: connections open and closed, the cap).
 //! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
 //!   its errors), `proxy/settings.rs` (one upstream's settings, [`proxy::UpstreamConfig`]),
