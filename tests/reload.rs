@@ -279,6 +279,26 @@ async fn a_keep_alive_connection_survives_a_reload() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_survives_reloads() {
+    let mut w = World::start(Backend::Memory, GatewayConfig::new()).await;
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let url = w.gateway.url("/v1/p");
+    let post = |key: &str| h2.post(&url).header("idempotency-key", key).body("x");
+    assert_eq!(send(post("k1")).await.status, 201);
+    for ttl in ["2h", "3h"] {
+        w.reload(w.config.clone().set("defaults.ttl", ttl)).await;
+        assert_eq!(send(post(ttl)).await.status, 201);
+    }
+    assert!(send(post("k1")).await.replayed());
+    // One client connection carried every request, across both reloads.
+    assert_eq!(w.metric("idemgate_client_connections").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_reload_leaves_the_running_configuration_serving() {
     let config = GatewayConfig::new().route("/v1/p", toml! { require_key = true });
     let w = World::start(Backend::Memory, config).await;
