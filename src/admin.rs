@@ -39,22 +39,25 @@ pub struct AdminState<S> {
     store: S,
     metrics: Metrics,
     // The key API's bearer token; none: the key API is off.
-    admin_token: Option<String>,
-    routes: Routes,
+    admin_token: Box<dyn Fn() -> Option<String> + Send + Sync>,
+    // The routes in force now (a reload may change them).
+    routes: Box<dyn Fn() -> Routes + Send + Sync>,
 }
 
-/// The admin router over `store`; the key API answers requests that carry `admin_token`.
+/// The admin router over `store`; the key API answers requests that carry the token
+/// `admin_token` gives, and scopes a key by the policy `routes` gives (each called per request:
+/// the settings in force).
 pub fn router<S: Inspect>(
     store: S,
     metrics: Metrics,
-    admin_token: Option<String>,
-    routes: Routes,
+    admin_token: impl Fn() -> Option<String> + Send + Sync + 'static,
+    routes: impl Fn() -> Routes + Send + Sync + 'static,
 ) -> Router {
     let state = Arc::new(AdminState {
         store,
         metrics,
-        admin_token,
-        routes,
+        admin_token: Box::new(admin_token),
+        routes: Box::new(routes),
     });
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -116,7 +119,7 @@ fn problem(status: StatusCode, kind: &'static str, detail: &str) -> Response {
 
 /// `Ok` when the request carries the admin token; the refusal otherwise.
 fn authorize<S>(s: &AdminState<S>, headers: &HeaderMap) -> Result<(), Response> {
-    let Some(expected) = s.admin_token.as_deref() else {
+    let Some(expected) = (s.admin_token)() else {
         return Err(problem(
             StatusCode::NOT_FOUND,
             "admin-disabled",
@@ -169,9 +172,8 @@ fn scoped<S>(
     key: &str,
     query: &HashMap<String, String>,
 ) -> Result<crate::record::key::ScopedKey, Response> {
-    let route = s
-        .routes
-        .policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
+    let routes = (s.routes)();
+    let route = routes.policy_for(query.get("route").map(String::as_str).unwrap_or("/"));
     let key = IdempotencyKey::parse(key.as_bytes(), route.key_max_len)
         .map_err(|e| problem(StatusCode::BAD_REQUEST, "invalid-key", &e.to_string()))?;
     // The route's scope as requests have it (with Repeatable Requests' client id).

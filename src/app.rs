@@ -13,9 +13,10 @@ use tracing::{info, warn};
 use crate::admin;
 use crate::config::Config;
 use crate::idempotency::{IdempotencyLayer, Routes};
-use crate::listener::{ConnectionCap, MinBodyRate, Timeouts, Worker};
+use crate::listener::Worker;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, ProxyError};
+use crate::reload::{Live, Reloader};
 use crate::store::{AnyStore, StoreError};
 use crate::telemetry::Sampling;
 use crate::telemetry::SpanMetrics;
@@ -35,9 +36,10 @@ pub enum AppError {
 
 /// A gateway whose store is open, ready to serve.
 pub struct App {
-    config: Config,
-    store: AnyStore,
-    metrics: Metrics,
+    config: Arc<Config>,
+    // What a reload replaces: the layer's routes, the upstreams, the client settings.
+    live: Live,
+    reloader: Reloader,
     // Bound at start-up so that a taken port fails the start, not a later moment.
     admin: Option<TcpListener>,
 }
@@ -64,10 +66,18 @@ impl App {
             Some(addr) => Some(TcpListener::bind(addr).await?),
             None => None,
         };
+        let config = Arc::new(config);
+        let layer = IdempotencyLayer::with_routes(
+            store,
+            Routes::from_config(&config.defaults, config.route_policies()),
+        )
+        .with_metrics(metrics);
+        let live = Live::new(&config, layer);
+        let reloader = Reloader::new(config.clone(), live.clone(), live.layer.metrics());
         Ok(App {
             config,
-            store,
-            metrics,
+            live,
+            reloader,
             admin,
         })
     }
@@ -77,6 +87,12 @@ impl App {
         self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// What puts a new configuration in force while the gateway serves (the binary calls it on
+    /// `SIGHUP`).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
+    }
+
     /// Serve on `listener` until `shutdown` resolves; then stop accepting, let open requests
     /// finish and be recorded within `shutdown_grace`, and return.
     pub async fn serve(
@@ -84,20 +100,17 @@ impl App {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
-        let config = Arc::new(self.config);
-        let layer = IdempotencyLayer::with_routes(
-            self.store,
-            Routes::from_config(&config.defaults, config.route_policies()),
-        )
-        .with_metrics(self.metrics);
+        let (config, live) = (self.config, self.live);
+        let layer = live.layer.clone();
         let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
         let admin = self.admin.map(|listener| {
             info!(listen = ?listener.local_addr().ok(), "admin listening");
+            let (routes, token) = (layer.clone(), live.admin_token.clone());
             let router = admin::router(
                 layer.store().clone(),
                 layer.metrics().clone(),
-                config.admin.admin_token.clone(),
-                layer.routes().clone(),
+                move || (**token.load()).clone(),
+                move || routes.routes(),
             );
             tokio::spawn(async move {
                 let stopped = async {
@@ -111,7 +124,9 @@ impl App {
                 }
             })
         });
-        let result = serve(listener, config, layer, shutdown).await;
+        let watch = tokio::spawn(self.reloader.watch_certificate());
+        let result = serve(listener, config, live, shutdown).await;
+        watch.abort();
         // The admin listener outlives the drain (readiness and metrics stay visible), then stops.
         drop(stop_admin);
         if let Some(admin) = admin {
@@ -137,7 +152,7 @@ pub async fn run(
 async fn serve(
     listener: TcpListener,
     config: Arc<Config>,
-    layer: IdempotencyLayer<AnyStore>,
+    live: Live,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let listener = listener.into_std()?;
@@ -150,16 +165,14 @@ async fn serve(
         "idemgate listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let cap = ConnectionCap::new(config.max_client_connections, layer.metrics());
     let (ready_tx, mut ready_rx) =
         tokio::sync::mpsc::channel::<Result<(), AppError>>(config.workers);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<()>(config.workers);
     for i in 0..config.workers {
         let listener = listener.try_clone()?;
-        let (config, layer, cap, stop, ready, done) = (
+        let (config, live, stop, ready, done) = (
             config.clone(),
-            layer.clone(),
-            cap.clone(),
+            live.clone(),
             stop_rx.clone(),
             ready_tx.clone(),
             done_tx.clone(),
@@ -178,8 +191,9 @@ async fn serve(
                     }
                 };
                 runtime.block_on(async move {
-                    let layer = layer.with_store(layer.store().for_worker(config.workers).await);
-                    worker(listener, config, layer, cap, stop, ready).await;
+                    let store = live.layer.store().for_worker(config.workers).await;
+                    let layer = live.layer.with_store(store);
+                    worker(listener, config, &live, layer, stop, ready).await;
                 });
                 drop(done);
             })?;
@@ -207,8 +221,8 @@ async fn serve(
 async fn worker(
     listener: std::net::TcpListener,
     config: Arc<Config>,
+    live: &Live,
     layer: IdempotencyLayer<AnyStore>,
-    cap: Arc<ConnectionCap>,
     stop: tokio::sync::watch::Receiver<bool>,
     ready: tokio::sync::mpsc::Sender<Result<(), AppError>>,
 ) {
@@ -224,13 +238,13 @@ async fn worker(
     let tasks = layer.tasks();
     // No tower-http TraceLayer here: its per-request cost shows on the forwarding path (the
     // figure is in loadtest/README.md); keyed requests have a debug span of their own.
-    let stack = layer.layer(Proxy::new(config.upstreams.values(), layer.metrics()));
+    let stack = layer.layer(Proxy::following(&live.upstreams, layer.metrics()));
     // Without [telemetry], no sampling service: the stack is what it would be without it.
     let connections = match &config.telemetry {
-        None => accept(listener, stack, &config, &layer, cap, stop).await,
-        Some(t) => {
-            let stack = Sampling::new(stack, t.sample_ratio);
-            accept(listener, stack, &config, &layer, cap, stop).await
+        None => accept(listener, stack, live, &layer, stop).await,
+        Some(_) => {
+            let stack = Sampling::new(stack, live.sample_ratio.clone());
+            accept(listener, stack, live, &layer, stop).await
         }
     };
     // The grace starts when the stop does.
@@ -260,9 +274,8 @@ async fn worker(
 async fn accept<S, RB>(
     listener: TcpListener,
     stack: S,
-    config: &Config,
+    live: &Live,
     layer: &IdempotencyLayer<AnyStore>,
-    cap: Arc<ConnectionCap>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio_util::task::TaskTracker
 where
@@ -280,23 +293,11 @@ where
     let worker = Worker {
         listener,
         stack,
-        tls: config
-            .tls
-            .as_ref()
-            .map(|t| tokio_rustls::TlsAcceptor::from(t.config.clone())),
-        timeouts: Timeouts {
-            header: config.client_header_timeout,
-            idle: config.client_idle_timeout,
-            body_rate: config
-                .client_min_body_rate
-                .map(|bytes_per_second| MinBodyRate {
-                    bytes_per_second,
-                    grace: config.client_min_body_rate_grace,
-                }),
-        },
-        cap,
+        tls: live.tls_acceptor(),
+        timeouts: live.timeouts.clone(),
+        cap: live.cap.clone(),
         metrics: layer.metrics().families(),
-        routes: Arc::new(layer.routes().clone()),
+        routes: layer.live_routes(),
     };
     worker.run(stop).await
 }

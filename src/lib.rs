@@ -56,7 +56,9 @@
 //! - `main.rs`: the binary: the command line, logging, signals, `check-config`; `demo.rs`, the
 //!   quick start's example payments API (the binary's own module).
 //! - `app.rs`: the gateway's wiring ([`App`], [`run`]): the store, the layer over the proxy on
-//!   worker threads, the admin listener, graceful shutdown.
+//!   worker threads, the admin listener, graceful shutdown; `reload.rs` ([`Reloader`]): a new
+//!   configuration checked against the running one and its routes and upstreams put in force,
+//!   or refused whole, and the reloads' metric family.
 //! - [`config`]: the TOML and `IDEMGATE_` environment users write, read into the engine's and
 //!   the store's own types, each value checked as it is read: `config/mod.rs` (the file, the
 //!   top-level fields, the environment overlay), `config/checked.rs` (a value read through its
@@ -74,10 +76,12 @@
 //!   admits a request and adds the forwarding headers), `listener/watch.rs` (each connection's
 //!   watchdog: `client_header_timeout`, `client_idle_timeout`, stalled clients),
 //!   `listener/rate.rs` (`client_min_body_rate`: a request body that arrives too slowly, cut),
+//!   `listener/cap.rs` (`max_client_connections`, the cap a reload resizes),
 //!   `listener/metrics.rs` (its metric families: connections open and closed, the cap).
 //! - [`proxy`]: the upstreams as a tower service: `proxy/mod.rs` (routing to a named upstream,
 //!   its errors), `proxy/settings.rs` (one upstream's settings, [`proxy::UpstreamConfig`]),
-//!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection),
+//!   `proxy/upstream.rs` (one upstream's HTTP/1.1 pool or HTTP/2 connection), `proxy/set.rs`
+//!   (the upstreams in force, [`proxy::UpstreamSet`], and each worker's pools built for them),
 //!   `proxy/connect.rs` (TCP and TLS connections, and which failures mean "not sent"),
 //!   `proxy/metrics.rs` (requests and connections counted per upstream).
 //! - [`admin`] (`admin.rs`): the admin listener: health, readiness, metrics, the key API.
@@ -150,7 +154,7 @@
 //!   (`error.rs`: problem+json, Stripe-shaped and gRPC answers, `ConfigError`),
 //!   `grpc_status.rs` (gRPC's status codes, the trailers that carry them, a trailers-only
 //!   answer), [`metrics`] (`metrics.rs`: the registry in which each subsystem
-//!   registers the families it counts, and its encoding), `tls.rs` (certificates, keys, rustls configurations),
+//!   registers the families it counts, and its encoding), `tls.rs` (certificates, keys, rustls configurations, the listener's pair in force),
 //!   [`time`] (`time.rs`: every duration from outside bounded, every deadline, expiry and date
 //!   made without overflow or panic).
 //! - `fuzzing.rs`: the parsers' entry points for the fuzz targets in `fuzz/` (the key, the
@@ -181,6 +185,7 @@ mod listener;
 pub mod metrics;
 pub mod proxy;
 pub mod record;
+mod reload;
 pub mod store;
 pub mod telemetry;
 pub mod time;
@@ -194,6 +199,7 @@ pub use idempotency::{
 };
 pub use metrics::{Families, Metrics};
 pub use record::webhook::{Sender, WebhookSecrets};
+pub use reload::{ReloadError, Reloader};
 pub use store::{
     CachedStore, EmbeddedSettings, EmbeddedStore, Evictions, LocalCache, MemoryStore,
     PostgresSettings, PostgresStore, RedisSettings, RedisStore, Seal, SealKeys, SealMode, Store,

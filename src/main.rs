@@ -1,4 +1,5 @@
-//! The `idemgate` binary: parse the command line, set up logging, run until SIGINT/SIGTERM.
+//! The `idemgate` binary: parse the command line, set up logging, run until SIGINT/SIGTERM,
+//! reload the configuration on SIGHUP.
 
 mod demo;
 
@@ -136,6 +137,7 @@ fn init_logging(format: LogFormat, telemetry: Option<&Telemetry>) {
 
 async fn run(file: Option<&str>, format: LogFormat) -> Result<(), String> {
     let shutdown = shutdown_signal();
+    let hangups = hangup_signal();
     let config = load(file)?;
     let metrics = Metrics::new();
     let dropped = metrics.families::<SpanMetrics>().dropped.clone();
@@ -144,7 +146,7 @@ async fn run(file: Option<&str>, format: LogFormat) -> Result<(), String> {
         None => None,
     };
     init_logging(format, telemetry.as_ref());
-    let served = serve(config, metrics, shutdown).await;
+    let served = serve(config, metrics, shutdown, hangups, file).await;
     if let Some(telemetry) = telemetry {
         telemetry.shutdown().await;
     }
@@ -155,6 +157,8 @@ async fn serve(
     config: Config,
     metrics: Metrics,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    hangups: Hangups,
+    file: Option<&str>,
 ) -> Result<(), String> {
     if let Some(t) = &config.telemetry {
         tracing::info!(collector = %t.traces_url, sample_ratio = t.sample_ratio, "exporting traces");
@@ -173,9 +177,49 @@ async fn serve(
         app = idemgate::App::with_metrics(config, metrics) => app.map_err(|e| e.to_string())?,
         () = &mut shutdown => return Ok(()),
     };
-    app.serve(listener, shutdown)
-        .await
-        .map_err(|e| e.to_string())
+    let reloads = tokio::spawn(reload_on_hangup(
+        hangups,
+        file.map(str::to_owned),
+        app.reloader(),
+    ));
+    let served = app.serve(listener, shutdown).await;
+    reloads.abort();
+    served.map_err(|e| e.to_string())
+}
+
+/// SIGHUP, as the reload's trigger (installed at start, so that an early one does not kill
+/// the process).
+#[cfg(unix)]
+type Hangups = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangups = ();
+
+fn hangup_signal() -> Hangups {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        signal(SignalKind::hangup()).ok()
+    }
+}
+
+/// On each SIGHUP, read `file` with the environment over it, as at start, and reload.
+async fn reload_on_hangup(
+    mut hangups: Hangups,
+    file: Option<String>,
+    reloader: idemgate::Reloader,
+) {
+    loop {
+        #[cfg(unix)]
+        next(&mut hangups).await;
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+        tracing::info!(
+            file = file.as_deref().unwrap_or("environment"),
+            "SIGHUP: reloading the configuration"
+        );
+        // Refusals are logged and counted by the reloader.
+        let _ = reloader.reload(Config::load(file.as_deref()));
+    }
 }
 
 fn check_config(file: Option<&str>) -> Result<(), String> {

@@ -15,7 +15,7 @@
 //! `idemgate_trace_spans_dropped_total`.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -219,12 +219,27 @@ impl Drop for SampledCall {
 #[derive(Clone, Debug)]
 pub(crate) struct Sampling<S> {
     inner: S,
-    ratio: f64,
+    ratio: SampleRatio,
 }
 
 impl<S> Sampling<S> {
-    pub(crate) fn new(inner: S, ratio: f64) -> Self {
+    pub(crate) fn new(inner: S, ratio: SampleRatio) -> Self {
         Sampling { inner, ratio }
+    }
+}
+
+/// `sample_ratio`, shared by every worker's [`Sampling`] and changed by a reload.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SampleRatio(Arc<AtomicU64>);
+
+impl SampleRatio {
+    /// The ratio in force from now on.
+    pub(crate) fn set(&self, ratio: f64) {
+        self.0.store(ratio.to_bits(), Ordering::Relaxed);
+    }
+
+    fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
     }
 }
 
@@ -241,7 +256,7 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> S::Future {
-        match sampled_parent(req.headers(), self.ratio) {
+        match sampled_parent(req.headers(), self.ratio.get()) {
             None => self.inner.call(req),
             Some(parent) => {
                 // The request's span takes its parent from the OTel context current while it

@@ -1,16 +1,19 @@
 //! TLS material: certificates and keys read from PEM files, and the rustls configurations built
-//! from them (ring as the crypto provider: no OpenSSL). Read once, when the config is validated,
-//! so that `check-config` catches an unreadable file or a key that does not match its
-//! certificate, and a running gateway never reads a file again.
+//! from them (ring as the crypto provider: no OpenSSL). Read when the config is validated, so
+//! that `check-config` catches an unreadable file or a key that does not match its certificate;
+//! a running gateway reads them again only for a reload, which [`LiveCert`] puts in force.
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use x509_cert::der::Decode;
 
@@ -132,21 +135,49 @@ fn presenting(
         .map_err(|e| ("client_key_file", pairing(e)))
 }
 
-/// The configuration of a TLS listener: `cert_file`'s chain with `key_file`'s key, offering
-/// HTTP/2 and HTTP/1.1 by ALPN. Errors say which file is at fault: `("cert_file" | "key_file",
-/// why)`.
-pub(crate) fn server_config(
+/// The listener's certificate chain (`cert_file`) and key (`key_file`), checked to go together.
+/// Errors say which file is at fault: `("cert_file" | "key_file", why)`.
+pub(crate) fn certified_key(
     cert_file: &str,
     key_file: &str,
-) -> Result<ServerConfig, (&'static str, String)> {
+) -> Result<Arc<CertifiedKey>, (&'static str, String)> {
     let chain = certs(cert_file).map_err(|e| ("cert_file", e))?;
     let key = key(key_file).map_err(|e| ("key_file", e))?;
+    CertifiedKey::from_der(chain, key, &provider())
+        .map(Arc::new)
+        .map_err(|e| ("key_file", pairing(e)))
+}
+
+/// The certificate and key a listener presents: the pair in force, which a reload replaces;
+/// a handshake takes the pair in force when it starts.
+#[derive(Debug)]
+pub(crate) struct LiveCert(ArcSwap<CertifiedKey>);
+
+impl LiveCert {
+    pub(crate) fn new(certified: Arc<CertifiedKey>) -> Arc<Self> {
+        Arc::new(LiveCert(ArcSwap::new(certified)))
+    }
+
+    /// Present `certified` from the next handshake on.
+    pub(crate) fn replace(&self, certified: Arc<CertifiedKey>) {
+        self.0.store(certified);
+    }
+}
+
+impl ResolvesServerCert for LiveCert {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.load_full())
+    }
+}
+
+/// The configuration of a TLS listener presenting what `cert` holds, offering HTTP/2 and
+/// HTTP/1.1 by ALPN.
+pub(crate) fn server_config(cert: Arc<LiveCert>) -> ServerConfig {
     let mut config = versions(ServerConfig::builder_with_provider(provider()))
         .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .map_err(|e| ("key_file", pairing(e)))?;
+        .with_cert_resolver(cert);
     config.alpn_protocols = SERVER_ALPN.iter().map(|p| p.to_vec()).collect();
-    Ok(config)
+    config
 }
 
 /// The not-after of the first certificate of a PEM file (the one presented), in seconds since

@@ -379,6 +379,18 @@ fn bases(table: &str) -> Vec<String> {
             "{UPSTREAM}[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318\"\n"
         )],
         "defaults" => vec![format!("{UPSTREAM}[defaults]\n")],
+        "tls" => {
+            // A certificate and its key, kept for the whole run.
+            static PAIR: std::sync::OnceLock<(TestCa, String, String)> = std::sync::OnceLock::new();
+            let (_, cert, key) = PAIR.get_or_init(|| {
+                let ca = TestCa::new();
+                let pair = ca.server("gateway", &["127.0.0.1"], Validity::Now);
+                (ca, pair.cert().to_string(), pair.key_path().to_string())
+            });
+            vec![format!(
+                "{UPSTREAM}[tls]\ncert_file = {cert:?}\nkey_file = {key:?}\n"
+            )]
+        }
         other => panic!("[{other}] has a literal default: say here what a valid table of it is"),
     }
 }

@@ -33,6 +33,7 @@ mod http2;
 mod mcp;
 mod policy;
 mod postgres;
+mod reload;
 mod sealing;
 mod store;
 mod store_model;

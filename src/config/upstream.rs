@@ -44,7 +44,11 @@ rules! {
 pub(super) struct RawTls {
     cert_file: Option<String>,
     key_file: Option<String>,
+    reload_interval: Option<super::HumanDuration>,
 }
+
+/// How often the listener's certificate and key files are looked at for a change, when not given.
+pub const DEFAULT_TLS_RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The listener's TLS, validated and read.
 #[derive(Clone)]
@@ -53,7 +57,10 @@ pub struct ListenerTls {
     pub cert_file: String,
     /// The private key's PEM file (the path only).
     pub key_file: String,
-    pub(crate) config: Arc<rustls::ServerConfig>,
+    /// How often the two files are looked at for a change (zero: only a reload reads them).
+    pub reload_interval: std::time::Duration,
+    // The pair read from them, checked to go together.
+    pub(crate) certified: Arc<rustls::sign::CertifiedKey>,
 }
 
 impl fmt::Debug for ListenerTls {
@@ -61,6 +68,7 @@ impl fmt::Debug for ListenerTls {
         f.debug_struct("ListenerTls")
             .field("cert_file", &self.cert_file)
             .field("key_file", &self.key_file)
+            .field("reload_interval", &self.reload_interval)
             .finish()
     }
 }
@@ -252,12 +260,15 @@ pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, C
     let key_file = raw
         .key_file
         .ok_or_else(|| invalid("tls.key_file", "is required in [tls]"))?;
-    let config = crate::tls::server_config(&cert_file, &key_file)
+    let certified = crate::tls::certified_key(&cert_file, &key_file)
         .map_err(|(f, reason)| invalid(format!("tls.{f}"), reason))?;
     Ok(Some(ListenerTls {
         cert_file,
         key_file,
-        config: Arc::new(config),
+        reload_interval: raw
+            .reload_interval
+            .map_or(DEFAULT_TLS_RELOAD_INTERVAL, |d| d.0),
+        certified,
     }))
 }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use tokio_util::task::TaskTracker;
 
-use super::routes::{RouteTable, Routes};
+use super::routes::{LiveTable, RouteTable, Routes};
 use super::service::Idempotency;
 use super::shared::Shared;
 use crate::metrics::Metrics;
@@ -49,7 +49,7 @@ impl<St: Store> IdempotencyLayer<St> {
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 store,
-                RouteTable::new(routes, &metrics),
+                LiveTable::new(RouteTable::new(routes, &metrics)),
                 metrics,
                 TaskTracker::new(),
                 Arc::default(),
@@ -59,11 +59,11 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// Count into `metrics` instead of a registry of the layer's own.
     pub fn with_metrics(self, metrics: Metrics) -> Self {
-        let routes = self.shared.table.routes().clone();
+        let routes = self.routes();
         IdempotencyLayer {
             shared: Arc::new(Shared::new(
                 self.shared.store.clone(),
-                RouteTable::new(routes, &metrics),
+                LiveTable::new(RouteTable::new(routes, &metrics)),
                 metrics,
                 self.shared.tasks.clone(),
                 self.shared.live.clone(),
@@ -91,9 +91,24 @@ impl<St: Store> IdempotencyLayer<St> {
         &self.shared.registry
     }
 
-    /// The routes the layer applies.
-    pub fn routes(&self) -> &Routes {
-        self.shared.table.routes()
+    /// The routes the layer applies now.
+    pub fn routes(&self) -> Routes {
+        self.shared.table.load().routes().clone()
+    }
+
+    /// Apply `routes` to the requests that come next, in this layer and every clone of it (and
+    /// each worker's [`with_store`](Self::with_store) layer); a request already admitted
+    /// finishes under the policy it started with. A route whose path is new starts with fresh
+    /// waiter bounds.
+    pub fn set_routes(&self, routes: Routes) {
+        let registry = &self.shared.registry;
+        super::webhook::register(registry, &routes);
+        self.shared.table.replace(RouteTable::new(routes, registry));
+    }
+
+    /// The live route table, for the listener's own refusals.
+    pub(crate) fn live_routes(&self) -> LiveTable {
+        self.shared.table.clone()
     }
 
     /// The claimed calls running in the background (a claimed call outlives its client): on a

@@ -37,6 +37,7 @@ pub(crate) use body::with_trailers;
 pub use inner::{Deadline, NotSent};
 pub use layer::IdempotencyLayer;
 pub use response::{IDEMPOTENCY_CONTROL, IDEMPOTENT_REPLAYED, TRACEPARENT};
+pub(crate) use routes::LiveTable;
 pub use routes::Routes;
 pub use service::Idempotency;
 pub use webhook::WEBHOOK_VERIFIED;

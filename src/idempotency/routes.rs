@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use tokio::sync::Semaphore;
 
 use super::jsonrpc::metrics::JsonRpcMetrics;
@@ -166,5 +167,37 @@ impl RouteTable {
     /// The routes, without their state.
     pub(crate) fn routes(&self) -> &Routes {
         &self.routes
+    }
+}
+
+/// The route table in force, replaced whole by a reload: every clone (each worker's layer) sees
+/// the new table at its next request, while a request in flight keeps the state it took.
+#[derive(Clone)]
+pub(crate) struct LiveTable(Arc<ArcSwap<RouteTable>>);
+
+impl LiveTable {
+    /// `table`, in force until replaced.
+    pub(crate) fn new(table: RouteTable) -> Self {
+        LiveTable(Arc::new(ArcSwap::from_pointee(table)))
+    }
+
+    /// The table in force now.
+    pub(crate) fn load(&self) -> Arc<RouteTable> {
+        self.0.load_full()
+    }
+
+    /// Put `table` in force for the requests that come next.
+    pub(crate) fn replace(&self, table: RouteTable) {
+        self.0.store(Arc::new(table));
+    }
+
+    /// The route requests to `path` take now.
+    pub(crate) fn route_for(&self, path: &str) -> Arc<RouteState> {
+        self.0.load().route_for(path).clone()
+    }
+
+    /// The policy requests to `path` get now.
+    pub(crate) fn policy_for(&self, path: &str) -> Arc<Policy> {
+        self.0.load().routes().policy_for(path).clone()
     }
 }

@@ -101,7 +101,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        let route = shared.table.route_for(req.uri().path()).clone();
+        let route = shared.table.route_for(req.uri().path());
         let mut req = req.map(Body::new);
         // Only the gateway says a webhook delivery was verified.
         req.headers_mut().remove(super::webhook::WEBHOOK_VERIFIED);

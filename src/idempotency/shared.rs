@@ -12,7 +12,7 @@ use tracing::{debug_span, Instrument, Span};
 use super::jsonrpc::metrics::JsonRpcMetrics;
 use super::live::LiveAnswers;
 use super::metrics::{EngineMetrics, StoreOp, StoreOpMetrics};
-use super::routes::RouteTable;
+use super::routes::LiveTable;
 use crate::metrics::Metrics;
 
 /// What every clone of a layer and its services share.
@@ -20,7 +20,7 @@ pub(crate) struct Shared<St> {
     // Where records live.
     pub(crate) store: St,
     // Which policy a path gets, with the routes' live state.
-    pub(crate) table: RouteTable,
+    pub(crate) table: LiveTable,
     // Every claimed call, so that a shutdown can wait for them to be recorded.
     pub(crate) tasks: TaskTracker,
     // The registry the layer counts into, and the engine's families in it.
@@ -36,13 +36,13 @@ pub(crate) struct Shared<St> {
 impl<St> Shared<St> {
     pub(crate) fn new(
         store: St,
-        table: RouteTable,
+        table: LiveTable,
         registry: Metrics,
         tasks: TaskTracker,
         live: Arc<LiveAnswers>,
     ) -> Self {
         let metrics = registry.families::<EngineMetrics>();
-        super::webhook::register(&registry, table.routes());
+        super::webhook::register(&registry, table.load().routes());
         Shared {
             store,
             table,

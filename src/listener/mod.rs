@@ -5,7 +5,9 @@
 //! - `watch.rs`: the watchdog of one connection (`client_header_timeout`,
 //!   `client_idle_timeout`) and the socket and body wrappers that report to it.
 //! - `rate.rs`: `client_min_body_rate`, the request body that arrives too slowly cut.
+//! - `cap.rs`: `max_client_connections`, the cap shared by the workers.
 
+mod cap;
 mod metrics;
 mod rate;
 mod watch;
@@ -14,7 +16,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -26,7 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
@@ -35,9 +37,9 @@ use tracing::{debug, error, warn};
 use self::metrics::{ClosedBy, ListenerMetrics};
 use crate::error::GatewayError;
 use crate::headers::admit;
-use crate::idempotency::{grpc, Routes};
-use crate::metrics::Metrics;
+use crate::idempotency::{grpc, LiveTable};
 use crate::proxy::ProxyError;
+pub(crate) use cap::ConnectionCap;
 pub(crate) use rate::MinBodyRate;
 use rate::{Cut, Paced};
 pub(crate) use watch::Timeouts;
@@ -46,57 +48,6 @@ use watch::{ConnState, Expired, Serving, Watchdog, Watched, WatchedIo};
 /// How long a client's TLS handshake may take at most (and never more than
 /// `client_header_timeout`, which it counts towards).
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The process's cap on open client connections, shared by its workers: a worker takes a
-/// permit before it accepts, so that past the cap new connections wait in the kernel's backlog.
-#[derive(Debug)]
-pub(crate) struct ConnectionCap {
-    permits: Arc<Semaphore>,
-    // Workers waiting for a permit, and since when one has been (the time at the cap).
-    waiting: Mutex<(usize, Option<Instant>)>,
-    metrics: Arc<ListenerMetrics>,
-}
-
-impl ConnectionCap {
-    pub(crate) fn new(max: usize, metrics: &Metrics) -> Arc<Self> {
-        Arc::new(ConnectionCap {
-            // Past tokio's bound, as good as no bound.
-            permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
-            waiting: Mutex::new((0, None)),
-            metrics: metrics.families(),
-        })
-    }
-
-    /// A permit for one more connection, once the open ones are below the cap.
-    #[expect(
-        clippy::expect_used,
-        reason = "the cap's semaphore is never closed: acquiring fails only on a closed one"
-    )]
-    async fn permit(&self) -> OwnedSemaphorePermit {
-        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
-            return permit;
-        }
-        self.at_cap(1);
-        let permit = self.permits.clone().acquire_owned().await;
-        self.at_cap(-1);
-        permit.expect("the semaphore is never closed")
-    }
-
-    /// One more (`1`) or one fewer (`-1`) worker waiting at the cap: time is counted from the
-    /// first one waiting to the last one done.
-    fn at_cap(&self, change: isize) {
-        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        waiting.0 = waiting.0.saturating_add_signed(change);
-        match (waiting.0, waiting.1) {
-            (0, Some(since)) => {
-                self.metrics.at_connection_cap(since.elapsed());
-                waiting.1 = None;
-            }
-            (_, None) if change > 0 => waiting.1 = Some(Instant::now()),
-            _ => {}
-        }
-    }
-}
 
 /// A client's IP address as a header value (`X-Forwarded-For`).
 #[expect(
@@ -112,11 +63,12 @@ pub(crate) struct Worker<S> {
     pub(crate) listener: TcpListener,
     pub(crate) stack: S,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
-    pub(crate) timeouts: Timeouts,
+    // The client timeouts in force, read for each new connection (a reload may change them).
+    pub(crate) timeouts: Arc<arc_swap::ArcSwap<Timeouts>>,
     pub(crate) cap: Arc<ConnectionCap>,
     pub(crate) metrics: Arc<ListenerMetrics>,
-    // The routes, for the shape of the refusals this listener gives itself.
-    pub(crate) routes: Arc<Routes>,
+    // The routes in force, for the shape of the refusals this listener gives itself.
+    pub(crate) routes: LiveTable,
 }
 
 impl<S, RB> Worker<S>
@@ -145,18 +97,19 @@ where
                 _ = stop.wait_for(|stop| *stop) => break,
             };
             let (stream, peer, permit) = accepted;
+            let timeouts = **self.timeouts.load();
             let gateway = Gateway {
                 stack: self.stack.clone(),
                 routes: self.routes.clone(),
                 peer: ip_value(peer),
                 proto: proto.clone(),
                 conn: ConnState::new(),
-                body_rate: self.timeouts.body_rate,
+                body_rate: timeouts.body_rate,
                 metrics: self.metrics.clone(),
             };
             let connection = Connection {
                 http: http.clone(),
-                timeouts: self.timeouts,
+                timeouts,
                 metrics: self.metrics.clone(),
                 stop: stop.clone(),
                 peer,
@@ -307,7 +260,7 @@ impl Connection {
 struct Gateway<S> {
     stack: S,
     // Each route's `error_format`, for the answers given here rather than by the engine.
-    routes: Arc<Routes>,
+    routes: LiveTable,
     // The client's address, as `X-Forwarded-For` appends it.
     peer: HeaderValue,
     // The listener's scheme, as `X-Forwarded-Proto` says it.

@@ -9,10 +9,13 @@
 //!
 //! - `upstream.rs`: one upstream of one worker: its connections and how a request is sent.
 //! - `connect.rs`: TCP and TLS connections, and which failures mean "not sent".
+//! - `set.rs`: the upstreams in force ([`UpstreamSet`], replaced by a reload), and each
+//!   worker's pools built for them.
 
 mod connect;
 mod metrics;
 pub(crate) use connect::tls_name;
+mod set;
 mod settings;
 mod upstream;
 
@@ -30,8 +33,9 @@ use crate::headers::content_length;
 use crate::idempotency::{with_trailers, Deadline, NotSent, Policy, DEFAULT_UPSTREAM};
 use crate::metrics::Metrics;
 pub use metrics::{ProxyMetrics, UpstreamCounters, UpstreamResult};
+pub use set::UpstreamSet;
+use set::Upstreams;
 pub use settings::{UpstreamConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
-use upstream::Upstream;
 
 /// A boxed error, for messages.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -134,7 +138,7 @@ const SEND_WHOLE_UP_TO: u64 = 16 * 1024;
 pub struct Proxy {
     // Behind one reference count: the proxy is cloned for every request. A few upstreams at
     // most: found by comparing names, cheaper than hashing one.
-    upstreams: Arc<[Upstream]>,
+    upstreams: Arc<Upstreams>,
 }
 
 impl Proxy {
@@ -143,12 +147,14 @@ impl Proxy {
         upstreams: impl IntoIterator<Item = &'a Arc<UpstreamConfig>>,
         metrics: &Metrics,
     ) -> Self {
-        let metrics = metrics.families::<ProxyMetrics>();
+        Self::following(&UpstreamSet::new(upstreams), metrics)
+    }
+
+    /// A proxy to the upstreams `set` holds at each request, with connection pools of its own
+    /// (opened anew when the set is replaced), counting into `metrics`.
+    pub fn following(set: &UpstreamSet, metrics: &Metrics) -> Self {
         Proxy {
-            upstreams: upstreams
-                .into_iter()
-                .map(|u| Upstream::new(u, &metrics))
-                .collect(),
+            upstreams: Arc::new(Upstreams::new(set.clone(), metrics.families())),
         }
     }
 
@@ -162,7 +168,8 @@ impl Proxy {
             None => crate::time::after(tokio::time::Instant::now(), timeout),
         };
         // The config checks that routes name upstreams that exist; a policy made in code may not.
-        let Some(upstream) = self.upstreams.iter().find(|u| &**u.name() == name) else {
+        let upstreams = self.upstreams.current();
+        let Some(upstream) = upstreams.upstreams.iter().find(|u| &**u.name() == name) else {
             return Err(ProxyError::not_sent(
                 name.into(),
                 false,

@@ -171,6 +171,23 @@ impl GatewayProcess {
         self.child.signal("-TERM");
     }
 
+    /// Rewrite its config file as `config` (for its ports) and send SIGHUP: a reload, which
+    /// the process applies or refuses (its metrics say which).
+    pub fn reload(&self, config: &GatewayConfig) {
+        self.reload_text(&config.to_toml_on(self.ports));
+    }
+
+    /// The config file `config` makes for its ports, as [`GatewayProcess::reload`] writes it.
+    pub fn toml_for(&self, config: &GatewayConfig) -> String {
+        config.to_toml_on(self.ports)
+    }
+
+    /// Rewrite its config file as `text`, as it is, and send SIGHUP.
+    pub fn reload_text(&self, text: &str) {
+        std::fs::write(&self.config, text).unwrap();
+        self.child.signal("-HUP");
+    }
+
     /// SIGSTOP: the process stalls, its connections open and unanswered, its clock running.
     pub fn pause(&self) {
         self.child.signal("-STOP");
