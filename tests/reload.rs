@@ -14,29 +14,6 @@ use crate::common::{
     StoreServer, TestCa, Validity,
 };
 
-/// One test per backend where the store matters (memory, Redis) for each named `async
-/// fn(Backend)`.
-macro_rules! on_memory_and_redis {
-    ($($name:ident),* $(,)?) => {
-        mod on_memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::common::Backend::Memory).await
-                }
-            )*
-        }
-        mod on_redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::common::Backend::Redis).await
-                }
-            )*
-        }
-    };
-}
-
 const SUCCESS: &str = "idemgate_config_reloads_total{result=\"success\"}";
 const FAILURE: &str = "idemgate_config_reloads_total{result=\"failure\"}";
 
@@ -69,12 +46,12 @@ impl World {
         b: CountingUpstream,
     ) -> Self {
         let server = StoreServer::for_backend(backend).await;
-        let config = settings
-            .upstream(&a.url())
-            .store(server.as_ref())
-            .set("workers", 2)
-            .admin();
         let log = tempfile::tempdir().unwrap();
+        let config = match backend {
+            Backend::Embedded => settings.embedded(&log.path().join("store")),
+            _ => settings.store(server.as_ref()),
+        };
+        let config = config.upstream(&a.url()).set("workers", 2).admin();
         let gateway = binary()
             .env("RUST_LOG", "idemgate=warn")
             .log_to(&log.path().join("gateway.log"))
@@ -204,7 +181,7 @@ async fn a_request_in_flight_across_a_reload_is_recorded_once(backend: Backend) 
     assert_eq!((w.a.calls(), w.b.calls()), (1, 0));
 }
 
-on_memory_and_redis!(
+on_both_backends!(
     new_ttl_applies_to_new_keys_while_older_records_replay,
     default_upstream_switched_and_earlier_records_replay,
     a_request_in_flight_across_a_reload_is_recorded_once,
