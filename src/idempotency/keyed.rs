@@ -173,7 +173,7 @@ impl<St: Store> Shared<St> {
                 ))),
             };
         }
-        let found = webhook::event_key(&self.registry, policy, parts, body)
+        let found = webhook::event_key(&self.webhooks, policy, parts, body)
             .and_then(|event| find_key(policy, parts, body, event.or(key)))
             .map_err(refused)?;
         let Some((key, source)) = found.key else {

@@ -102,7 +102,6 @@ impl<St: Store> IdempotencyLayer<St> {
     /// waiter bounds.
     pub fn set_routes(&self, routes: Routes) {
         let registry = &self.shared.registry;
-        super::webhook::register(registry, &routes);
         self.shared.table.replace(RouteTable::new(routes, registry));
     }
 

@@ -8,6 +8,7 @@ use tokio::sync::Semaphore;
 
 use super::jsonrpc::metrics::JsonRpcMetrics;
 use super::metrics::{EngineMetrics, RouteMetrics};
+use super::webhook::WebhookMetrics;
 use crate::error::ConfigError;
 use crate::metrics::Metrics;
 use crate::record::policy::Policy;
@@ -90,11 +91,6 @@ impl Routes {
             .and_then(|m| self.policies.get(*m.value))
             .unwrap_or(&self.defaults)
     }
-
-    /// Every policy: the defaults', then the routes' in order.
-    pub(crate) fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
-        std::iter::once(&self.defaults).chain(&self.policies)
-    }
 }
 
 /// The routes with their live state: cheap to clone, clones share the state (waiter bounds and
@@ -120,11 +116,19 @@ pub(crate) struct RouteState {
     pub(crate) scope_headers: Vec<http::HeaderName>,
 }
 
+/// The families whose series of a route start at zero when its state is made: the engine's,
+/// and those of JSON-RPC and webhook routes.
+type RouteFamilies = (Arc<EngineMetrics>, Arc<JsonRpcMetrics>, Arc<WebhookMetrics>);
+
 impl RouteState {
-    fn new(policy: &Arc<Policy>, metrics: &EngineMetrics, jsonrpc: &JsonRpcMetrics) -> Arc<Self> {
+    fn new(policy: &Arc<Policy>, families: &RouteFamilies) -> Arc<Self> {
+        let (metrics, jsonrpc, webhooks) = families;
         let (key_headers, scope_headers) = super::repeatability::key_headers(policy);
         if policy.protocol.is_jsonrpc() {
             jsonrpc.start_at_zero(&policy.route, &policy.keyed_methods);
+        }
+        if policy.webhook.is_some() {
+            webhooks.route(&policy.route);
         }
         Arc::new(RouteState {
             key_headers,
@@ -142,14 +146,14 @@ impl RouteState {
 impl RouteTable {
     /// The live table of `routes`, counting into `metrics`.
     pub(crate) fn new(routes: Routes, metrics: &Metrics) -> Self {
-        let (engine, jsonrpc) = (metrics.families(), metrics.families());
+        let families = (metrics.families(), metrics.families(), metrics.families());
         RouteTable {
             states: routes
                 .policies
                 .iter()
-                .map(|p| RouteState::new(p, &engine, &jsonrpc))
+                .map(|p| RouteState::new(p, &families))
                 .collect(),
-            defaults: RouteState::new(&routes.defaults, &engine, &jsonrpc),
+            defaults: RouteState::new(&routes.defaults, &families),
             routes,
         }
     }

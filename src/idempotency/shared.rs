@@ -13,6 +13,7 @@ use super::jsonrpc::metrics::JsonRpcMetrics;
 use super::live::LiveAnswers;
 use super::metrics::{EngineMetrics, StoreOp, StoreOpMetrics};
 use super::routes::LiveTable;
+use super::webhook::WebhookMetrics;
 use crate::metrics::Metrics;
 
 /// What every clone of a layer and its services share.
@@ -27,6 +28,7 @@ pub(crate) struct Shared<St> {
     pub(crate) registry: Metrics,
     pub(crate) metrics: Arc<EngineMetrics>,
     pub(crate) jsonrpc: Arc<JsonRpcMetrics>,
+    pub(crate) webhooks: Arc<WebhookMetrics>,
     // The streamed answers being recorded in this process, for duplicates to attach to.
     pub(crate) live: Arc<LiveAnswers>,
     // The store-operation histograms, resolved once.
@@ -42,7 +44,6 @@ impl<St> Shared<St> {
         live: Arc<LiveAnswers>,
     ) -> Self {
         let metrics = registry.families::<EngineMetrics>();
-        super::webhook::register(&registry, table.load().routes());
         Shared {
             store,
             table,
@@ -51,6 +52,7 @@ impl<St> Shared<St> {
             ops: metrics.store_ops(),
             metrics,
             jsonrpc: registry.families(),
+            webhooks: registry.families(),
             registry,
         }
     }

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use sha2::Sha256;
 
 use crate::error::GatewayError;
-use crate::metrics::{Families, Metrics};
+use crate::metrics::Families;
 use crate::record::json::{self, Pointer};
 use crate::record::key::IdempotencyKey;
 use crate::record::policy::Policy;
@@ -41,7 +41,7 @@ const GITHUB_DELIVERY: HeaderName = HeaderName::from_static("x-github-delivery")
 /// [`WEBHOOK_VERIFIED`] added to it); `Ok(None)` on any other route. A refused delivery is
 /// counted on the route.
 pub(super) fn event_key(
-    registry: &Metrics,
+    metrics: &WebhookMetrics,
     policy: &Policy,
     parts: &mut Parts,
     body: &[u8],
@@ -55,9 +55,7 @@ pub(super) fn event_key(
     }
     .verify(sender, secrets, policy.webhook_tolerance, SystemTime::now());
     if let Err(rejection) = checked {
-        registry
-            .families::<WebhookMetrics>()
-            .rejected(&policy.route, rejection);
+        metrics.rejected(&policy.route, rejection);
         return Err(GatewayError::Webhook(rejection));
     }
     let key = event_id(sender, &parts.headers, body, policy.key_max_len)?;
@@ -268,16 +266,6 @@ fn within(timestamp: u64, tolerance: Duration, now: SystemTime) -> Result<(), Re
 }
 
 // === impl WebhookMetrics ===
-
-/// Register the webhook family in `registry` when `routes` have a webhook route, each such
-/// route's series starting at zero.
-pub(super) fn register(registry: &Metrics, routes: &super::Routes) {
-    let mut webhooks = routes.policies().filter(|p| p.webhook.is_some()).peekable();
-    if webhooks.peek().is_some() {
-        let families = registry.families::<WebhookMetrics>();
-        webhooks.for_each(|p| families.route(&p.route));
-    }
-}
 
 /// The webhook routes' metric family: `idemgate_webhook_rejected_total{route,reason}`.
 #[derive(Debug)]
