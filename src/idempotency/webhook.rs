@@ -16,12 +16,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use sha2::Sha256;
 
-use crate::error::GatewayError;
+use crate::error::{GatewayError, WebhookRejection};
 use crate::metrics::Families;
 use crate::record::json::{self, Pointer};
 use crate::record::key::IdempotencyKey;
 use crate::record::policy::Policy;
-use crate::record::webhook::{Rejection, Sender, WebhookSecrets};
+use crate::record::webhook::{Sender, WebhookSecrets};
 
 /// The header the gateway adds to a verified delivery it forwards (its value: the sender), for
 /// the receiver to trust; removed from every request a client sends first.
@@ -106,7 +106,7 @@ impl Delivery<'_> {
         secrets: &WebhookSecrets,
         tolerance: Duration,
         now: SystemTime,
-    ) -> Result<(), Rejection> {
+    ) -> Result<(), WebhookRejection> {
         let timestamp = match sender {
             Sender::Standard => self.standard(secrets)?,
             Sender::Stripe => self.stripe(secrets)?,
@@ -116,14 +116,15 @@ impl Delivery<'_> {
     }
 
     /// Standard Webhooks: `v1,<base64>` signatures, space-separated, of `id.timestamp.body`.
-    fn standard(&self, secrets: &WebhookSecrets) -> Result<u64, Rejection> {
+    fn standard(&self, secrets: &WebhookSecrets) -> Result<u64, WebhookRejection> {
         let (id, ts, sig) = match self.headers.contains_key(WEBHOOK_ID) {
             true => (WEBHOOK_ID, WEBHOOK_TIMESTAMP, WEBHOOK_SIGNATURE),
             false => (SVIX_ID, SVIX_TIMESTAMP, SVIX_SIGNATURE),
         };
         let id = self.one(&id, "a webhook-id header")?;
         let timestamp = self.one(&ts, "a webhook-timestamp header")?;
-        let timestamp = digits(timestamp).ok_or(Rejection::Malformed("webhook-timestamp"))?;
+        let timestamp =
+            digits(timestamp).ok_or(WebhookRejection::Malformed("webhook-timestamp"))?;
         let signatures = self.one(&sig, "a webhook-signature header")?;
         let decoded: Vec<Vec<u8>> = signatures
             .split(' ')
@@ -134,7 +135,9 @@ impl Delivery<'_> {
             })
             .collect();
         if decoded.is_empty() {
-            return Err(Rejection::Malformed("webhook-signature (no v1 signature)"));
+            return Err(WebhookRejection::Malformed(
+                "webhook-signature (no v1 signature)",
+            ));
         }
         let prefix = format!("{id}.{timestamp}.");
         matches(secrets, &[prefix.as_bytes(), self.body], &decoded)?;
@@ -144,7 +147,7 @@ impl Delivery<'_> {
     /// Stripe: `t=<timestamp>` and `v1=<hex>` signatures of `t.body`, read as stripe-python
     /// reads them (items split on `,`, each on its first `=`; the first `t`; every `v1`), but a
     /// timestamp only as plain digits.
-    fn stripe(&self, secrets: &WebhookSecrets) -> Result<u64, Rejection> {
+    fn stripe(&self, secrets: &WebhookSecrets) -> Result<u64, WebhookRejection> {
         let header = self.one(&STRIPE_SIGNATURE, "a Stripe-Signature header")?;
         let mut timestamp = None;
         let mut decoded = Vec::new();
@@ -155,15 +158,20 @@ impl Delivery<'_> {
                 ("t", Some(t)) if timestamp.is_none() => timestamp = Some(t),
                 ("v1", Some(hex)) => decoded.extend(hex_lower(hex)),
                 ("t" | "v1", None) => {
-                    return Err(Rejection::Malformed("Stripe-Signature (an item without =)"))
+                    return Err(WebhookRejection::Malformed(
+                        "Stripe-Signature (an item without =)",
+                    ))
                 }
                 _ => {}
             }
         }
-        let timestamp = timestamp.ok_or(Rejection::Malformed("Stripe-Signature (no t=)"))?;
-        let timestamp = digits(timestamp).ok_or(Rejection::Malformed("Stripe-Signature (t)"))?;
+        let timestamp = timestamp.ok_or(WebhookRejection::Malformed("Stripe-Signature (no t=)"))?;
+        let timestamp =
+            digits(timestamp).ok_or(WebhookRejection::Malformed("Stripe-Signature (t)"))?;
         if !header.split(',').any(|i| i.starts_with("v1=")) {
-            return Err(Rejection::Missing("a v1 signature in Stripe-Signature"));
+            return Err(WebhookRejection::Missing(
+                "a v1 signature in Stripe-Signature",
+            ));
         }
         let prefix = format!("{timestamp}.");
         matches(secrets, &[prefix.as_bytes(), self.body], &decoded)?;
@@ -171,22 +179,22 @@ impl Delivery<'_> {
     }
 
     /// GitHub: `sha256=<hex>` of the body.
-    fn github(&self, secrets: &WebhookSecrets) -> Result<(), Rejection> {
+    fn github(&self, secrets: &WebhookSecrets) -> Result<(), WebhookRejection> {
         let header = self.one(&GITHUB_SIGNATURE, "an X-Hub-Signature-256 header")?;
         let hex = header
             .strip_prefix("sha256=")
-            .ok_or(Rejection::Malformed("X-Hub-Signature-256"))?;
+            .ok_or(WebhookRejection::Malformed("X-Hub-Signature-256"))?;
         let decoded: Vec<Vec<u8>> = hex_lower(hex).into_iter().collect();
         matches(secrets, &[self.body], &decoded)
     }
 
     /// The one value of header `name`, as text.
-    fn one(&self, name: &HeaderName, what: &'static str) -> Result<&str, Rejection> {
+    fn one(&self, name: &HeaderName, what: &'static str) -> Result<&str, WebhookRejection> {
         let mut values = self.headers.get_all(name).iter();
         match (values.next(), values.next()) {
-            (Some(v), None) => v.to_str().map_err(|_| Rejection::Malformed(what)),
-            (None, _) => Err(Rejection::Missing(what)),
-            (Some(_), Some(_)) => Err(Rejection::Malformed(what)),
+            (Some(v), None) => v.to_str().map_err(|_| WebhookRejection::Malformed(what)),
+            (None, _) => Err(WebhookRejection::Missing(what)),
+            (Some(_), Some(_)) => Err(WebhookRejection::Malformed(what)),
         }
     }
 }
@@ -197,7 +205,7 @@ fn matches(
     secrets: &WebhookSecrets,
     parts: &[&[u8]],
     signatures: &[Vec<u8>],
-) -> Result<(), Rejection> {
+) -> Result<(), WebhookRejection> {
     let mut found = false;
     for key in secrets.keys() {
         // HMAC takes a key of any length (RFC 2104: a long one is hashed first).
@@ -214,7 +222,7 @@ fn matches(
     }
     match found {
         true => Ok(()),
-        false => Err(Rejection::Mismatch),
+        false => Err(WebhookRejection::Mismatch),
     }
 }
 
@@ -249,7 +257,7 @@ fn hex_lower(text: &str) -> Option<Vec<u8>> {
 /// Whether the signed `timestamp` (seconds) is within `tolerance` of `now`, either way (in
 /// milliseconds, so a timestamp exactly `tolerance` old is still accepted, as Stripe's
 /// libraries accept it).
-fn within(timestamp: u64, tolerance: Duration, now: SystemTime) -> Result<(), Rejection> {
+fn within(timestamp: u64, tolerance: Duration, now: SystemTime) -> Result<(), WebhookRejection> {
     let now = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default()
@@ -257,9 +265,9 @@ fn within(timestamp: u64, tolerance: Duration, now: SystemTime) -> Result<(), Re
     let at = u128::from(timestamp) * 1000;
     let tolerance = tolerance.as_millis();
     if at + tolerance < now {
-        Err(Rejection::Stale)
+        Err(WebhookRejection::Stale)
     } else if at > now + tolerance {
-        Err(Rejection::Future)
+        Err(WebhookRejection::Future)
     } else {
         Ok(())
     }
@@ -293,7 +301,7 @@ impl Families for WebhookMetrics {
 
 impl WebhookMetrics {
     /// Count a delivery on `route` refused for `rejection`.
-    fn rejected(&self, route: &str, rejection: Rejection) {
+    fn rejected(&self, route: &str, rejection: WebhookRejection) {
         let labels = RejectedLabels {
             route: route.to_string(),
             reason: rejection.reason(),
@@ -303,7 +311,7 @@ impl WebhookMetrics {
 
     /// Start the series of a webhook `route` at zero.
     pub(crate) fn route(&self, route: &str) {
-        for reason in Rejection::REASONS {
+        for reason in WebhookRejection::REASONS {
             let route = route.to_string();
             drop(
                 self.rejected
@@ -343,7 +351,7 @@ mod tests {
         headers: &[(&str, &str)],
         body: &[u8],
         now: u64,
-    ) -> Result<(), Rejection> {
+    ) -> Result<(), WebhookRejection> {
         let mut map = HeaderMap::new();
         for (k, v) in headers {
             map.append(
@@ -393,7 +401,7 @@ mod tests {
                 b"{ }",
                 1000
             ),
-            Err(Rejection::Mismatch)
+            Err(WebhookRejection::Mismatch)
         );
         assert_eq!(
             check(
@@ -403,7 +411,7 @@ mod tests {
                 b"{}",
                 1301
             ),
-            Err(Rejection::Stale)
+            Err(WebhookRejection::Stale)
         );
         assert_eq!(
             check(
@@ -417,7 +425,7 @@ mod tests {
         );
         assert_eq!(
             check(Sender::Stripe, &s, &[("stripe-signature", &ok)], b"{}", 699),
-            Err(Rejection::Future)
+            Err(WebhookRejection::Future)
         );
         let upper = format!("t=1000,v1={}", sig.to_uppercase());
         assert_eq!(
@@ -428,7 +436,7 @@ mod tests {
                 b"{}",
                 1000
             ),
-            Err(Rejection::Mismatch)
+            Err(WebhookRejection::Mismatch)
         );
         for bad in [
             format!("t= 1000,v1={sig}"),
@@ -445,14 +453,14 @@ mod tests {
                         b"{}",
                         1000
                     ),
-                    Err(Rejection::Malformed(_))
+                    Err(WebhookRejection::Malformed(_))
                 ),
                 "{bad}"
             );
         }
         assert!(matches!(
             check(Sender::Stripe, &s, &[], b"{}", 1000),
-            Err(Rejection::Missing(_))
+            Err(WebhookRejection::Missing(_))
         ));
         assert!(matches!(
             check(
@@ -462,7 +470,7 @@ mod tests {
                 b"{}",
                 1000
             ),
-            Err(Rejection::Missing(_))
+            Err(WebhookRejection::Missing(_))
         ));
     }
 
@@ -484,11 +492,11 @@ mod tests {
             assert_eq!(check(Sender::Standard, &s, &headers, b"{}", 1000), Ok(()));
             assert_eq!(
                 check(Sender::Standard, &s, &headers, b"{} ", 1000),
-                Err(Rejection::Mismatch)
+                Err(WebhookRejection::Mismatch)
             );
             assert!(matches!(
                 check(Sender::Standard, &s, &headers[..2], b"{}", 1000),
-                Err(Rejection::Missing(_))
+                Err(WebhookRejection::Missing(_))
             ));
         }
         assert!(WebhookSecrets::parse(Sender::Standard, "whsec_!!!").is_err());
@@ -518,7 +526,7 @@ mod tests {
                 b"payloaD",
                 0
             ),
-            Err(Rejection::Mismatch)
+            Err(WebhookRejection::Mismatch)
         );
         assert!(matches!(
             check(
@@ -528,7 +536,7 @@ mod tests {
                 b"payload",
                 0
             ),
-            Err(Rejection::Malformed(_))
+            Err(WebhookRejection::Malformed(_))
         ));
     }
 
@@ -592,11 +600,11 @@ mod tests {
         assert_eq!(within(u64::MAX, Duration::MAX, at(0)), Ok(()));
         assert_eq!(
             within(u64::MAX, Duration::from_secs(1), at(0)),
-            Err(Rejection::Future)
+            Err(WebhookRejection::Future)
         );
         assert_eq!(
             within(0, Duration::from_secs(1), at(10)),
-            Err(Rejection::Stale)
+            Err(WebhookRejection::Stale)
         );
     }
 }

@@ -1,6 +1,6 @@
 //! The words of a webhook route: who signs its deliveries ([`Sender`]), the secrets they are
 //! signed with ([`WebhookSecrets`], never printed), and why a delivery is refused
-//! ([`Rejection`], which the gateway's own answers name, in `error.rs`). The engine checks a delivery with them (`idempotency/webhook.rs`).
+//! (`WebhookRejection`, in `error.rs`, as the gateway's own answers name it). The engine checks a delivery with them (`idempotency/webhook.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,5 +96,3 @@ impl std::fmt::Debug for WebhookSecrets {
         write!(f, "<{} redacted>", self.0.len())
     }
 }
-
-pub use crate::error::WebhookRejection as Rejection;
