@@ -11,7 +11,7 @@ use crate::common;
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use common::{send, Backend, GatewayConfig, InProcessGateway, TestCa, TestEnv, Validity};
+use common::{send, Backend, GatewayConfig, TestEnv};
 
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/idemgate.json");
 const ALERTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus/alerts.yml");
@@ -98,20 +98,8 @@ async fn the_dashboard_and_the_rules_query_only_exported_metrics() {
     send(env.post_keyed("/v1/p", "k").body("x")).await;
     let mut scraped = exported(&env.gateway.metrics().await);
     assert!(scraped.contains("idemgate_requests_total"), "{scraped:?}");
-    // And a gateway presenting a certificate and with a webhook route, whose families then hold
-    // series.
-    let ca = TestCa::new();
-    let cert = ca.server("gateway", &["127.0.0.1"], Validity::Now);
-    let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DEPLOY_WEBHOOK_SECRET" };
-    let tls = GatewayConfig::new()
-        .upstream("http://127.0.0.1:9")
-        .set("admin.listen", "127.0.0.1:0")
-        .set("tls.cert_file", cert.cert())
-        .set("tls.key_file", cert.key_path())
-        .route("/hooks", webhook)
-        .env("DEPLOY_WEBHOOK_SECRET", "a-webhook-secret");
-    let tls = InProcessGateway::start(&tls).await;
-    scraped.extend(exported(&tls.metrics().await));
+    // And a gateway in which the families of TLS, webhook and MCP routes hold series too.
+    scraped.extend(exported(&common::gateway::every_family_scraped().await));
 
     let mut queried = BTreeSet::new();
     for (title, exprs) in panels() {

@@ -7,11 +7,9 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use std::time::Duration;
-
 use idemgate::config::Config;
 
-use crate::common::{wait_until, GatewayConfig, InProcessGateway, TestCa, Validity};
+use crate::common::{TestCa, Validity};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -442,41 +440,9 @@ fn every_documented_default_is_the_codes() {
     );
 }
 
-/// What a running gateway's admin listener exposes at `GET /metrics`, once its routes and
-/// upstream have made their series (a family with no series is not exposed; the registry starts
-/// every series of a label set known up front at zero).
-async fn scraped() -> String {
-    // A webhook route: its family's series start at zero.
-    let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DOCS_WEBHOOK_SECRET" };
-    // A listener certificate: the expiry family holds its series.
-    let ca = TestCa::new();
-    let cert = ca.server("gateway", &["127.0.0.1"], Validity::Now);
-    let config = GatewayConfig::new()
-        .upstream("http://127.0.0.1:9")
-        .set("admin.listen", "127.0.0.1:0")
-        .set("tls.cert_file", cert.cert())
-        .set("tls.key_file", cert.key_path())
-        .route("/hooks", webhook)
-        .route("/mcp", toml::toml! { protocol = "mcp" })
-        .env("DOCS_WEBHOOK_SECRET", "a-webhook-secret");
-    let gateway = InProcessGateway::start(&config).await;
-    let mut scraped = String::new();
-    wait_until(
-        Duration::from_secs(10),
-        "the upstream's series",
-        async || {
-            scraped = gateway.metrics().await;
-            scraped.contains("idemgate_upstream_requests_total{")
-        },
-    )
-    .await;
-    gateway.stop().await;
-    scraped
-}
-
 #[tokio::test]
 async fn every_metric_family_has_its_row() {
-    let encoded = scraped().await;
+    let encoded = crate::common::gateway::every_family_scraped().await;
     // `# TYPE name kind`; a counter's samples, which a query names, end in `_total`.
     let families: Vec<(String, &str)> = encoded
         .lines()

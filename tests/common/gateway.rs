@@ -18,7 +18,7 @@ use testkit::{GatewayProcess, Launch};
 
 use super::{
     client, send, wait_until, Backend, CountingUpstream, GatewayConfig, PostgresServer,
-    RedisServer, Seen, StoreServer,
+    RedisServer, Seen, StoreServer, TestCa, Validity,
 };
 
 /// The gateway running in this process on a loopback port it bound itself; stopped on drop.
@@ -283,4 +283,36 @@ impl TestEnv {
         .await;
         answer.expect("answered")
     }
+}
+
+/// What a running gateway's admin listener exposes at `GET /metrics`, once its routes and
+/// upstream have made their series (a family with no series is not exposed; the registry starts
+/// every series of a label set known up front at zero).
+pub async fn every_family_scraped() -> String {
+    // A webhook route: its family's series start at zero.
+    let webhook = toml::toml! { webhook = "github" webhook_secret_env = "DOCS_WEBHOOK_SECRET" };
+    // A listener certificate: the expiry family holds its series.
+    let ca = TestCa::new();
+    let cert = ca.server("gateway", &["127.0.0.1"], Validity::Now);
+    let config = GatewayConfig::new()
+        .upstream("http://127.0.0.1:9")
+        .set("admin.listen", "127.0.0.1:0")
+        .set("tls.cert_file", cert.cert())
+        .set("tls.key_file", cert.key_path())
+        .route("/hooks", webhook)
+        .route("/mcp", toml::toml! { protocol = "mcp" })
+        .env("DOCS_WEBHOOK_SECRET", "a-webhook-secret");
+    let gateway = InProcessGateway::start(&config).await;
+    let mut scraped = String::new();
+    wait_until(
+        Duration::from_secs(10),
+        "the upstream's series",
+        async || {
+            scraped = gateway.metrics().await;
+            scraped.contains("idemgate_upstream_requests_total{")
+        },
+    )
+    .await;
+    gateway.stop().await;
+    scraped
 }
