@@ -11,7 +11,7 @@ use crate::grpc_status::{self, Code};
 
 /// The shape of the answers the gateway gives itself (its refusals and failures; never a replay
 /// or an upstream's answer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum ErrorFormat {
     /// RFC 9457 `application/problem+json`.

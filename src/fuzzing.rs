@@ -223,6 +223,10 @@ pub fn config(data: &[u8]) {
         use figment::providers::{Format, Toml};
         let figment = figment::Figment::from(Toml::string(text));
         let loaded = Config::from_figment(figment, Default::default());
+        if let Ok((config, sources)) = &loaded {
+            round_trips(config, sources);
+        }
+        let loaded = loaded.map(|(config, _)| config);
         // The binary accepts the files that `from_toml` accepts, and no others.
         assert_eq!(
             loaded.is_ok(),
@@ -234,7 +238,6 @@ pub fn config(data: &[u8]) {
         configs.push(loaded);
     }
     for config in configs.iter().flatten() {
-        // What check-config prints.
         let shown = format!("{config:#?} {}", config.store.describe());
         assert!(!shown.is_empty());
         let routes = Routes::from_config(&config.defaults, config.route_policies());
@@ -242,6 +245,37 @@ pub fn config(data: &[u8]) {
             routes.policy_for(&route.path);
         }
     }
+}
+
+/// What `check-config` prints for `config` reads back as the same configuration, which prints
+/// the same (a printed secret is refused, naming its field, as it cannot be read back).
+fn round_trips(config: &Config, sources: &crate::config::Sources) {
+    let printed = config.effective_toml(sources, "fuzz");
+    match Config::from_toml(&printed) {
+        Ok(again) => {
+            use figment::providers::{Format, Toml};
+            let figment = figment::Figment::from(Toml::string(&printed));
+            let (again_loaded, sources) = Config::from_figment(figment, Default::default())
+                .unwrap_or_else(|e| panic!("{e}\n{printed}"));
+            assert_eq!(format!("{config:?}"), format!("{again:?}"), "{printed}");
+            let reprinted = again_loaded.effective_toml(&sources, "fuzz");
+            assert_eq!(values(&printed), values(&reprinted));
+        }
+        Err(e) => assert!(
+            printed.contains(crate::store::REDACTED) && e.to_string().contains("redacted"),
+            "{e}\n{printed}"
+        ),
+    }
+}
+
+/// The lines of a printed configuration without their comments (which say where each value came
+/// from: the file, the second time).
+fn values(printed: &str) -> Vec<&str> {
+    printed
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.rsplit_once("  # ").map_or(l, |(line, _)| line))
+        .collect()
 }
 
 /// Whether a `*_file` field anywhere in `table` names an absolute path or climbs with `..`.

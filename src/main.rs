@@ -3,12 +3,11 @@
 
 mod demo;
 
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use idemgate::config::{Config, StoreConfig, KEY_SECRET_VAR};
+use idemgate::config::Config;
 use idemgate::telemetry::{SpanMetrics, Telemetry, UnsampledOff};
 use idemgate::Metrics;
 use tokio::net::TcpListener;
@@ -223,65 +222,10 @@ async fn reload_on_hangup(
 }
 
 fn check_config(file: Option<&str>) -> Result<(), String> {
-    let config = load(file)?;
-    // Written whole at the end, so that a reader that stops early (`| head`) ends nothing but
-    // the output.
-    let mut out = String::new();
-    macro_rules! say {
-        ($($arg:tt)*) => {{
-            let _ = writeln!(out, $($arg)*);
-        }};
-    }
-    say!("{}: valid", file.unwrap_or("environment"));
-    say!("listen         = {}", config.listen);
-    say!("upstream       = {}", config.upstream);
-    say!("workers        = {}", config.workers);
-    say!("shutdown_grace = {:?}", config.shutdown_grace);
-    say!(
-        "client_header_timeout  = {:?}",
-        config.client_header_timeout
-    );
-    say!("client_idle_timeout    = {:?}", config.client_idle_timeout);
-    say!(
-        "client_min_body_rate   = {:?}",
-        idemgate::config::HumanRate(config.client_min_body_rate)
-    );
-    say!(
-        "client_min_body_rate_grace = {:?}",
-        config.client_min_body_rate_grace
-    );
-    say!("max_client_connections = {}", config.max_client_connections);
-    match &config.tls {
-        Some(tls) => say!("[tls] {tls:#?}"),
-        None => say!("tls            = none (plain TCP; HTTP/1.1 and h2c)"),
-    }
-    for (name, upstream) in &config.upstreams {
-        say!("[upstreams.{name}] {upstream:#?}");
-    }
-    say!("store          = {}", config.store.describe());
-    match &config.store {
-        StoreConfig::Memory(settings) => say!("[store] {settings:#?}"),
-        StoreConfig::Redis(settings) => say!("[store] {settings:#?}"),
-        StoreConfig::Postgres(settings) => say!("[store] {settings:#?}"),
-        StoreConfig::Embedded(settings) => say!("[store] {settings:#?}"),
-    }
-    if let Some(seal) = config.store.seal() {
-        say!("seal           = {}", seal.describe());
-    }
-    say!("admin          = {:?}", config.admin);
-    match &config.telemetry {
-        Some(t) => say!("[telemetry] {t:#?}"),
-        None => say!("telemetry      = off (no [telemetry]: no traces exported)"),
-    }
-    match &config.key_secret {
-        Some(_) => say!("key_secret     = <redacted> (from {KEY_SECRET_VAR})"),
-        None => say!("key_secret     = none ({KEY_SECRET_VAR} not set)"),
-    }
-    say!("[defaults] {:#?}", config.defaults);
-    for r in &config.routes {
-        say!("[route {}] {:#?}", r.path, r.policy);
-    }
-    let _ = std::io::stdout().write_all(out.as_bytes());
+    let (config, sources) = Config::load_with_sources(file).map_err(|e| e.to_string())?;
+    let shown = config.effective_toml(&sources, file.unwrap_or("environment"));
+    // Written whole, so that a reader that stops early (`| head`) ends nothing but the output.
+    let _ = std::io::stdout().write_all(shown.as_bytes());
     Ok(())
 }
 

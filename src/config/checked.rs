@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 pub(super) use super::human::refused;
 use super::human::{HumanDuration, HumanSize, HumanTtl, REFUSED};
+use super::written::Written;
 use super::ConfigError;
 use crate::record::policy::check;
 // The record's rules the other tables use too, read as `written!` says.
@@ -17,8 +18,8 @@ pub(super) use crate::record::policy::check::{AtLeastOne, NonZero, NonZeroSize};
 pub(super) trait Rule {
     /// The value as written.
     type Raw: DeserializeOwned;
-    /// The value as the engine or the store holds it.
-    type Value: Clone;
+    /// The value as the engine or the store holds it, and as `check-config` writes it back.
+    type Value: Clone + Written;
     /// `raw` as a value, or the reason it is refused.
     fn check(raw: Self::Raw) -> Result<Self::Value, String>;
 }
@@ -190,7 +191,7 @@ fn field_name(keys: &[impl AsRef<str>]) -> String {
 /// ones from a human string (`"30s"`, `"forever"`, `"1MiB"`), a newtype whose `.0` the rule
 /// checks; the others from the value itself. A new rule there takes its name here.
 macro_rules! written {
-    (human: $($human:ident($raw:ty)),*; as_is: $($as_is:ident),*;) => {
+    (human: $($human:ident($raw:ident)),*; as_is: $($as_is:ident),*;) => {
         $(impl Rule for check::$human {
             type Raw = $raw;
             type Value = <check::$human as check::Rule>::Value;
@@ -215,7 +216,7 @@ written! {
         OptionalSender, OptionalVarName;
 }
 
-impl<T: DeserializeOwned + Clone> Rule for check::Any<T> {
+impl<T: DeserializeOwned + Clone + Written> Rule for check::Any<T> {
     type Raw = T;
     type Value = T;
     fn check(raw: T) -> Result<T, String> {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
+use super::written::{text, Written};
 use crate::record::policy::Ttl;
 pub use crate::record::policy::MAX_DURATION;
 
@@ -26,6 +27,19 @@ impl HumanDuration {
 impl fmt::Debug for HumanDuration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl Written for HumanDuration {
+    fn written(&self) -> toml::Value {
+        text(humantime::format_duration(self.0).to_string())
+    }
+}
+
+/// A duration the configuration holds is written as a human one.
+impl Written for Duration {
+    fn written(&self) -> toml::Value {
+        HumanDuration(*self).written()
     }
 }
 
@@ -58,6 +72,18 @@ impl<'de> Deserialize<'de> for HumanTtl {
     }
 }
 
+impl Written for HumanTtl {
+    fn written(&self) -> toml::Value {
+        text(self.0.to_string())
+    }
+}
+
+impl Written for Ttl {
+    fn written(&self) -> toml::Value {
+        HumanTtl(*self).written()
+    }
+}
+
 /// A size or a rate as written: a plain number, or a human string.
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -73,6 +99,29 @@ pub struct HumanSize(pub u64);
 impl fmt::Debug for HumanSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", bytesize::ByteSize(self.0).display().iec())
+    }
+}
+
+/// A whole number of the largest binary unit that divides it (`"64KiB"`), else a number of
+/// bytes (as a string past TOML's integers).
+impl Written for HumanSize {
+    fn written(&self) -> toml::Value {
+        const UNITS: [&str; 6] = ["EiB", "PiB", "TiB", "GiB", "MiB", "KiB"];
+        let n = self.0;
+        for (i, unit) in UNITS.iter().enumerate() {
+            let size = 1u64 << (10 * (UNITS.len() - i));
+            if n != 0 && n.is_multiple_of(size) {
+                return text(format!("{}{unit}", n / size));
+            }
+        }
+        i64::try_from(n).map_or_else(|_| text(n.to_string()), toml::Value::Integer)
+    }
+}
+
+/// Every `u64` the configuration holds is a size in bytes.
+impl Written for u64 {
+    fn written(&self) -> toml::Value {
+        HumanSize(*self).written()
     }
 }
 
@@ -97,6 +146,16 @@ impl fmt::Debug for HumanRate {
         match self.0 {
             Some(rate) => write!(f, "{:?}/s", HumanSize(rate.get())),
             None => f.write_str("off"),
+        }
+    }
+}
+
+impl Written for HumanRate {
+    fn written(&self) -> toml::Value {
+        match self.0.map(|rate| HumanSize(rate.get()).written()) {
+            None => text("off"),
+            Some(toml::Value::String(size)) => text(format!("{size}/s")),
+            Some(bytes) => bytes,
         }
     }
 }
@@ -147,4 +206,74 @@ pub(super) const REFUSED: &str = "\u{1}refused:";
 /// deserialisation error.
 pub(super) fn refused<E: de::Error>(within: &str, reason: impl std::fmt::Display) -> E {
     E::custom(format_args!("{REFUSED}{within}\u{1}{reason}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value as written, read back by its reader.
+    fn read<T: serde::de::DeserializeOwned>(value: &impl Written) -> T {
+        let text = format!("v = {}", value.written());
+        #[derive(Deserialize)]
+        struct V<T> {
+            v: T,
+        }
+        toml::from_str::<V<T>>(&text)
+            .unwrap_or_else(|e| panic!("{text}: {e}"))
+            .v
+    }
+
+    /// Every duration, lifetime, size and rate reads back, across each one's whole range, as
+    /// the value it was written from.
+    #[test]
+    fn written_values_read_back_as_themselves() {
+        let nanos = [
+            1,
+            999,
+            1_000_000,
+            1_500_000_000,
+            59_999_999_999,
+            86_400_000_000_001,
+        ];
+        let seconds = [1, 59, 60, 3_599, 86_400, 2_630_016, 31_557_600, 31_557_601];
+        let durations = nanos
+            .map(Duration::from_nanos)
+            .into_iter()
+            .chain(seconds.map(Duration::from_secs))
+            .chain([
+                MAX_DURATION,
+                MAX_DURATION - Duration::from_nanos(1),
+                Duration::ZERO,
+            ]);
+        for d in durations {
+            assert_eq!(read::<HumanDuration>(&d).0, d, "{d:?}");
+            assert_eq!(read::<HumanTtl>(&Ttl::For(d)).0, Ttl::For(d), "{d:?}");
+        }
+        assert_eq!(read::<HumanTtl>(&Ttl::Forever).0, Ttl::Forever);
+        let big = u64::try_from(i64::MAX).unwrap();
+        let sizes = [
+            1,
+            1023,
+            1024,
+            1025,
+            64 << 10,
+            3 << 20,
+            5 << 30,
+            15 << 60,
+            big,
+            big + 1,
+        ];
+        for n in sizes.into_iter().chain([u64::MAX, u64::MAX - 1]) {
+            assert_eq!(read::<HumanSize>(&n).0, n, "{n}");
+            let rate = HumanRate(NonZeroU64::new(n));
+            assert_eq!(read::<HumanRate>(&rate), rate, "{n}");
+        }
+        assert_eq!(read::<HumanRate>(&HumanRate(None)), HumanRate(None));
+        assert_eq!(HumanSize(64 << 10).written(), text("64KiB"));
+        assert_eq!(
+            HumanRate(NonZeroU64::new(1 << 20)).written(),
+            text("1MiB/s")
+        );
+    }
 }

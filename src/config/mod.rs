@@ -23,17 +23,20 @@ use http::Uri;
 use serde::Deserialize;
 
 mod checked;
+mod effective;
 pub mod human;
 mod policy;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
 mod webhook;
+mod written;
 
 pub use crate::error::ConfigError;
 pub use crate::record::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Protocol,
 };
+pub use effective::Sources;
 pub use human::{HumanDuration, HumanRate, HumanSize, MAX_DURATION};
 pub use store::{
     redact_url, Compression, MemorySettings, RedisSettings, SealMode, StoreConfig, Topology,
@@ -257,6 +260,11 @@ impl Config {
     /// where they parse as such (`true`, `409`, `[POST, PATCH]`) and as strings otherwise;
     /// `IDEMGATE_ADMIN_TOKEN` is short for `IDEMGATE_ADMIN__ADMIN_TOKEN`.
     pub fn load(path: Option<&str>) -> Result<Self, ConfigError> {
+        Self::load_with_sources(path).map(|(config, _)| config)
+    }
+
+    /// [`Config::load`], with where each value came from, for [`Config::effective_toml`].
+    pub fn load_with_sources(path: Option<&str>) -> Result<(Self, Sources), ConfigError> {
         use figment::providers::{Env, Format, Toml};
         let text = match path {
             Some(path) => std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
@@ -296,13 +304,21 @@ impl Config {
     }
 
     /// Read and validate what `figment` holds ([`Config::load`]: the file with the environment
-    /// over it), with `secrets`.
+    /// over it), with `secrets`; and where each value came from.
     pub(crate) fn from_figment(
         figment: figment::Figment,
         secrets: Secrets<'_>,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<(Self, Sources), ConfigError> {
         let raw: RawConfig = figment.extract().map_err(checked::from_figment)?;
-        Self::from_raw(raw, secrets)
+        Ok((Self::from_raw(raw, secrets)?, Sources::new(figment)))
+    }
+
+    /// This configuration as TOML the gateway reads back as it (secrets given again), as
+    /// `check-config` prints it: defaults filled in, each route merged over `[defaults]`,
+    /// secrets as `"<redacted>"`, after each value a comment saying where it came from
+    /// (`sources`); `name` is what it was read from.
+    pub fn effective_toml(&self, sources: &Sources, name: &str) -> String {
+        effective::effective_toml(self, sources, name)
     }
 
     /// The routes' policies, in file order (each named after its path pattern), for
@@ -368,6 +384,9 @@ impl Config {
                 })?),
             },
             admin_token: match raw.admin.admin_token {
+                Some(t) if t == crate::store::REDACTED => {
+                    return Err(invalid("admin.admin_token", crate::store::REDACTED_REFUSED))
+                }
                 Some(t) if t.trim().len() < 16 => {
                     return Err(invalid(
                         "admin.admin_token",

@@ -40,6 +40,14 @@ macro_rules! policy_table {
                 policy
             }
 
+            /// Each field a table can name, with its value in `policy` as written.
+            pub(super) fn written(policy: &Policy) -> Vec<(&'static str, toml::Value)> {
+                vec![$($((stringify!($field), {
+                    let _: PhantomData<$rule> = PhantomData;
+                    crate::config::written::Written::written(&policy.$field)
+                }),)?)*]
+            }
+
             /// Whether this table names `field`.
             pub(super) fn sets(&self, field: &str) -> bool {
                 match field {

@@ -287,6 +287,9 @@ impl Table for SentinelTable {
             (_, Some(p)) if p.is_empty() => {
                 return Err(refused("node_password", "must not be empty"));
             }
+            (_, Some(p)) if p == crate::store::REDACTED => {
+                return Err(refused("node_password", crate::store::REDACTED_REFUSED));
+            }
             (Some(u), _) if u.is_empty() => {
                 return Err(refused("node_username", "must not be empty"));
             }
@@ -409,6 +412,9 @@ fn node_urls(urls: &Option<Checked<NodeUrls>>, backend: &str) -> Result<Vec<Stri
 
 /// A Redis URL's scheme.
 fn redis_url(url: String) -> Result<String, String> {
+    if crate::store::has_redacted_password(&url) {
+        return Err(format!("its password {}", crate::store::REDACTED_REFUSED));
+    }
     if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
         Ok(url)
     } else {
@@ -446,6 +452,9 @@ rules! {
     PostgresUrl: String => String = |url: String| {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err("must start with postgres:// or postgresql://".to_string());
+        }
+        if crate::store::has_redacted_password(&url) {
+            return Err(format!("its password {}", crate::store::REDACTED_REFUSED));
         }
         crate::store::postgres::connect_config(&url).map(|_| url)
     };

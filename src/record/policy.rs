@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use http::header::{AUTHORIZATION, SET_COOKIE};
 use http::{HeaderName, Method, StatusCode};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 // The list names its rules bare; they resolve here and where config expands the list.
 use check::*;
@@ -56,7 +56,7 @@ pub const DEFAULT_UPSTREAM: &str = "default";
 pub use crate::time::{Ttl, MAX_DURATION};
 
 /// What a duplicate of an in-flight request gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OnInFlight {
     /// Answer 409 problem+json with `Retry-After` at once.
@@ -68,7 +68,7 @@ pub enum OnInFlight {
 }
 
 /// What a keyed request gets when the store cannot be reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OnStoreError {
     /// Fail closed: 503 problem+json with `Retry-After`; nothing is forwarded.
@@ -79,7 +79,7 @@ pub enum OnStoreError {
 }
 
 /// What "the same request" means for a body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum FingerprintMode {
     /// The body's exact bytes.
@@ -91,7 +91,7 @@ pub enum FingerprintMode {
 }
 
 /// What a retry gets once its key's record has expired.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AfterExpiry {
     /// A new request: it runs again (Stripe's rule).
@@ -102,7 +102,7 @@ pub enum AfterExpiry {
 }
 
 /// What a route's POST bodies speak (`protocol`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
     /// Any request: the key from a header or a JSON body, the fingerprint from the request.

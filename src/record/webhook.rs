@@ -14,7 +14,7 @@ use serde::Deserialize;
 pub const WEBHOOK_TTL: Duration = Duration::from_secs(76 * 3600);
 
 /// The sender whose signature scheme a webhook route checks (`webhook = "..."`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Sender {
     /// Standard Webhooks (and Svix): `webhook-id`, `webhook-timestamp`, `webhook-signature`

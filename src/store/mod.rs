@@ -40,7 +40,8 @@ pub use self::redis::RedisStore;
 pub use self::redis::{Compression, NodeAuth, RedisSettings, Topology};
 pub use self::seal::{Seal, SealKeys, SealMode, Unreadable, SEAL_KEYS_VAR};
 pub(crate) use self::settings::tls_field;
-pub use self::settings::{redact_url, LocalCacheSettings, StoreConfig, TlsFiles};
+pub(crate) use self::settings::{has_redacted_password, redact_url_as, REDACTED_REFUSED};
+pub use self::settings::{redact_url, LocalCacheSettings, StoreConfig, TlsFiles, REDACTED};
 pub use self::watch::Watch;
 
 /// What a claim decides for a request: the store's answer, computed by [`Claim::decide`] from

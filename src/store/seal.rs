@@ -44,7 +44,7 @@ const MAX_ID_LEN: usize = 32;
 const MAX_KEYS: usize = 16;
 
 /// Whether new records are sealed, and whether clear ones are still read (`[store] seal`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SealMode {
     /// Records are written in clear (sealed ones still open when their key is listed).

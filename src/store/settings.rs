@@ -80,17 +80,37 @@ pub(crate) fn tls_field(file: &str) -> String {
 
 /// `scheme://user:***@host/...` for `scheme://user:password@host/...`; other URLs unchanged.
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The last '@' ends the userinfo: a password may itself contain '@'.
-    let Some((userinfo, host)) = rest.rsplit_once('@') else {
-        return url.to_string();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+    redact_url_as(url, "***")
+}
+
+/// What a printed configuration (`check-config`) shows for a secret; refused where a secret is
+/// read, so that the printout read back cannot run with it as a password.
+pub const REDACTED: &str = "<redacted>";
+
+/// `url` with the password of its userinfo, if any, as `marker`.
+pub(crate) fn redact_url_as(url: &str, marker: &str) -> String {
+    match userinfo(url) {
+        Some((head, _password, host)) => format!("{head}:{marker}@{host}"),
         None => url.to_string(),
     }
+}
+
+/// Why a secret that is the [`REDACTED`] marker is refused.
+pub(crate) const REDACTED_REFUSED: &str =
+    "is \"<redacted>\", as check-config prints a secret: give the secret itself";
+
+/// Whether `url`'s password is the [`REDACTED`] marker.
+pub(crate) fn has_redacted_password(url: &str) -> bool {
+    userinfo(url).is_some_and(|(_, password, _)| password == REDACTED)
+}
+
+/// `scheme://user`, the password and what follows the userinfo, for a URL with a password.
+fn userinfo(url: &str) -> Option<(&str, &str, &str)> {
+    let (scheme, rest) = url.split_once("://")?;
+    // The last '@' ends the userinfo: a password may itself contain '@'.
+    let (userinfo, host) = rest.rsplit_once('@')?;
+    let (user, password) = userinfo.split_once(':')?;
+    Some((&url[..scheme.len() + 3 + user.len()], password, host))
 }
 
 /// Which store keeps the records, with its settings.

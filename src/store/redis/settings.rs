@@ -10,7 +10,7 @@ use crate::store::settings::DEFAULT_TIMEOUT;
 use crate::store::{redact_url, LocalCacheSettings, Seal, StoreError, TlsFiles};
 
 /// How the Redis store keeps response bodies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Compression {
     /// LZ4 for bodies of 1 KiB and more without a `Content-Encoding`, kept only when it saves
