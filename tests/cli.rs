@@ -103,19 +103,19 @@ fn check_config_accepts_the_shipped_example() {
     let shown = succeeded(&out);
     assert!(shown.contains("valid"));
     for line in [
-        "client_header_timeout  = 30s",
-        "client_idle_timeout    = 60s",
-        "client_min_body_rate   = 240 B/s",
-        "client_min_body_rate_grace = 5s",
-        "max_client_connections = 10000",
+        "\nclient_header_timeout = \"30s\"  # file\n",
+        "\nclient_idle_timeout = \"1m\"  # file\n",
+        "\nclient_min_body_rate = 240  # file\n",
+        "\nclient_min_body_rate_grace = \"5s\"  # file\n",
+        "\nmax_client_connections = 10000  # file\n",
     ] {
         assert!(shown.contains(line), "{line:?} not in {shown}");
     }
     for (rate, shown) in [
-        ("off", "off"),
-        ("0", "off"),
-        ("1", "1 B/s"),
-        ("1MiB/s", "1.0 MiB/s"),
+        ("off", "\"off\""),
+        ("0", "\"off\""),
+        ("1", "1"),
+        ("1MiB/s", "\"1MiB/s\""),
     ] {
         let out = idemgate_env(
             &["check-config"],
@@ -124,7 +124,7 @@ fn check_config_accepts_the_shipped_example() {
                 ("IDEMGATE_CLIENT_MIN_BODY_RATE", rate),
             ],
         );
-        let line = format!("client_min_body_rate   = {shown}\n");
+        let line = format!("\nclient_min_body_rate = {shown}  # environment\n");
         assert!(succeeded(&out).contains(&line), "{rate}: {line:?}");
     }
 }
@@ -164,9 +164,16 @@ fn environment_overrides_beat_the_file_and_secrets_stay_hidden() {
         ],
     );
     let stdout = succeeded(&out);
-    assert!(stdout.contains("ttl: 7200s"), "{stdout}");
     assert!(
-        stdout.contains("redis redis://app:***@127.0.0.1:6379/0"),
+        stdout.contains("\nttl = \"2h\"  # environment\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\nurl = \"redis://app:<redacted>@127.0.0.1:6379/0\"  # environment\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\nadmin_token = \"<redacted>\"  # environment\n"),
         "{stdout}"
     );
     assert!(
@@ -192,13 +199,17 @@ fn check_config_shows_records_kept_forever() {
         ],
     );
     let stdout = succeeded(&out);
-    assert!(stdout.contains("ttl: forever,"), "{stdout}");
-    assert!(stdout.contains("max_ttl: forever,"), "{stdout}");
+    assert!(
+        stdout.contains("\nttl = \"forever\"  # environment\n"),
+        "{stdout}"
+    );
+    let max_ttl = "\nmax_ttl = \"forever\"  # default, set by another field\n";
+    assert!(stdout.contains(max_ttl), "{stdout}");
     for shown in [
-        "error_format: Problem,",
-        "after_expiry: Run,",
-        "tombstone_ttl: 2592000s,",
-        "repeatability: false,",
+        "\nerror_format = \"problem\"  # default\n",
+        "\nafter_expiry = \"run\"  # default\n",
+        "\ntombstone_ttl = \"30days\"  # default\n",
+        "\nrepeatability = false  # default\n",
     ] {
         assert!(stdout.contains(shown), "{shown} not in {stdout}");
     }
@@ -213,9 +224,16 @@ fn check_config_shows_streamed_routes_and_refuses_a_bad_stream_value() {
     ];
     let out = idemgate_env(&["check-config"], &env);
     let stdout = succeeded(&out);
-    let route = &stdout[stdout.find("[route /v1/completions]").expect(&stdout)..];
-    assert!(route.contains("stream: true,"), "{route}");
-    assert!(stdout.contains("stream: false,"), "the defaults: {stdout}");
+    let at = stdout.find("path = \"/v1/completions\"").expect(&stdout);
+    let (defaults, route) = stdout.split_at(at);
+    assert!(
+        route.contains("\nstream = true  # environment\n"),
+        "{route}"
+    );
+    assert!(
+        defaults.contains("\nstream = false  # default\n"),
+        "{defaults}"
+    );
     let bad = idemgate_env(
         &["check-config"],
         &[
@@ -415,7 +433,7 @@ fn tls_and_upstream_settings_are_checked_and_keys_never_printed() {
     let out = idemgate(&["check-config", valid.path().to_str().unwrap()]);
     let stdout = succeeded(&out);
     assert!(
-        stdout.contains("refunds") && stdout.contains("http2: true"),
+        stdout.contains("[upstreams.refunds]") && stdout.contains("\nhttp2 = true  # file\n"),
         "{stdout}"
     );
     assert!(
@@ -512,12 +530,12 @@ fn key_and_fingerprint_settings_are_checked_and_the_secret_never_printed() {
     );
     let stdout = succeeded(&out);
     for shown in [
-        "key_secret     = <redacted>",
+        "# IDEMGATE_KEY_SECRET: <redacted>\n",
         "\"/items/*/client_ts\"",
         "\"x-idempotency-key\"",
         "\"/amount\"",
-        "failure_ttl: 300s",
-        "fingerprint: Json",
+        "\nfailure_ttl = \"5m\"  # file\n",
+        "\nfingerprint = \"json\"  # file\n",
         "\"session_id\"",
     ] {
         assert!(stdout.contains(shown), "{shown} not in: {stdout}");
@@ -542,7 +560,9 @@ fn sealing_keys_are_checked_and_shown_by_id_only() {
     );
     let stdout = succeeded(&out);
     assert!(
-        stdout.contains("seal           = required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))"),
+        stdout.contains(
+            "# seal: required (seals with k2; opens with k2, k1 (from IDEMGATE_SEAL_KEYS))\n"
+        ) && stdout.contains("\nseal = \"required\"  # environment\n"),
         "{stdout}"
     );
     assert!(!stdout.contains(k1) && !stdout.contains("AAEC"), "{stdout}");
@@ -663,7 +683,11 @@ fn check_config_shows_telemetry_off_or_its_collector() {
     let file = write("upstream = \"http://127.0.0.1:9\"\n");
     let path = file.path().to_str().unwrap();
     let off = idemgate_env(&["check-config", path], &[]);
-    assert!(String::from_utf8_lossy(&off.stdout).contains("telemetry      = off"));
+    let off = String::from_utf8_lossy(&off.stdout);
+    assert!(
+        off.contains("\n# [telemetry]: none (no traces exported)\n"),
+        "{off}"
+    );
     let on = idemgate_env(
         &["check-config", path],
         &[
@@ -678,9 +702,9 @@ fn check_config_shows_telemetry_off_or_its_collector() {
         String::from_utf8_lossy(&on.stderr)
     );
     for line in [
-        "traces_url: http://collector:4318/v1/traces",
-        "service_name: \"idemgate\"",
-        "sample_ratio: 0.25",
+        "\notlp_endpoint = \"http://collector:4318/v1/traces\"  # environment\n",
+        "\nservice_name = \"idemgate\"  # default\n",
+        "\nsample_ratio = 0.25  # environment\n",
     ] {
         assert!(shown.contains(line), "{line:?} not in {shown}");
     }
@@ -705,7 +729,7 @@ fn check_config_shows_telemetry_off_or_its_collector() {
     );
     let shown = succeeded(&tls);
     assert!(
-        shown.contains(&format!("ca_file: Some(\n        \"{}\"", ca.ca())),
+        shown.contains(&format!("\nca_file = {:?}  # environment\n", ca.ca())),
         "{shown}"
     );
     assert!(!shown.contains("collector-secret"), "{shown}");
@@ -747,4 +771,67 @@ fn check_config_read_in_part_ends_quietly() {
     assert!(out.status.success(), "{:?}: {stderr}", out.status);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(String::from_utf8_lossy(&first).contains("valid"));
+}
+
+/// What `check-config` prints is a configuration the gateway reads back as the same one: every
+/// table (listener TLS, upstreams with mutual TLS, a TLS store, the admin listener, telemetry
+/// over TLS, routes), printed, read back and printed again, gives the same values; the admin
+/// token, printed as `<redacted>`, is refused when read back until it is given again.
+#[test]
+fn check_config_prints_toml_it_reads_back_unchanged() {
+    let ca = common::TestCa::new();
+    let server = ca.server("listener", &["localhost"], common::Validity::Now);
+    let client = ca.client("gateway");
+    let token = "a-token-of-16-chars-or-more";
+    let text = format!(
+        "upstream = \"https://127.0.0.1:8443\"\nworkers = 3\nclient_min_body_rate = \"1KiB/s\"\n\
+         [upstreams.default]\nca_file = {ca:?}\nclient_cert_file = {cert:?}\nclient_key_file = {key:?}\nserver_name = \"api.test\"\n\
+         [upstreams.refunds]\nurl = \"http://127.0.0.1:9001/v2\"\nhttp2 = true\nmax_connections = 8\n\
+         [tls]\ncert_file = {scert:?}\nkey_file = {skey:?}\nreload_interval = \"90s\"\n\
+         [store]\nbackend = \"postgres\"\nurl = \"postgres://app@db:5432/x?sslmode=verify-full\"\ntls_ca_file = {ca:?}\n\
+         [admin]\nlisten = \"127.0.0.1:9090\"\nadmin_token = {token:?}\n\
+         [telemetry]\notlp_endpoint = \"https://collector:4318\"\nca_file = {ca:?}\nsample_ratio = 0.5\n\
+         [defaults]\nttl = \"forever\"\n\
+         [[routes]]\npath = \"/v1/refunds/{{*rest}}\"\nupstream = \"refunds\"\nmismatch_status = 422\n\
+         [[routes]]\npath = \"/mcp\"\nprotocol = \"mcp\"\non_in_flight = \"wait\"\n",
+        ca = ca.ca(),
+        cert = client.cert(),
+        key = client.key_path(),
+        scert = server.cert(),
+        skey = server.key_path(),
+    );
+    let file = write(&text);
+    let printed = succeeded(&idemgate(&["check-config", file.path().to_str().unwrap()]));
+    assert!(!printed.contains(token), "{printed}");
+    assert!(!printed.contains("PRIVATE KEY"), "{printed}");
+
+    let again = write(&printed);
+    let refused = idemgate(&["check-config", again.path().to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("admin.admin_token") && stderr.contains("<redacted>"),
+        "{stderr}"
+    );
+
+    let given = printed.replace("\"<redacted>\"", &format!("{token:?}"));
+    let again = write(&given);
+    let reprinted = succeeded(&idemgate(&["check-config", again.path().to_str().unwrap()]));
+    // The comments say where each value came from: the file, the second time.
+    let values = |s: &str| -> Vec<String> {
+        s.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.rsplit_once("  # ").map_or(l, |(v, _)| v).to_string())
+            .collect()
+    };
+    assert_eq!(values(&printed), values(&reprinted));
+    for line in [
+        "\n[upstreams.refunds]\nurl = \"http://127.0.0.1:9001/v2\"  # file\n",
+        "\nreload_interval = \"1m 30s\"  # file\n",
+        "\nmax_ttl = \"forever\"  # default, set by another field\n",
+        "\nkeyed_methods = [\"tools/call\"]  # default, set by another field\n",
+        "\nconnect_timeout = \"5s\"  # default\n",
+    ] {
+        assert!(printed.contains(line), "{line:?} not in {printed}");
+    }
 }

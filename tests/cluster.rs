@@ -1073,17 +1073,17 @@ fn cluster_and_sentinel_settings_are_checked_and_passwords_never_printed() {
         (
             "backend = \"redis-cluster\"\nurls = [\"redis://app:hunter2-secret@127.0.0.1:7001\", \
              \"redis://:other-secret@127.0.0.1:7002\"]\nwait_replicas = 1",
-            "redis-cluster redis://app:***@127.0.0.1:7001,redis://:***@127.0.0.1:7002",
+            "urls = [\"redis://app:<redacted>@127.0.0.1:7001\", \"redis://:<redacted>@127.0.0.1:7002\"]",
         ),
         (
             "backend = \"redis-sentinel\"\nurls = [\"redis://app:hunter2-secret@127.0.0.1:26379\", \
              \"redis://:other-secret@127.0.0.1:26380\"]\nmaster_name = \"idemgate\"",
-            "redis-sentinel redis://app:***@127.0.0.1:26379,redis://:***@127.0.0.1:26380",
+            "urls = [\"redis://app:<redacted>@127.0.0.1:26379\", \"redis://:<redacted>@127.0.0.1:26380\"]",
         ),
         (
             "backend = \"redis-sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\nmaster_name = \"idemgate\"\n\
              node_username = \"gateway\"\nnode_password = \"hunter2-secret\"",
-            "\"<redacted>\"",
+            "\nnode_password = \"<redacted>\"  # file\n",
         ),
     ] {
         let out = check_config(&format!("{base}{table}\n"));

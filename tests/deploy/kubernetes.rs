@@ -384,9 +384,9 @@ fn each_configmap_passes_check_config_in_its_pods_environment() {
         let env = variant.environment(kind, test_secret);
         let shown = succeeded(check_config(&config, &env), name);
         let backend = if name == "statefulset" {
-            "embedded"
+            "\nbackend = \"embedded\""
         } else {
-            "redis"
+            "\nbackend = \"redis\""
         };
         assert!(shown.contains(backend), "{name}: {shown}");
         for secret in ["IDEMGATE_SEAL_KEYS", "IDEMGATE_ADMIN_TOKEN"] {
