@@ -7,7 +7,9 @@
 //! one while one in flight finishes under what it started with. Everything else is the running
 //! process's: a reload that changes it is refused, naming the field.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 
@@ -18,7 +20,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
-use crate::config::Config;
+use crate::config::{upstream, Config};
 use crate::error::ConfigError;
 use crate::idempotency::{IdempotencyLayer, Routes};
 use crate::listener::{ConnectionCap, MinBodyRate, Timeouts};
@@ -173,38 +175,79 @@ impl Reloader {
         result
     }
 
-    /// Every `[tls] reload_interval`, look at the listener's certificate and key files, and
-    /// put a changed pair in force when it is valid; a half-written or mismatched one is
-    /// refused (counted as a failed reload) and the pair in force kept, until the files change
-    /// again. Runs until dropped; returns at once without `[tls]`.
+    /// Every `[tls] reload_interval` (its default without `[tls]`), look at the certificate
+    /// files in force (the listener's pair, each upstream's TLS files), and put a changed set
+    /// in force when it is valid; a half-written or mismatched one is refused (counted as a
+    /// failed reload) and the one in force kept, until the files change again. Runs until
+    /// dropped; returns when the interval is zero.
     pub async fn watch_certificate(self) {
-        let Some(cert) = self.inner.live.cert.clone() else {
-            return;
-        };
-        let mut seen = None;
+        let mut seen = HashMap::new();
         loop {
-            let tls = self.running().tls.clone();
-            let Some(tls) = tls.filter(|t| !t.reload_interval.is_zero()) else {
+            let running = self.running();
+            let interval = running.certificate_reload_interval();
+            if interval.is_zero() {
                 return;
-            };
-            let stamps = [&tls.cert_file, &tls.key_file]
-                .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok());
-            if seen.is_some_and(|seen| seen != stamps) {
-                match crate::tls::certified_key(&tls.cert_file, &tls.key_file) {
-                    Ok(certified) => {
-                        cert.replace(certified);
-                        self.inner.certificates.record("listener", &tls.cert_file);
-                        info!(cert_file = %tls.cert_file, "the listener's certificate changed on disk: in force");
-                    }
-                    Err((field, reason)) => {
-                        self.inner.metrics.failures.inc();
-                        warn!(field = %format!("tls.{field}"), error = %reason, "the listener's certificate changed on disk but is not usable: the one in force is kept");
-                    }
+            }
+            seen = watched(&running)
+                .into_iter()
+                .map(|w| {
+                    let stamps = self.look(&w, seen.get(&w));
+                    (w, stamps)
+                })
+                .collect();
+            tokio::time::sleep(interval).await;
+        }
+    }
+
+    /// The modification times of `watched`'s files now; when they differ from `before` (the
+    /// last look at the same files), the files are read again and put in force if usable.
+    fn look(&self, watched: &Watched, before: Option<&Stamps>) -> Stamps {
+        let now: Stamps = watched
+            .files
+            .iter()
+            .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+            .collect();
+        if before.is_some_and(|before| *before != now) {
+            let name = watched.source.name();
+            match self.read_again(&watched.source) {
+                Ok(()) => info!(files = %name, "certificate files changed on disk: in force"),
+                Err(e) => {
+                    self.inner.metrics.failures.inc();
+                    warn!(files = %name, error = %e, "certificate files changed on disk but are not usable: those in force are kept");
                 }
             }
-            seen = Some(stamps);
-            tokio::time::sleep(tls.reload_interval).await;
         }
+        now
+    }
+
+    /// Read `source`'s files again and put them in force, or say which field is at fault.
+    fn read_again(&self, source: &Source) -> Result<(), ConfigError> {
+        let inner = &self.inner;
+        // Held so that a reload does not interleave: the rebuilt set is the running one's.
+        let mut running = inner.running.lock().unwrap_or_else(PoisonError::into_inner);
+        match source {
+            Source::Listener => {
+                let (Some(cert), Some(tls)) = (&inner.live.cert, &running.tls) else {
+                    return Ok(());
+                };
+                cert.replace(upstream::listener_pair(&tls.cert_file, &tls.key_file)?);
+                inner.certificates.record(&source.name(), &tls.cert_file);
+            }
+            Source::Upstream(name) => {
+                let Some(old) = running.upstreams.get(name) else {
+                    return Ok(());
+                };
+                let fresh = Arc::new(upstream::tls_read_again(old)?);
+                if let Some(cert) = &fresh.client_cert_file {
+                    inner.certificates.record(&source.name(), cert);
+                }
+                let mut config = Config::clone(&running);
+                config.upstreams.insert(name.clone(), fresh);
+                inner.live.upstreams.replace(config.upstreams.values());
+                *running = Arc::new(config);
+            }
+        }
+        Ok(())
     }
 
     fn running(&self) -> Arc<Config> {
@@ -230,6 +273,53 @@ impl Reloader {
         *running = Arc::new(config);
         Ok(())
     }
+}
+
+/// Whose certificate files a [`Watched`] set is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Source {
+    Listener,
+    Upstream(String),
+}
+
+impl Source {
+    /// As the expiry metric names it: `listener`, `upstream:NAME`.
+    fn name(&self) -> String {
+        match self {
+            Source::Listener => "listener".to_string(),
+            Source::Upstream(name) => format!("upstream:{name}"),
+        }
+    }
+}
+
+/// A set of certificate files looked at for a change on disk, and whose they are.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Watched {
+    source: Source,
+    files: Vec<String>,
+}
+
+/// The modification times of a [`Watched`] set's files (`None`: not readable).
+type Stamps = Vec<Option<SystemTime>>;
+
+/// Every set of certificate files `config` reads: the listener's pair, and the TLS files of
+/// each upstream that names some.
+fn watched(config: &Config) -> Vec<Watched> {
+    let listener = config.tls.iter().map(|t| Watched {
+        source: Source::Listener,
+        files: vec![t.cert_file.clone(), t.key_file.clone()],
+    });
+    let upstreams = config.upstreams.iter().map(|(name, u)| Watched {
+        source: Source::Upstream(name.clone()),
+        files: [&u.ca_file, &u.client_cert_file, &u.client_key_file]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect(),
+    });
+    listener
+        .chain(upstreams.filter(|w| !w.files.is_empty()))
+        .collect()
 }
 
 /// The first field `new` changes that a reload cannot, named as `check-config` names it.
@@ -311,5 +401,34 @@ impl Families for ReloadMetrics {
             failures: count(ReloadResult::failure),
             last_success,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::upstream::DEFAULT_TLS_RELOAD_INTERVAL;
+
+    #[test]
+    fn upstream_files_are_watched_without_listener_tls() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let issued = rcgen::generate_simple_self_signed(vec!["ca.test".to_string()]).unwrap();
+        std::fs::write(&ca, issued.cert.pem()).unwrap();
+        let ca = ca.to_str().unwrap().to_string();
+        let config = Config::from_toml(&format!(
+            "upstream = \"https://127.0.0.1:8443\"\n[upstreams.default]\nca_file = {ca:?}\n\
+             [upstreams.plain]\nurl = \"http://127.0.0.1:9\"\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            config.certificate_reload_interval(),
+            DEFAULT_TLS_RELOAD_INTERVAL
+        );
+        let only = Watched {
+            source: Source::Upstream("default".into()),
+            files: vec![ca],
+        };
+        assert_eq!(watched(&config), [only]);
     }
 }

@@ -1,7 +1,8 @@
 //! TLS material: certificates and keys read from PEM files, and the rustls configurations built
 //! from them (ring as the crypto provider: no OpenSSL). Read when the config is validated, so
 //! that `check-config` catches an unreadable file or a key that does not match its certificate;
-//! a running gateway reads them again only for a reload, which [`LiveCert`] puts in force.
+//! a running gateway reads them again for a reload, or when they change on disk, and puts the
+//! listener's in force through [`LiveCert`].
 
 use std::sync::Arc;
 

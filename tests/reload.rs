@@ -528,3 +528,85 @@ async fn twenty_reloads_in_two_seconds_under_load_fail_no_request() {
     );
     assert_eq!(w.metric(FAILURE).await, 0.0);
 }
+
+/// `idemgate_tls_certificate_expiry_timestamp_seconds` of the upstream named `name`.
+fn upstream_expiry(name: &str) -> String {
+    format!("idemgate_tls_certificate_expiry_timestamp_seconds{{name=\"upstream:{name}\"}}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_tls_files_rewritten_on_disk_are_picked_up_and_a_mismatched_pair_ignored() {
+    let ca = TestCa::new();
+    let server = ca.server("upstream", &["127.0.0.1"], Validity::Now);
+    let mtls = CountingUpstream::start_tls(ca.server_config(&server, true)).await;
+    // Valid until 4000-01-01 and 4010-01-01: told apart by their expiry.
+    let (first, second) = (
+        ca.client_until("first", 4000),
+        ca.client_until("second", 4010),
+    );
+    let (first_until, second_until) = (64_060_588_800.0, 64_376_208_000.0);
+    let listener = ca.server("listener", &["127.0.0.1", "localhost"], Validity::Now);
+    let dir = tempfile::tempdir().unwrap();
+    let at = |file: &str| dir.path().join(file).to_str().unwrap().to_string();
+    let (cert, key, trusted) = (at("client.crt"), at("client.key"), at("ca.pem"));
+    std::fs::copy(&first.cert_file, &cert).unwrap();
+    std::fs::copy(&first.key_file, &key).unwrap();
+    std::fs::copy(&ca.ca_file, &trusted).unwrap();
+    let config = GatewayConfig::new()
+        .set("tls.cert_file", listener.cert())
+        .set("tls.key_file", listener.key_path())
+        .set("tls.reload_interval", "100ms")
+        .set("upstreams.mtls.url", mtls.https_url().as_str())
+        .set("upstreams.mtls.ca_file", trusted.as_str())
+        .set("upstreams.mtls.client_cert_file", cert.as_str())
+        .set("upstreams.mtls.client_key_file", key.as_str())
+        .route("/v1/m", toml! { upstream = "mtls" });
+    let w = World::start(Backend::Memory, config).await;
+    let client = ca.client_trusting();
+    let url = format!("https://localhost:{}/v1/m", w.gateway.addr().port());
+    // The client certificate the upstream saw on the request just sent through the gateway.
+    let seen = async || {
+        assert_eq!(send(client.get(&url)).await.status, 201);
+        mtls.last_client_cert().expect("no client certificate")
+    };
+    assert_eq!(seen().await, first.chain[0].to_vec());
+    assert_eq!(w.metric(&upstream_expiry("mtls")).await, first_until);
+    // Let the watcher see the files once before they change.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::copy(&second.cert_file, &cert).unwrap();
+    std::fs::copy(&second.key_file, &key).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the rewritten client certificate presented",
+        async || seen().await == second.chain[0].to_vec(),
+    )
+    .await;
+    assert_eq!(w.metric(&upstream_expiry("mtls")).await, second_until);
+    // Half a rotation: the first certificate beside the second key. Ignored, counted.
+    let failures = w.metric(FAILURE).await;
+    std::fs::copy(&first.cert_file, &cert).unwrap();
+    w.counted(FAILURE, failures + 1.0).await;
+    assert_eq!(seen().await, second.chain[0].to_vec());
+    assert_eq!(w.metric(&upstream_expiry("mtls")).await, second_until);
+    assert!(
+        w.log().contains("upstreams.mtls.client_key_file"),
+        "{}",
+        w.log()
+    );
+    // The rotation completed: in force.
+    std::fs::copy(&first.key_file, &key).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the completed pair presented",
+        async || seen().await == first.chain[0].to_vec(),
+    )
+    .await;
+    assert_eq!(w.metric(&upstream_expiry("mtls")).await, first_until);
+    // A CA file that no longer reads: ignored, named, counted; the upstream still reached.
+    let failures = w.metric(FAILURE).await;
+    std::fs::write(&trusted, "not a certificate").unwrap();
+    w.counted(FAILURE, failures + 1.0).await;
+    assert!(w.log().contains("upstreams.mtls.ca_file"), "{}", w.log());
+    assert_eq!(seen().await, first.chain[0].to_vec());
+    assert_eq!(w.metric(SUCCESS).await, 0.0, "no SIGHUP was sent");
+}

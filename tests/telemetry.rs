@@ -424,3 +424,56 @@ async fn a_refusal_carries_an_instance_found_in_its_log_line_and_its_span() {
         .await;
     }
 }
+
+#[tokio::test]
+async fn a_reload_changes_the_sample_ratio() {
+    let upstream = CountingUpstream::start().await;
+    let (receiver, addr) = Receiver::start().await;
+    let (config, admin) = traced(&upstream, &format!("http://{addr}"), 0.0);
+    let gateway = binary().start(&config).await;
+    let http = client();
+    let pay = |key: &str| {
+        http.post(gateway.url("/v1/payments"))
+            .header("idempotency-key", key)
+            .body("amount=100")
+    };
+    // The `key` attribute a request span carries for the key `key`.
+    let hashed = |key: &str| hex(&Sha256::digest(key)[..6]);
+    let requested = || -> Vec<String> {
+        let spans = receiver.spans();
+        let requests = spans.iter().filter(|(_, s)| s.name == "idempotent_request");
+        requests.filter_map(|(_, s)| attribute(s, "key")).collect()
+    };
+    let (before, after) = (["before-1", "before-2"], ["after-1", "after-2"]);
+    for key in before {
+        assert_eq!(send(pay(key)).await.status, 201);
+    }
+    let reloads = "idemgate_config_reloads_total{result=\"success\"}";
+    let admin = ([127, 0, 0, 1], admin).into();
+    gateway.reload(&config.clone().set("telemetry.sample_ratio", 1.0));
+    wait_until(
+        Duration::from_secs(10),
+        "the reload is in force",
+        async || common::metrics::metric(admin, reloads).await >= 1.0,
+    )
+    .await;
+    for key in after {
+        assert_eq!(send(pay(key)).await.status, 201);
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "the spans of the requests after the reload",
+        async || {
+            let seen = requested();
+            after.iter().all(|key| seen.contains(&hashed(key)))
+        },
+    )
+    .await;
+    // Exports keep the order spans ended in: any span of the requests before would be in.
+    let seen = requested();
+    assert_eq!(seen.len(), after.len(), "{seen:?}");
+    for key in before {
+        assert!(!seen.contains(&hashed(key)), "{key} sampled at 0.0");
+    }
+    assert_eq!(upstream.calls(), before.len() + after.len());
+}

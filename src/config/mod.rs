@@ -226,6 +226,15 @@ pub struct Config {
 }
 
 impl Config {
+    /// How often the certificate files in force (the listener's, and each upstream's TLS files)
+    /// are looked at for a change on disk: `[tls] reload_interval`, or its default without
+    /// `[tls]`. Zero: only a reload reads them.
+    pub fn certificate_reload_interval(&self) -> Duration {
+        self.tls
+            .as_ref()
+            .map_or(upstream::DEFAULT_TLS_RELOAD_INTERVAL, |t| t.reload_interval)
+    }
+
     /// Every certificate the gateway presents, by the name its expiry metric gives it, with its
     /// PEM file: the listener's, each upstream's client certificate, the store's and the
     /// collector's.

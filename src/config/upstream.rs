@@ -47,7 +47,8 @@ pub(super) struct RawTls {
     reload_interval: Option<super::HumanDuration>,
 }
 
-/// How often the listener's certificate and key files are looked at for a change, when not given.
+/// How often the certificate files in force (the listener's, the upstreams') are looked at for
+/// a change, when not given (and without `[tls]`).
 pub const DEFAULT_TLS_RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The listener's TLS, validated and read.
@@ -57,7 +58,8 @@ pub struct ListenerTls {
     pub cert_file: String,
     /// The private key's PEM file (the path only).
     pub key_file: String,
-    /// How often the two files are looked at for a change (zero: only a reload reads them).
+    /// How often the two files, and the upstreams' TLS files, are looked at for a change (zero:
+    /// only a reload reads them).
     pub reload_interval: std::time::Duration,
     // The pair read from them, checked to go together.
     pub(crate) certified: Arc<rustls::sign::CertifiedKey>,
@@ -136,14 +138,13 @@ fn upstream(
         ));
     }
     let http2 = r.http2.unwrap_or(false);
-    let alpn: &[&[u8]] = if http2 { &[b"h2"] } else { &[b"http/1.1"] };
     let files = TlsFiles {
         ca_file: r.ca_file.as_deref(),
         client_cert_file: r.client_cert_file.as_deref(),
         client_key_file: r.client_key_file.as_deref(),
     };
     let server_name = r.server_name.map(Checked::into_inner);
-    let tls = match client_tls(at, https, files, alpn)? {
+    let tls = match client_tls(at, https, files, alpn(http2))? {
         Some(config) => Some((
             config,
             tls_name(&url, server_name.as_deref(), &field("url"))?,
@@ -171,6 +172,33 @@ fn upstream(
             tls,
         },
     ))
+}
+
+/// What a client of an upstream offers by ALPN: `h2` alone when it must speak HTTP/2.
+fn alpn(http2: bool) -> &'static [&'static [u8]] {
+    if http2 {
+        &[b"h2"]
+    } else {
+        &[b"http/1.1"]
+    }
+}
+
+/// `upstream` with its TLS files (`ca_file`, `client_cert_file`, `client_key_file`) read
+/// again, for when they changed on disk; refused as loading the config refuses them, the error
+/// naming the field (`upstreams.NAME.client_key_file`).
+pub(crate) fn tls_read_again(upstream: &UpstreamConfig) -> Result<UpstreamConfig, ConfigError> {
+    let files = TlsFiles {
+        ca_file: upstream.ca_file.as_deref(),
+        client_cert_file: upstream.client_cert_file.as_deref(),
+        client_key_file: upstream.client_key_file.as_deref(),
+    };
+    let at = format!("upstreams.{}", upstream.name);
+    let config = client_tls(&at, upstream.is_https(), files, alpn(upstream.http2))?;
+    let tls = config.zip(upstream.tls.as_ref().map(|(_, name)| name.clone()));
+    Ok(UpstreamConfig {
+        tls,
+        ..upstream.clone()
+    })
 }
 
 /// The name an https upstream's certificate must carry (`server_name`, else the host of `url`),
@@ -260,8 +288,7 @@ pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, C
     let key_file = raw
         .key_file
         .ok_or_else(|| invalid("tls.key_file", "is required in [tls]"))?;
-    let certified = crate::tls::certified_key(&cert_file, &key_file)
-        .map_err(|(f, reason)| invalid(format!("tls.{f}"), reason))?;
+    let certified = listener_pair(&cert_file, &key_file)?;
     Ok(Some(ListenerTls {
         cert_file,
         key_file,
@@ -270,6 +297,16 @@ pub(super) fn listener_tls(raw: Option<RawTls>) -> Result<Option<ListenerTls>, C
             .map_or(DEFAULT_TLS_RELOAD_INTERVAL, |d| d.0),
         certified,
     }))
+}
+
+/// The listener's certificate and key read from `cert_file` and `key_file`, checked to go
+/// together; the error names the field at fault (`tls.key_file`).
+pub(crate) fn listener_pair(
+    cert_file: &str,
+    key_file: &str,
+) -> Result<Arc<rustls::sign::CertifiedKey>, ConfigError> {
+    crate::tls::certified_key(cert_file, key_file)
+        .map_err(|(f, reason)| invalid(format!("tls.{f}"), reason))
 }
 
 #[cfg(test)]

@@ -51,6 +51,8 @@ impl Issued {
 pub enum Validity {
     Now,
     Expired,
+    /// Valid now, until January 1st of the year.
+    Until(i32),
 }
 
 impl TestCa {
@@ -98,6 +100,17 @@ impl TestCa {
         )
     }
 
+    /// A client certificate valid until January 1st of `year` (an expiry a metric can tell
+    /// from another one's).
+    pub fn client_until(&self, file: &str, year: i32) -> Issued {
+        self.issue(
+            file,
+            &["gateway.test"],
+            Validity::Until(year),
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )
+    }
+
     fn issue(
         &self,
         file: &str,
@@ -111,9 +124,13 @@ impl TestCa {
                 .unwrap();
         params.distinguished_name.push(DnType::CommonName, names[0]);
         params.extended_key_usages = vec![purpose];
-        if validity == Validity::Expired {
-            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        match validity {
+            Validity::Now => {}
+            Validity::Expired => {
+                params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            }
+            Validity::Until(year) => params.not_after = rcgen::date_time_ymd(year, 1, 1),
         }
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         let cert_file = self.dir.path().join(format!("{file}.pem"));
@@ -165,8 +182,13 @@ impl TestCa {
     }
 }
 
+/// The certificate a TLS client presented on the connection a request came on (none: it
+/// presented none), as [`serve_tls`] puts it in the request's extensions.
+#[derive(Clone)]
+pub struct PeerCertificate(pub Option<CertificateDer<'static>>);
+
 /// Serve `app` on `listener` over TLS with `config` (HTTP/2 or HTTP/1.1, as ALPN agrees), each
-/// request carrying its peer's address (`ConnectInfo`). A client whose handshake fails (an
+/// request carrying its peer's address (`ConnectInfo`) and certificate ([`PeerCertificate`]). A client whose handshake fails (an
 /// untrusted certificate, a missing client certificate) gets no request through.
 pub fn serve_tls(listener: TcpListener, config: Arc<rustls::ServerConfig>, app: axum::Router) {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
@@ -177,9 +199,12 @@ pub fn serve_tls(listener: TcpListener, config: Arc<rustls::ServerConfig>, app: 
                 let Ok(stream) = acceptor.accept(stream).await else {
                     return;
                 };
+                let presented = stream.get_ref().1.peer_certificates();
+                let presented = PeerCertificate(presented.and_then(|c| c.first()).cloned());
                 let app = tower::ServiceBuilder::new()
                     .map_request(move |mut req: http::Request<hyper::body::Incoming>| {
                         req.extensions_mut().insert(ConnectInfo::<SocketAddr>(peer));
+                        req.extensions_mut().insert(presented.clone());
                         req
                     })
                     .service(app);

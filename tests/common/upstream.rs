@@ -37,6 +37,8 @@ struct UpstreamState {
     delay: Mutex<Duration>,
     last_headers: Mutex<Option<HeaderMap>>,
     last_version: Mutex<Option<axum::http::Version>>,
+    // The certificate the client presented on the last request's connection (over TLS).
+    last_client_cert: Mutex<Option<Vec<u8>>>,
 }
 
 impl CountingUpstream {
@@ -114,6 +116,12 @@ impl CountingUpstream {
             .expect("no request reached the upstream")
     }
 
+    /// The certificate (DER) the gateway presented on the connection of the last request that
+    /// reached the upstream; none over plain HTTP or without one.
+    pub fn last_client_cert(&self) -> Option<Vec<u8>> {
+        self.state.last_client_cert.lock().unwrap().clone()
+    }
+
     /// `https://127.0.0.1:PORT`, for an upstream started with [`CountingUpstream::start_tls`].
     pub fn https_url(&self) -> String {
         format!("https://{}", self.addr)
@@ -156,6 +164,9 @@ async fn handle(
 ) -> Response {
     let n = state.calls.fetch_add(1, Ordering::SeqCst) + 1;
     state.peers.lock().unwrap().insert(peer);
+    let presented = req.extensions().get::<super::tls::PeerCertificate>();
+    *state.last_client_cert.lock().unwrap() =
+        presented.and_then(|p| p.0.as_ref()).map(|c| c.to_vec());
     let (parts, body) = req.into_parts();
     *state.last_headers.lock().unwrap() = Some(parts.headers.clone());
     *state.last_version.lock().unwrap() = Some(parts.version);
