@@ -1076,6 +1076,22 @@ mod tests {
         let example = std::fs::read_to_string(format!("{dir}example.toml")).unwrap();
         let c = Config::from_toml(&example).unwrap();
         assert_eq!(*c.defaults, Policy::default(), "[defaults] of example.toml");
+        // Its MCP route keys what an MCP route keys by default, though [defaults] names the
+        // fields (which then are not the protocol's).
+        let mcp = c.routes.iter().find(|r| r.path == "/mcp").unwrap();
+        let bare = Config::from_toml(
+            "upstream = \"http://h:1\"\n[[routes]]\npath = \"/mcp\"\nprotocol = \"mcp\"",
+        )
+        .unwrap();
+        let bare = &bare.routes[0].policy;
+        assert_eq!(
+            (
+                &mcp.policy.key_headers,
+                &mcp.policy.key_from_body,
+                &mcp.policy.keyed_methods
+            ),
+            (&bare.key_headers, &bare.key_from_body, &bare.keyed_methods),
+        );
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
         assert_eq!(c.client_header_timeout, DEFAULT_CLIENT_HEADER_TIMEOUT);
