@@ -70,12 +70,15 @@ impl Backend {
     /// The faults the nemesis draws from.
     fn faults(self) -> &'static [Kind] {
         match self {
-            Backend::Memory => &[Kind::PauseGateway],
-            Backend::Embedded => &[Kind::KillGateway, Kind::DiskFull],
-            Backend::Redis | Backend::Postgres => {
-                &[Kind::KillGateway, Kind::RestartStore, Kind::PauseStore]
-            }
-            Backend::Cluster => &[Kind::KillGateway, Kind::FailOver],
+            Backend::Memory => &[Kind::PauseGateway, Kind::Reload],
+            Backend::Embedded => &[Kind::KillGateway, Kind::DiskFull, Kind::Reload],
+            Backend::Redis | Backend::Postgres => &[
+                Kind::KillGateway,
+                Kind::RestartStore,
+                Kind::PauseStore,
+                Kind::Reload,
+            ],
+            Backend::Cluster => &[Kind::KillGateway, Kind::FailOver, Kind::Reload],
         }
     }
 }
@@ -89,12 +92,16 @@ pub enum Kind {
     PauseStore,
     FailOver,
     DiskFull,
+    /// A SIGHUP with the config file rewritten: a new route table and upstream set put in force
+    /// under load (or, one time in four, a change only a restart can make, refused). Excuses
+    /// nothing: every call keeps its promise across it.
+    Reload,
 }
 
 impl Kind {
     /// Whether the store is what the fault takes away (not a gateway process).
     fn hits_store(self) -> bool {
-        !matches!(self, Kind::KillGateway | Kind::PauseGateway)
+        !matches!(self, Kind::KillGateway | Kind::PauseGateway | Kind::Reload)
     }
 
     pub fn name(self) -> &'static str {
@@ -105,6 +112,7 @@ impl Kind {
             Kind::PauseStore => "pause store",
             Kind::FailOver => "fail over primary",
             Kind::DiskFull => "disk full",
+            Kind::Reload => "reload (SIGHUP)",
         }
     }
 }
@@ -351,6 +359,37 @@ impl System {
                 tokio::time::sleep(stall).await;
                 disk.free();
             }
+            (Kind::Reload, _) => {
+                let slot = rng.usize(..self.gateways.len());
+                // The incarnation it runs: the upstream path that names it stays.
+                let id = self.incarnations[slot].load(Ordering::SeqCst);
+                let config = match rng.u8(..4) {
+                    // The running process has one worker per core: another count is refused.
+                    0 => self.config(id).set("workers", (cores() + 1) as i64),
+                    1 => self.config(id),
+                    _ => self.config(id).route(
+                        "/chaos/reloaded",
+                        toml::toml! { ttl = "1m" require_key = true },
+                    ),
+                };
+                let reloads = "idemgate_config_reloads_total";
+                let gateway = &self.gateways[slot];
+                let before = gateway.metric_sum(reloads).await.unwrap_or(f64::NAN);
+                gateway.reload(&config);
+                // Applied or refused, the process counts it: a signal it never took is a fault
+                // of the harness (or of the reload), and the run judges nothing.
+                let counted = tokio::time::timeout(Duration::from_secs(10), async {
+                    while gateway.metric_sum(reloads).await.unwrap_or(before) <= before {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                });
+                if counted.await.is_err() {
+                    let at = self.start.elapsed().as_secs_f64();
+                    self.errors.push(format!(
+                        "at {at:.1} s: a reload of gateway {slot} was not counted in 10 s"
+                    ));
+                }
+            }
             (kind, _) => panic!("{} is not a fault of {}", kind.name(), self.backend.name()),
         }
     }
@@ -413,4 +452,9 @@ const ADMIN: Duration = Duration::from_secs(30);
 /// Where gateway `slot` logs (every incarnation's after the last).
 pub fn log_file(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("gateway-{slot}.log"))
+}
+
+/// The cores of this machine: a gateway without `workers` runs one worker per core.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
