@@ -382,29 +382,7 @@ impl Config {
             .with_seal_keys(secrets.seal_keys)
             .map_err(|reason| invalid(SEAL_KEYS_VAR, reason))?;
         let shutdown_grace = raw.shutdown_grace.map_or(DEFAULT_SHUTDOWN_GRACE, |d| d.0);
-        let admin = AdminConfig {
-            listen: match raw.admin.listen.as_deref() {
-                None => None,
-                Some(a) => Some(a.parse().map_err(|_| {
-                    invalid(
-                        "admin.listen",
-                        format!("{a:?} is not an address like \"127.0.0.1:9090\""),
-                    )
-                })?),
-            },
-            admin_token: match raw.admin.admin_token {
-                Some(t) if t == crate::store::REDACTED => {
-                    return Err(invalid("admin.admin_token", crate::store::REDACTED_REFUSED))
-                }
-                Some(t) if t.trim().len() < 16 => {
-                    return Err(invalid(
-                        "admin.admin_token",
-                        "must be at least 16 characters",
-                    ))
-                }
-                t => t,
-            },
-        };
+        let admin = admin(raw.admin)?;
         let telemetry = telemetry::telemetry(raw.telemetry)?;
         let workers = match raw.workers {
             Some(n) if n == 0 || n > 1024 => {
@@ -455,6 +433,35 @@ impl Config {
             telemetry,
         })
     }
+}
+
+/// The `[admin]` table, validated.
+fn admin(raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
+    let listen = match raw.listen.as_deref() {
+        None => None,
+        Some(a) => Some(a.parse().map_err(|_| {
+            invalid(
+                "admin.listen",
+                format!("{a:?} is not an address like \"127.0.0.1:9090\""),
+            )
+        })?),
+    };
+    let admin_token = match raw.admin_token {
+        Some(t) if t == crate::store::REDACTED => {
+            return Err(invalid("admin.admin_token", crate::store::REDACTED_REFUSED))
+        }
+        Some(t) if t.trim().len() < 16 => {
+            return Err(invalid(
+                "admin.admin_token",
+                "must be at least 16 characters",
+            ))
+        }
+        t => t,
+    };
+    Ok(AdminConfig {
+        listen,
+        admin_token,
+    })
 }
 
 /// `[defaults]` merged over the built-in defaults, and each route merged over that; checked as
