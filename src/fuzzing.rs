@@ -259,6 +259,7 @@ fn round_trips(config: &Config, sources: &crate::config::Sources) {
                 .unwrap_or_else(|e| panic!("{e}\n{printed}"));
             assert_eq!(format!("{config:?}"), format!("{again:?}"), "{printed}");
             let reprinted = again_loaded.effective_toml(&sources, "fuzz");
+            let values = crate::config::effective_values;
             assert_eq!(values(&printed), values(&reprinted));
         }
         Err(e) => assert!(
@@ -266,16 +267,6 @@ fn round_trips(config: &Config, sources: &crate::config::Sources) {
             "{e}\n{printed}"
         ),
     }
-}
-
-/// The lines of a printed configuration without their comments (which say where each value came
-/// from: the file, the second time).
-fn values(printed: &str) -> Vec<&str> {
-    printed
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .map(|l| l.rsplit_once("  # ").map_or(l, |(line, _)| line))
-        .collect()
 }
 
 /// Whether a `*_file` field anywhere in `table` names an absolute path or climbs with `..`.

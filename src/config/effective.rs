@@ -345,6 +345,17 @@ fn policies(out: &mut Out<'_>, config: &Config) {
     }
 }
 
+/// The lines of a printed configuration without their comments, which say where each value came
+/// from (the file, once it is read back): what a round trip keeps.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn values(printed: &str) -> Vec<&str> {
+    printed
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.rsplit_once("  # ").map_or(l, |(line, _)| line))
+        .collect()
+}
+
 #[cfg(test)]
 // figment's Jail returns figment's own (large) error type.
 #[allow(clippy::result_large_err)]
@@ -419,12 +430,6 @@ expiry_header = "x-expires"
             let (config, shown) = printed(&text, secrets);
             let (again, reprinted) = printed(&shown, secrets);
             assert_eq!(format!("{config:?}"), format!("{again:?}"), "{shown}");
-            let values = |s: &str| -> Vec<String> {
-                s.lines()
-                    .filter(|l| !l.starts_with('#'))
-                    .map(|l| l.rsplit_once("  # ").map_or(l, |(v, _)| v).to_string())
-                    .collect()
-            };
             assert_eq!(values(&shown), values(&reprinted), "{shown}");
         }
     }

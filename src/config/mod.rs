@@ -36,6 +36,8 @@ pub use crate::error::ConfigError;
 pub use crate::record::policy::{
     FingerprintMode, KeySecret, OnInFlight, OnStoreError, Policy, PolicyBuilder, Protocol,
 };
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) use effective::values as effective_values;
 pub use effective::Sources;
 pub use human::{HumanDuration, HumanRate, HumanSize, MAX_DURATION};
 pub use store::{
