@@ -13,6 +13,7 @@ use crate::grpc_status::{self, Code};
 /// or an upstream's answer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum ErrorFormat {
     /// RFC 9457 `application/problem+json`.
     #[default]
@@ -33,6 +34,7 @@ pub enum ErrorFormat {
 
 /// An answer produced by the gateway instead of the upstream. Each variant's doc names its status.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GatewayError {
     /// 400: the `Idempotency-Key` header is malformed, empty, too long or repeated.
     #[error("{0}")]

@@ -580,10 +580,8 @@ fn config_errors_name_the_field_and_never_show_the_secret() {
         format!("upstream = \"http://127.0.0.1:9\"\n[[routes]]\npath = \"/hooks\"\n{route}\n")
     };
     let load = |route: &str, vars: &[(String, String)]| {
-        let secrets = Secrets {
-            vars: Some(vars),
-            ..Secrets::default()
-        };
+        let mut secrets = Secrets::default();
+        secrets.vars = Some(vars);
         Config::from_toml_with_secrets(&text(route), secrets)
     };
     let var = |v: &str| vec![("HOOK_SECRET".to_string(), v.to_string())];

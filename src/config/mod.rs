@@ -74,8 +74,10 @@ pub const KEY_SECRET_VAR: &str = "IDEMGATE_KEY_SECRET";
 
 pub use crate::store::SEAL_KEYS_VAR;
 
-/// The secrets the gateway takes from its environment, never from a file.
+/// The secrets the gateway takes from its environment, never from a file. New ones may come:
+/// start from [`Secrets::default`] and set the fields.
 #[derive(Clone, Copy, Default)]
+#[non_exhaustive]
 pub struct Secrets<'a> {
     /// What `IDEMGATE_KEY_SECRET` holds: derived keys are made with it.
     pub key_secret: Option<&'a [u8]>,

@@ -58,6 +58,7 @@ pub use crate::time::{Ttl, MAX_DURATION};
 /// What a duplicate of an in-flight request gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum OnInFlight {
     /// Answer 409 problem+json with `Retry-After` at once.
     #[default]
@@ -70,6 +71,7 @@ pub enum OnInFlight {
 /// What a keyed request gets when the store cannot be reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum OnStoreError {
     /// Fail closed: 503 problem+json with `Retry-After`; nothing is forwarded.
     #[default]
@@ -81,6 +83,7 @@ pub enum OnStoreError {
 /// What "the same request" means for a body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum FingerprintMode {
     /// The body's exact bytes.
     #[default]
@@ -93,6 +96,7 @@ pub enum FingerprintMode {
 /// What a retry gets once its key's record has expired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum AfterExpiry {
     /// A new request: it runs again (Stripe's rule).
     #[default]
@@ -104,6 +108,7 @@ pub enum AfterExpiry {
 /// What a route's POST bodies speak (`protocol`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Protocol {
     /// Any request: the key from a header or a JSON body, the fingerprint from the request.
     #[default]
@@ -264,7 +269,10 @@ macro_rules! policy_struct {
     )*) => {
         /// The effective idempotency policy of one route: `[defaults]` merged over the built-in
         /// defaults, then the route's own fields merged over that.
+        /// New fields come with new features: build one with [`Policy::builder`] or from
+        /// [`Policy::default`].
         #[derive(Debug, Clone, PartialEq, Eq)]
+        #[non_exhaustive]
         pub struct Policy {
             $($(#[doc = $doc])* pub $field: $ty,)*
         }

@@ -16,6 +16,7 @@ pub const WEBHOOK_TTL: Duration = Duration::from_secs(76 * 3600);
 /// The sender whose signature scheme a webhook route checks (`webhook = "..."`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Sender {
     /// Standard Webhooks (and Svix): `webhook-id`, `webhook-timestamp`, `webhook-signature`
     /// (or their `svix-` twins), HMAC-SHA256 with the base64 secret after `whsec_`.

@@ -115,6 +115,7 @@ fn userinfo(url: &str) -> Option<(&str, &str, &str)> {
 
 /// Which store keeps the records, with its settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoreConfig {
     /// The in-process memory store: zero setup, one gateway process, lost on restart.
     Memory(MemorySettings),

@@ -124,11 +124,10 @@ impl Drop for InProcessGateway {
 /// The config as the gateway library parses it, with the secrets a gateway process would find
 /// in its environment.
 fn parse(config: &GatewayConfig) -> idemgate::config::Config {
-    let secrets = idemgate::config::Secrets {
-        key_secret: config.key_secret.as_ref().map(|s| s.as_bytes()),
-        seal_keys: config.seal_keys.as_deref(),
-        vars: Some(&config.env),
-    };
+    let mut secrets = idemgate::config::Secrets::default();
+    secrets.key_secret = config.key_secret.as_ref().map(|s| s.as_bytes());
+    secrets.seal_keys = config.seal_keys.as_deref();
+    secrets.vars = Some(&config.env);
     idemgate::config::Config::from_toml_with_secrets(&config.to_toml(), secrets)
         .unwrap_or_else(|e| panic!("invalid test config ({e}):\n{}", config.to_toml()))
 }
