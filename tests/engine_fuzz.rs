@@ -106,18 +106,44 @@ fn engine_fuzz_generated() {
         check::check(&case, &world::run(&case), &tally).map_err(TestCaseError::fail)
     });
     match result {
-        Ok(()) => eprintln!(
-            "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed}); \
-             seen: {:?}",
-            began.elapsed(),
-            tally.lock().unwrap()
-        ),
+        Ok(()) => {
+            let tally = tally.lock().unwrap();
+            eprintln!(
+                "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed}); \
+                 seen: {tally:?}",
+                began.elapsed(),
+            );
+            reloads_reached(cases, &tally);
+        }
         Err(TestError::Fail(why, case)) => panic!(
             "the engine broke an invariant (ENGINE_FUZZ_SEED={seed}): {why}\n\
              shrunk case, to keep in REGRESSIONS:\n{}",
             serde_json::to_string(&case).unwrap()
         ),
         Err(TestError::Abort(why)) => panic!("engine fuzz: {why}"),
+    }
+}
+
+/// Over enough cases, a good share reload their routes between their requests (some requests
+/// under the old table, some under the new one); some run a key again, or replay it, across
+/// the reload.
+fn reloads_reached(cases: u32, tally: &std::collections::BTreeMap<&'static str, u32>) {
+    if cases < 100 {
+        return;
+    }
+    let split = tally
+        .get("case with requests on both sides of its reload")
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        split >= cases / 5,
+        "only {split} of {cases} cases reloaded between their requests"
+    );
+    for what in [
+        "key run again across the reload",
+        "answer replayed across the reload",
+    ] {
+        assert!(tally.contains_key(what), "no {what} in {cases} cases");
     }
 }
 
