@@ -673,11 +673,13 @@ fn reload_at() -> impl Strategy<Value = u64> {
     ]
 }
 
-/// A reload as drawn, before it meets the case's routes: either routes of its own, or the
-/// case's with some fields (a bit of `masks[i]` each) taken from `drawn[i]`.
+/// A reload as drawn, before it meets the case: at `at`, or `after` a request's time (while
+/// its call runs, often); with routes of its own, or the case's with some fields (a bit of
+/// `masks[i]` each) taken from `drawn[i]`.
 #[derive(Debug, Clone)]
 struct DrawnReload {
     at: u64,
+    after: Option<(u8, u64)>,
     drawn: Vec<Route>,
     masks: Vec<u16>,
     changed: bool,
@@ -687,9 +689,12 @@ fn drawn_reload() -> impl Strategy<Value = DrawnReload> {
     // Two masks ANDed: each field changes with odds of a quarter.
     let masks = prop::collection::vec((any::<u16>(), any::<u16>()).prop_map(|(a, b)| a & b), 3);
     let routes = prop::collection::vec(route(), 3);
-    (reload_at(), routes, masks, prop::bool::weighted(0.7)).prop_map(
-        |(at, drawn, masks, changed)| DrawnReload {
+    let after = prop::option::weighted(0.7, (any::<u8>(), delay()));
+    let when = (reload_at(), after);
+    (when, routes, masks, prop::bool::weighted(0.7)).prop_map(
+        |((at, after), drawn, masks, changed)| DrawnReload {
             at,
+            after,
             drawn,
             masks,
             changed,
@@ -698,8 +703,8 @@ fn drawn_reload() -> impl Strategy<Value = DrawnReload> {
 }
 
 impl DrawnReload {
-    /// The reload of a case with `routes` (at most three).
-    fn over(self, routes: &[Route]) -> Reload {
+    /// The reload of a case with `routes` (at most three) and `requests`.
+    fn over(self, routes: &[Route], requests: &[Req]) -> Reload {
         let new = routes
             .iter()
             .zip(self.drawn.iter().zip(&self.masks))
@@ -708,10 +713,11 @@ impl DrawnReload {
                 false => drawn.clone(),
             })
             .collect();
-        Reload {
-            at: self.at,
-            routes: new,
-        }
+        let at = match self.after {
+            Some((n, delay)) => requests[usize::from(n) % requests.len()].at + delay,
+            None => self.at,
+        };
+        Reload { at, routes: new }
     }
 }
 
@@ -751,7 +757,7 @@ pub(super) fn cases() -> impl Strategy<Value = Case> {
             }
             requests.push(req);
         }
-        let reload = reload.map(|r| r.over(&routes));
+        let reload = reload.map(|r| r.over(&routes, &requests));
         Case {
             routes,
             requests,

@@ -16,6 +16,11 @@
 //!   fingerprint; the first answer of a recorded call is the same as its replays (but for the
 //!   replay mark and the dropped headers); an answer the client got from no call of its own is
 //!   a replay or the layer's own problem.
+//!
+//! Across a reload, each request is judged under its route's policy in the table in force when
+//! it reached the layer, and a record (its ttl, tombstone, first answer) under the policy of
+//! the request that wrote it; a replay drops and adds the headers its own request's policy
+//! names.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -238,7 +243,7 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
             Seen::Hung => "client hung",
         });
     }
-    tally_reload((case, &calls, &reloaded), (&seen, &responded), &count);
+    tally_reload((case, run, &calls, &reloaded), (&seen, &responded), &count);
     once_per_key(&policies, &calls, &count)?;
     for n in 0..case.requests.len() {
         let Some(s) = seen.get(&n) else {
@@ -280,16 +285,20 @@ fn admitted<'a>(
     (policies, took.iter().map(|(_, r)| *r).collect())
 }
 
-/// Count the cases whose reload came between their requests, the keys run again across it (a
-/// key run under one table, then under the other), and the replays across it.
+/// Count the cases whose reload came between their requests, the calls it came during, the
+/// keys run again across it (under one table, then the other), and the replays across it.
 fn tally_reload(
-    (case, calls, reloaded): (&Case, &[Call], &[bool]),
+    (case, run, calls, reloaded): (&Case, &Run, &[Call], &[bool]),
     (seen, responded): (&HashMap<usize, Seen>, &HashMap<usize, usize>),
     count: &impl Fn(&'static str),
 ) {
-    if case.reload.is_none() {
+    let Some(at) = run
+        .log
+        .iter()
+        .position(|(_, ev)| matches!(ev, Ev::Reloaded))
+    else {
         return;
-    }
+    };
     count("case with a reload");
     if reloaded.contains(&true) && reloaded.contains(&false) {
         count("case with requests on both sides of its reload");
@@ -299,6 +308,9 @@ fn tally_reload(
         let Some(key) = call.key else { continue };
         if last.insert(key, reloaded[call.req]) == Some(!reloaded[call.req]) {
             count("key run again across the reload");
+        }
+        if !reloaded[call.req] && call.fate.is_some() && call.settled > at {
+            count("call admitted before the reload, settled after it");
         }
     }
     for (&n, s) in seen {
