@@ -6,13 +6,14 @@
 //! their minimum, ttls from 1 ms to forever, `after_expiry`, `stream`, `max_body`, the
 //! fingerprint, waiting duplicates), and up to 24 requests on a few keys and callers, sent at
 //! generated times, concurrent duplicates among them, with bad keys, unkeyed and non-idempotent
-//! methods, and bodies the same, equal as JSON, different or invalid. Each request carries the
-//! script of what the inner service answers if it reaches it: an error (sent or not), a panic,
-//! or a response (any status, 1xx and 5xx too; `Idempotency-Control` across the u64 range;
-//! hop-by-hop headers; a `Content-Length` right or wrong; a body whole or in chunks after
-//! delays, with trailers, cut short by an error or a panic). Clients stay, give up midway or
-//! read slowly; two workers (layers sharing routes and live answers over one store) serve
-//! them.
+//! methods, and bodies the same, equal as JSON, different or invalid. Half the cases reload
+//! their routes midway (each request is judged under the table in force when it reached the
+//! layer, each record under its writer's policy). Each request carries the script of what the
+//! inner service answers if it reaches it: an error (sent or not), a panic, or a response (any
+//! status, 1xx and 5xx too; `Idempotency-Control` across the u64 range; hop-by-hop headers; a
+//! `Content-Length` right or wrong; a body whole or in chunks after delays, with trailers, cut
+//! short by an error or a panic). Clients stay, give up midway or read slowly; two workers
+//! (layers sharing routes and live answers over one store) serve them.
 //!
 //! A run (`engine_fuzz/world.rs`) logs, in order and in virtual time, every store operation
 //! the layer makes, every step of every inner call, and every answer; `engine_fuzz/check.rs`
@@ -106,18 +107,45 @@ fn engine_fuzz_generated() {
         check::check(&case, &world::run(&case), &tally).map_err(TestCaseError::fail)
     });
     match result {
-        Ok(()) => eprintln!(
-            "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed}); \
-             seen: {:?}",
-            began.elapsed(),
-            tally.lock().unwrap()
-        ),
+        Ok(()) => {
+            let tally = tally.lock().unwrap();
+            eprintln!(
+                "engine fuzz: {cases} cases kept every invariant ({:.1?}, ENGINE_FUZZ_SEED={seed}); \
+                 seen: {tally:?}",
+                began.elapsed(),
+            );
+            reloads_reached(cases, &tally);
+        }
         Err(TestError::Fail(why, case)) => panic!(
             "the engine broke an invariant (ENGINE_FUZZ_SEED={seed}): {why}\n\
              shrunk case, to keep in REGRESSIONS:\n{}",
             serde_json::to_string(&case).unwrap()
         ),
         Err(TestError::Abort(why)) => panic!("engine fuzz: {why}"),
+    }
+}
+
+/// Over enough cases, a good share reload their routes between their requests (some requests
+/// under the old table, some under the new one); some run a key again, or replay it, across
+/// the reload.
+fn reloads_reached(cases: u32, tally: &std::collections::BTreeMap<&'static str, u32>) {
+    if cases < 100 {
+        return;
+    }
+    let split = tally
+        .get("case with requests on both sides of its reload")
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        split >= cases / 5,
+        "only {split} of {cases} cases reloaded between their requests"
+    );
+    for what in [
+        "call admitted before the reload, settled after it",
+        "key run again across the reload",
+        "answer replayed across the reload",
+    ] {
+        assert!(tally.contains_key(what), "no {what} in {cases} cases");
     }
 }
 

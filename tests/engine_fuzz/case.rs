@@ -24,6 +24,17 @@ pub(super) struct Case {
     /// `routes[0]` is the defaults (the path `/other`); `routes[i]` the route `/r{i}`.
     pub(super) routes: Vec<Route>,
     pub(super) requests: Vec<Req>,
+    /// A reload of the routes while the requests run, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) reload: Option<Reload>,
+}
+
+/// A reload: at `at` ms, `routes` (as many as the case's, on the same paths) replace the
+/// case's routes for the requests that reach the layer from then on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct Reload {
+    pub(super) at: u64,
+    pub(super) routes: Vec<Route>,
 }
 
 /// A route's policy, as the builder takes it (durations in ms).
@@ -223,17 +234,27 @@ impl Case {
     /// The routes table, and each route's policy as built (the checker reads the effective
     /// values, defaults and bounds applied).
     pub(super) fn build_routes(&self) -> (Routes, Vec<Policy>) {
-        let policies: Vec<Policy> = self.routes.iter().map(Route::policy).collect();
-        let mut routes = Routes::new(policies[0].clone());
-        for (i, policy) in policies.iter().enumerate().skip(1) {
-            routes = routes.route(&path(i), policy.clone()).unwrap();
-        }
-        // Read back as the table holds them (named after their path).
-        let built = (0..policies.len())
-            .map(|i| (**routes.policy_for(&path(i))).clone())
-            .collect();
-        (routes, built)
+        build_routes(&self.routes)
     }
+
+    /// The table the reload puts in force, and its policies, if the case has a reload.
+    pub(super) fn build_reloaded(&self) -> Option<(Routes, Vec<Policy>)> {
+        self.reload.as_ref().map(|r| build_routes(&r.routes))
+    }
+}
+
+/// The routes table of `routes`, and each route's policy as the table holds it.
+fn build_routes(routes: &[Route]) -> (Routes, Vec<Policy>) {
+    let policies: Vec<Policy> = routes.iter().map(Route::policy).collect();
+    let mut table = Routes::new(policies[0].clone());
+    for (i, policy) in policies.iter().enumerate().skip(1) {
+        table = table.route(&path(i), policy.clone()).unwrap();
+    }
+    // Read back as the table holds them (named after their path).
+    let built = (0..policies.len())
+        .map(|i| (**table.policy_for(&path(i))).clone())
+        .collect();
+    (table, built)
 }
 
 /// The path of route `i` (`/other` matches no route: the defaults).
@@ -642,13 +663,91 @@ fn request() -> impl Strategy<Value = Req> {
     )
 }
 
+/// A reload's time: mostly among the requests' (those before it take the old routes, those
+/// after the new ones).
+fn reload_at() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        2 => prop::sample::select(vec![0u64, 1, 10, 20, 30, 50, 100]),
+        4 => 0u64..200,
+        1 => 0u64..3000,
+    ]
+}
+
+/// A reload as drawn, before it meets the case: at `at`, or `after` a request's time (while
+/// its call runs, often); with routes of its own, or the case's with some fields (a bit of
+/// `masks[i]` each) taken from `drawn[i]`.
+#[derive(Debug, Clone)]
+struct DrawnReload {
+    at: u64,
+    after: Option<(u8, u64)>,
+    drawn: Vec<Route>,
+    masks: Vec<u16>,
+    changed: bool,
+}
+
+fn drawn_reload() -> impl Strategy<Value = DrawnReload> {
+    // Two masks ANDed: each field changes with odds of a quarter.
+    let masks = prop::collection::vec((any::<u16>(), any::<u16>()).prop_map(|(a, b)| a & b), 3);
+    let routes = prop::collection::vec(route(), 3);
+    let after = prop::option::weighted(0.7, (any::<u8>(), delay()));
+    let when = (reload_at(), after);
+    (when, routes, masks, prop::bool::weighted(0.7)).prop_map(
+        |((at, after), drawn, masks, changed)| DrawnReload {
+            at,
+            after,
+            drawn,
+            masks,
+            changed,
+        },
+    )
+}
+
+impl DrawnReload {
+    /// The reload of a case with `routes` (at most three) and `requests`.
+    fn over(self, routes: &[Route], requests: &[Req]) -> Reload {
+        let new = routes
+            .iter()
+            .zip(self.drawn.iter().zip(&self.masks))
+            .map(|(old, (drawn, &mask))| match self.changed {
+                true => old.mixed(drawn, mask),
+                false => drawn.clone(),
+            })
+            .collect();
+        let at = match self.after {
+            Some((n, delay)) => requests[usize::from(n) % requests.len()].at + delay,
+            None => self.at,
+        };
+        Reload { at, routes: new }
+    }
+}
+
+impl Route {
+    /// This route with the fields `mask` picks (a bit each) taken from `other`.
+    fn mixed(&self, other: &Route, mask: u16) -> Route {
+        let mut new = self.clone();
+        macro_rules! take {
+            ($($bit:literal $field:ident),*) => {$(
+                if mask & (1 << $bit) != 0 {
+                    new.$field = other.$field.clone();
+                }
+            )*};
+        }
+        take!(0 ttl, 1 failure_ttl, 2 max_ttl, 3 lock_ttl, 4 wait, 5 mismatch_422,
+            6 refuse_after, 7 expiry_header, 8 upstream_timeout, 9 stream, 10 max_body,
+            11 json, 12 cache_server_errors, 13 drop, 14 put);
+        new
+    }
+}
+
 /// Cases of one to three routes besides the defaults and up to 24 requests, most of them
 /// retries of an earlier one (the same route, method, key, caller and body; their own time,
-/// answer and client).
+/// answer and client); half of them with a reload of the routes, most often a small change
+/// of them.
 pub(super) fn cases() -> impl Strategy<Value = Case> {
     let requests =
         prop::collection::vec((request(), prop::option::weighted(0.7, any::<u8>())), 1..24);
-    (prop::collection::vec(route(), 1..4), requests).prop_map(|(routes, drawn)| {
+    let reload = prop::option::weighted(0.5, drawn_reload());
+    (prop::collection::vec(route(), 1..4), requests, reload).prop_map(|(routes, drawn, reload)| {
         let mut requests: Vec<Req> = Vec::with_capacity(drawn.len());
         for (mut req, retry_of) in drawn {
             if let (Some(of), false) = (retry_of, requests.is_empty()) {
@@ -658,6 +757,11 @@ pub(super) fn cases() -> impl Strategy<Value = Case> {
             }
             requests.push(req);
         }
-        Case { routes, requests }
+        let reload = reload.map(|r| r.over(&routes, &requests));
+        Case {
+            routes,
+            requests,
+            reload,
+        }
     })
 }

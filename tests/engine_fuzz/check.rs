@@ -16,6 +16,11 @@
 //!   fingerprint; the first answer of a recorded call is the same as its replays (but for the
 //!   replay mark and the dropped headers); an answer the client got from no call of its own is
 //!   a replay or the layer's own problem.
+//!
+//! Across a reload, each request is judged under its route's policy in the table in force when
+//! it reached the layer, and a record (its ttl, tombstone, first answer) under the policy of
+//! the request that wrote it; a replay drops and adds the headers its own request's policy
+//! names.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -64,8 +69,10 @@ pub(super) type Tally = std::sync::Mutex<std::collections::BTreeMap<&'static str
 /// sentence.
 pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String> {
     let count = |what: &'static str| *tally.lock().unwrap().entry(what).or_default() += 1;
-    let (_, policies) = case.build_routes();
-    let policy = |n: usize| &policies[case.route_of(&case.requests[n])];
+    let (_, old) = case.build_routes();
+    let new = case.build_reloaded().map(|(_, new)| new);
+    let (policies, reloaded) = admitted(case, run, &old, new.as_deref());
+    let policy = |n: usize| policies[n];
     if run.tasks_hung {
         return Err("the layer's background tasks did not finish within an hour".into());
     }
@@ -174,6 +181,7 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
             Ev::Answered { req, seen: s } => {
                 seen.insert(*req, s.clone());
             }
+            Ev::Sent { .. } | Ev::Reloaded => {}
         }
     }
     if let Some((key, claims)) = granted.iter().find(|(_, c)| !c.is_empty()) {
@@ -235,7 +243,8 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
             Seen::Hung => "client hung",
         });
     }
-    once_per_key(case, &policies, &calls, &count)?;
+    tally_reload((case, run, &calls, &reloaded), (&seen, &responded), &count);
+    once_per_key(&policies, &calls, &count)?;
     for n in 0..case.requests.len() {
         let Some(s) = seen.get(&n) else {
             return Err(format!("request {n}: its client never finished"));
@@ -252,6 +261,72 @@ pub(super) fn check(case: &Case, run: &Run, tally: &Tally) -> Result<(), String>
     Ok(())
 }
 
+/// The policy each request was admitted under: its route's in the table in force when it
+/// reached the layer (the reload's from the first request logged after it); and whether that
+/// table was the reload's.
+fn admitted<'a>(
+    case: &Case,
+    run: &Run,
+    old: &'a [Policy],
+    new: Option<&'a [Policy]>,
+) -> (Vec<&'a Policy>, Vec<bool>) {
+    let (mut table, mut reloaded) = (old, false);
+    let mut took = vec![(old, false); case.requests.len()];
+    for (_, ev) in &run.log {
+        match ev {
+            Ev::Reloaded => (table, reloaded) = (new.expect("a reload the case has not"), true),
+            Ev::Sent { req } => took[*req] = (table, reloaded),
+            _ => {}
+        }
+    }
+    let policies = (case.requests.iter().zip(&took))
+        .map(|(req, (table, _))| &table[case.route_of(req)])
+        .collect();
+    (policies, took.iter().map(|(_, r)| *r).collect())
+}
+
+/// Count the cases whose reload came between their requests, the calls it came during, the
+/// keys run again across it (under one table, then the other), and the replays across it.
+fn tally_reload(
+    (case, run, calls, reloaded): (&Case, &Run, &[Call], &[bool]),
+    (seen, responded): (&HashMap<usize, Seen>, &HashMap<usize, usize>),
+    count: &impl Fn(&'static str),
+) {
+    let Some(at) = run
+        .log
+        .iter()
+        .position(|(_, ev)| matches!(ev, Ev::Reloaded))
+    else {
+        return;
+    };
+    count("case with a reload");
+    if reloaded.contains(&true) && reloaded.contains(&false) {
+        count("case with requests on both sides of its reload");
+    }
+    let mut last: HashMap<ScopedKey, bool> = HashMap::new();
+    for call in calls {
+        let Some(key) = call.key else { continue };
+        if last.insert(key, reloaded[call.req]) == Some(!reloaded[call.req]) {
+            count("key run again across the reload");
+        }
+        if !reloaded[call.req] && call.fate.is_some() && call.settled > at {
+            count("call admitted before the reload, settled after it");
+        }
+    }
+    for (&n, s) in seen {
+        let (Seen::Response(a), Some(&step)) = (s, responded.get(&n)) else {
+            continue;
+        };
+        let key = case.requests[n].scoped_key();
+        let holder = calls
+            .iter()
+            .rfind(|c| c.key.is_some() && c.key == key && c.step < step);
+        if a.replayed() && holder.is_some_and(|h| reloaded[h.req] != reloaded[n]) {
+            count("answer replayed across the reload");
+        }
+    }
+}
+
 /// Whether request `req` takes the keyed path to a claim (otherwise it passes through, or is
 /// refused before any claim).
 pub(super) fn keyed(req: &Req, policy: &Policy) -> bool {
@@ -263,10 +338,10 @@ pub(super) fn keyed(req: &Req, policy: &Policy) -> bool {
 
 /// What "the same request" is: its method, route, content type and body (as a JSON document
 /// under a `json` fingerprint).
-fn fingerprint(case: &Case, policies: &[Policy], n: usize) -> (String, usize, String) {
+fn fingerprint(case: &Case, policies: &[&Policy], n: usize) -> (String, usize, String) {
     let req = &case.requests[n];
     let route = case.route_of(req);
-    let body = match (policies[route].fingerprint, req.json()) {
+    let body = match (policies[n].fingerprint, req.json()) {
         (FingerprintMode::Json, Json::Doc(d)) => format!("doc {d}"),
         _ => format!("bytes {}", req.body()),
     };
@@ -279,8 +354,7 @@ fn fingerprint(case: &Case, policies: &[Policy], n: usize) -> (String, usize, St
 
 /// Calls on one key: each after the previous one's key was free again.
 fn once_per_key(
-    case: &Case,
-    policies: &[Policy],
+    policies: &[&Policy],
     calls: &[Call],
     count: &impl Fn(&'static str),
 ) -> Result<(), String> {
@@ -288,12 +362,8 @@ fn once_per_key(
     for call in calls {
         let Some(key) = call.key else { continue };
         if let Some(before) = last.get(&key) {
-            let route = &policies[case.route_of(&case.requests[call.req])];
-            let (free, why) = free_at(
-                before,
-                &policies[case.route_of(&case.requests[before.req])],
-                route,
-            );
+            let route = policies[call.req];
+            let (free, why) = free_at(before, policies[before.req], route);
             count(match before.fate {
                 None => "key run again after a lease",
                 Some((_, Fate::Released)) => "key run again after a release",
@@ -535,14 +605,14 @@ fn recorded_headers(resp: &Resp, policy: &Policy, replay: bool) -> HeaderMap {
 /// Check the answer request `n`'s client got.
 fn answer(
     case: &Case,
-    policies: &[Policy],
+    policies: &[&Policy],
     calls: &[Call],
     call_of: &HashMap<usize, usize>,
     (n, responded): (usize, Option<usize>),
     seen: &Seen,
 ) -> Result<(), String> {
     let spec = &case.requests[n];
-    let policy = &policies[case.route_of(spec)];
+    let policy = policies[n];
     let own = call_of.get(&n).map(|&c| &calls[c]);
     // `None`: no call of its own, or one that passed through without a claim.
     let fate = own
@@ -603,14 +673,14 @@ fn answer(
 /// calls before step `responded` of the log), or what the request itself is.
 fn problem(
     case: &Case,
-    policies: &[Policy],
+    policies: &[&Policy],
     (calls, responded): (&[Call], usize),
     n: usize,
     a: &Answered,
     fate: Option<Fate>,
 ) -> Result<(), String> {
     let spec = &case.requests[n];
-    let policy = &policies[case.route_of(spec)];
+    let policy = policies[n];
     let kind = problem_kind(a);
     let kind = kind.as_str();
     let applies = policy.applies_to(&spec.method.method());
@@ -633,15 +703,10 @@ fn problem(
                 |c: &Call| fingerprint(case, policies, n) == fingerprint(case, policies, c.req);
             let (holds, tombstone) = match before.last() {
                 Some(h) => (
-                    holds_at(
-                        h,
-                        &policies[case.route_of(&case.requests[h.req])],
-                        responded,
-                        a.at,
-                    ),
+                    holds_at(h, policies[h.req], responded, a.at),
                     // A tombstone outlives its record, and the records after it.
                     before.iter().rev().find_map(|c| {
-                        let p = &policies[case.route_of(&case.requests[c.req])];
+                        let p = policies[c.req];
                         tombstone_at(c, p, policy, responded, a.at).then(|| same(c))
                     }),
                 ),
@@ -753,13 +818,13 @@ fn first(n: usize, resp: &Resp, policy: &Policy, keep: Keep, a: &Answered) -> Re
 /// was made (or, attached to a live answer, that answer as it was streamed).
 fn replay(
     case: &Case,
-    policies: &[Policy],
+    policies: &[&Policy],
     calls: &[Call],
     (n, responded): (usize, usize),
     a: &Answered,
 ) -> Result<(), String> {
     let spec = &case.requests[n];
-    let policy = &policies[case.route_of(spec)];
+    let policy = policies[n];
     let Some(key) = spec.scoped_key().filter(|_| keyed(spec, policy)) else {
         return Err(format!("request {n}: a replay to a request without a key"));
     };
@@ -780,7 +845,7 @@ fn replay(
             "request {n}: a replay of request {h}, which answered no response"
         ));
     };
-    let holder_policy = &policies[case.route_of(&case.requests[h])];
+    let holder_policy = policies[h];
     let fate = holder.fate.map_or(Fate::Kept, |(_, f)| f);
     // Attached to the live answer (a streamed one, before it was settled): a live copy of
     // what the call sends, which a reader that attached before the answer passed `max_body`

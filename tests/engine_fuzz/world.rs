@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, StreamBody};
 use idemgate::idempotency::key::ScopedKey;
 use idemgate::idempotency::record::{EntryState, Token};
 use idemgate::store::{Claim, ClaimTerms, Claimant, Keep, MemoryStore, Store, StoreError};
-use idemgate::{IdempotencyLayer, NotSent, IDEMPOTENT_REPLAYED};
+use idemgate::{IdempotencyLayer, NotSent, Routes, IDEMPOTENT_REPLAYED};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 
@@ -70,6 +70,12 @@ pub(super) enum Ev {
     Dropped {
         req: usize,
     },
+    /// Request `req` reached the layer, which took its route from the table in force.
+    Sent {
+        req: usize,
+    },
+    /// The case's reload put its routes in force.
+    Reloaded,
     /// A client got its answer's head.
     Responded {
         req: usize,
@@ -328,7 +334,7 @@ fn chunked(
 // === the clients ===
 
 /// Send request `n` at its time, read its answer as its client does, and log what it got.
-async fn client<S>(service: S, case: Arc<Case>, n: usize, logger: Logger)
+async fn client<S>(mut service: S, case: Arc<Case>, n: usize, logger: Logger)
 where
     S: tower::Service<Request<Body>, Response = Response<Body>, Error = InnerError>,
 {
@@ -336,7 +342,15 @@ where
     tokio::time::sleep_until(logger.base + Duration::from_millis(spec.at)).await;
     let req = spec.request(n, &path(case.route_of(spec)));
     let read = async {
-        match service.oneshot(req).await {
+        // `call` takes the route before it returns: `Sent` is logged on the table it took.
+        let answer = match service.ready().await {
+            Ok(ready) => {
+                logger.push(Ev::Sent { req: n });
+                ready.call(req).await
+            }
+            Err(e) => Err(e),
+        };
+        match answer {
             Ok(resp) => {
                 logger.push(Ev::Responded { req: n });
                 Seen::Response(Box::new(read(resp, spec.client, &logger).await))
@@ -403,72 +417,102 @@ pub(super) fn run(case: &Case) -> Run {
         .start_paused(true)
         .build()
         .unwrap();
-    let case = Arc::new(case.clone());
-    rt.block_on(async move {
-        let logger = Logger {
-            log: Log::default(),
-            base: Instant::now(),
-        };
-        let store = Observed {
-            inner: MemoryStore::new(),
-            logger: logger.clone(),
-        };
-        let (routes, policies) = case.build_routes();
-        let layer = IdempotencyLayer::with_routes(store.clone(), routes);
-        let inner = {
-            let (case, logger) = (case.clone(), logger.clone());
-            tower::service_fn(move |req| serve(case.clone(), logger.clone(), req))
-        };
-        let workers = [layer.clone(), layer.with_store(store.clone())];
-        let services = workers.clone().map(|worker| worker.layer(inner.clone()));
-        let clients: Vec<_> = (0..case.requests.len())
-            .map(|n| {
-                let service = services[usize::from(case.requests[n].worker) % 2].clone();
-                let client = client(service, case.clone(), n, logger.clone());
-                (n, tokio::spawn(client))
-            })
-            .collect();
-        for (n, task) in clients {
-            if let Err(e) = task.await {
-                let message = match e.try_into_panic() {
-                    Ok(panic) => panic_message(&*panic),
-                    Err(e) => format!("{e}"),
-                };
-                logger.push(Ev::Answered {
-                    req: n,
-                    seen: Seen::Panicked(message),
-                });
-            }
+    rt.block_on(world(Arc::new(case.clone())))
+}
+
+/// The run of `case`: its clients, its reload, then the layer's background tasks to their end
+/// and every lease past.
+async fn world(case: Arc<Case>) -> Run {
+    let logger = Logger {
+        log: Log::default(),
+        base: Instant::now(),
+    };
+    let store = Observed {
+        inner: MemoryStore::new(),
+        logger: logger.clone(),
+    };
+    let (routes, mut policies) = case.build_routes();
+    let layer = IdempotencyLayer::with_routes(store.clone(), routes);
+    let reload = case.build_reloaded().map(|(routes, reloaded)| {
+        policies.extend(reloaded);
+        let at = logger.base + Duration::from_millis(case.reload.as_ref().unwrap().at);
+        tokio::spawn(reload_at(layer.clone(), routes, at, logger.clone()))
+    });
+    let workers = [layer.clone(), layer.with_store(store.clone())];
+    clients(&case, &workers, &logger).await;
+    if let Some(reload) = reload {
+        reload.await.unwrap();
+    }
+    let mut tasks_hung = false;
+    for worker in &workers {
+        let tasks = worker.tasks();
+        tasks.close();
+        tasks_hung |= tokio::time::timeout(HANG, tasks.wait()).await.is_err();
+    }
+    let longest = policies.iter().map(|p| p.lock_ttl).max().unwrap();
+    tokio::time::sleep(longest * 2 + Duration::from_millis(10)).await;
+    let log = logger.log.lock().unwrap().clone();
+    let stuck = stuck(&log, &store);
+    Run {
+        log,
+        stuck,
+        tasks_hung,
+    }
+}
+
+/// Send each request of `case` through its worker, and wait for every client to finish (one
+/// whose task panicked is logged as having got the panic).
+async fn clients(case: &Arc<Case>, workers: &[IdempotencyLayer<Observed>; 2], logger: &Logger) {
+    let inner = {
+        let (case, logger) = (case.clone(), logger.clone());
+        tower::service_fn(move |req| serve(case.clone(), logger.clone(), req))
+    };
+    let services = workers.clone().map(|worker| worker.layer(inner.clone()));
+    let clients: Vec<_> = (0..case.requests.len())
+        .map(|n| {
+            let service = services[usize::from(case.requests[n].worker) % 2].clone();
+            let client = client(service, case.clone(), n, logger.clone());
+            (n, tokio::spawn(client))
+        })
+        .collect();
+    for (n, task) in clients {
+        if let Err(e) = task.await {
+            let message = match e.try_into_panic() {
+                Ok(panic) => panic_message(&*panic),
+                Err(e) => format!("{e}"),
+            };
+            logger.push(Ev::Answered {
+                req: n,
+                seen: Seen::Panicked(message),
+            });
         }
-        let mut tasks_hung = false;
-        for worker in &workers {
-            let tasks = worker.tasks();
-            tasks.close();
-            tasks_hung |= tokio::time::timeout(HANG, tasks.wait()).await.is_err();
-        }
-        let longest = policies.iter().map(|p| p.lock_ttl).max().unwrap();
-        tokio::time::sleep(longest * 2 + Duration::from_millis(10)).await;
-        let log = logger.log.lock().unwrap().clone();
-        let mut stuck: Vec<ScopedKey> = log
-            .iter()
-            .filter_map(|(_, ev)| match ev {
-                Ev::Claim { key, .. } => Some(*key),
-                _ => None,
-            })
-            .filter(|key| {
-                store
-                    .inner
-                    .get(key)
-                    .is_some_and(|(entry, _)| matches!(entry.state, EntryState::InFlight))
-            })
-            .collect();
-        stuck.dedup();
-        Run {
-            log,
-            stuck,
-            tasks_hung,
-        }
-    })
+    }
+}
+
+/// The keys the log shows claimed that the store still holds claimed.
+fn stuck(log: &[(Duration, Ev)], store: &Observed) -> Vec<ScopedKey> {
+    let mut stuck: Vec<ScopedKey> = log
+        .iter()
+        .filter_map(|(_, ev)| match ev {
+            Ev::Claim { key, .. } => Some(*key),
+            _ => None,
+        })
+        .filter(|key| {
+            store
+                .inner
+                .get(key)
+                .is_some_and(|(entry, _)| matches!(entry.state, EntryState::InFlight))
+        })
+        .collect();
+    stuck.dedup();
+    stuck
+}
+
+/// At `at`, put `routes` in force in `layer` (and so in every worker's).
+async fn reload_at(layer: IdempotencyLayer<Observed>, routes: Routes, at: Instant, logger: Logger) {
+    tokio::time::sleep_until(at).await;
+    layer.set_routes(routes);
+    logger.push(Ev::Reloaded);
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
