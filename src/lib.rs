@@ -68,7 +68,9 @@
 //!   (`[store]`, one table per backend), `config/upstream.rs` (`[upstreams.NAME]`, `[tls]`),
 //!   `config/telemetry.rs` (`[telemetry]`), `config/human.rs` (durations and sizes as people
 //!   write them), `config/webhook.rs` (a webhook route's secrets read from its variable, its
-//!   `ttl` covering the senders' retries).
+//!   `ttl` covering the senders' retries), `config/written.rs` (each value in the form its
+//!   reader reads back) and `config/effective.rs` (the configuration in force as TOML, with
+//!   where each value came from: what `check-config` prints).
 //! - [`telemetry`] (`telemetry.rs`): the gateway's OpenTelemetry traces: which requests are
 //!   sampled, the layer that records their spans, the OTLP export that never blocks.
 //! - `listener/`: client connections: `listener/mod.rs` (the accept loop under
