@@ -519,9 +519,12 @@ expiry_header = "x-expires"
                 "store.node_password",
             ),
             ("[store]\nbackend = \"postgres\"\nurl = \"postgres://u:pw@h/db\"", "store.url"),
+            ("[store]\nbackend = \"postgres\"\nurl = \"postgres://u@h/db?password=pw\"", "store.url"),
+            ("[store]\nbackend = \"redis\"\nurl = \"unix:///r.sock?pass=pw\"", "store.url"),
         ] {
             let (_, shown) = printed(&format!("{base}{text}"), Secrets::default());
             assert!(!shown.contains("pw@") && !shown.contains("= \"pw\""), "{shown}");
+            assert!(!shown.contains("=pw"), "{shown}");
             assert!(!shown.contains("a-token-of-16"), "{shown}");
             let e = Config::from_toml(&shown).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains("<redacted>"), "{field}: {e}");
