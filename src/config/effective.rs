@@ -335,8 +335,9 @@ fn policies(out: &mut Out<'_>, config: &Config) {
         let fields = PolicyTable::written(&route.policy);
         for ((field, value), (_, inherited)) in fields.into_iter().zip(&defaults) {
             if not_for_the_route(&route.policy, field, &value) && value == *inherited {
-                let why = "from [defaults]; not read where protocol = \"http\"";
-                out.note(&format!("{field} = {value}  ({why})"));
+                // The value is [defaults]' (a string in it may print over several lines).
+                let why = "not read where protocol = \"http\"";
+                out.note(&format!("{field}: as in [defaults] ({why})"));
                 continue;
             }
             let from_defaults = out.sources.of(&["defaults", field]);
