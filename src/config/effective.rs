@@ -461,6 +461,8 @@ expiry_header = "x-expires"
             // An "http" route under MCP [defaults] holds their keyed_methods, which it may not
             // name: printed as a note, not a value.
             "[defaults]\nprotocol = \"mcp\"\n[[routes]]\npath = \"/a\"\nprotocol = \"http\"",
+            // The same with a method name that prints over several lines.
+            "[defaults]\nprotocol = \"jsonrpc\"\nkeyed_methods = [\"a\\nb\"]\n[[routes]]\npath = \"/x\"\nprotocol = \"http\"",
         ] {
             reads_back(&format!("{base}{found}"), Secrets::default());
         }
