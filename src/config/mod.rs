@@ -1172,6 +1172,10 @@ mod tests {
         assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
         assert_eq!(redact_url("redis://u:p@ss@h:1/0"), "redis://u:***@h:1/0");
         assert_eq!(redact_url("redis://user@h:1/0"), "redis://user@h:1/0");
+        // A password with '#', '/' or '?' left unencoded is still hidden (an '@' in a query is
+        // then taken for a userinfo's: more is hidden, never less).
+        assert_eq!(redact_url("redis://u:p#w/?@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact_url("redis://h:1/0?x=a@b"), "redis://h:***@b");
         // A password in the query: PostgreSQL's `password`, a unix:// Redis URL's `pass`.
         assert_eq!(
             redact_url("postgres://u@h/db?sslmode=disable&password=pw&x"),
