@@ -98,10 +98,10 @@ pub(crate) fn redact_url_as(url: &str, marker: &str) -> String {
         return url;
     };
     let params: Vec<String> = params
-        .map(|(name, value, secret)| match (secret, value) {
-            (true, Some(_)) => format!("{name}={marker}"),
-            (_, Some(value)) => format!("{name}={value}"),
-            (_, None) => name.to_string(),
+        .map(|p| match (p.secret, p.value) {
+            (true, Some(_)) => format!("{}={marker}", p.name),
+            (_, Some(value)) => format!("{}={value}", p.name),
+            (_, None) => p.name.to_string(),
         })
         .collect();
     format!("{base}?{}", params.join("&"))
@@ -111,19 +111,27 @@ pub(crate) fn redact_url_as(url: &str, marker: &str) -> String {
 /// a `unix://` URL).
 const PASSWORD_PARAMS: [&str; 2] = ["password", "pass"];
 
-/// What comes before `url`'s query, and each of its parameters: name, value, and whether it
-/// carries a password (its name percent-decoded, as the clients read it).
-fn query_params(url: &str) -> Option<(&str, impl Iterator<Item = (&str, Option<&str>, bool)>)> {
+/// One `name=value` (or bare `name`) of a URL's query.
+struct QueryParam<'a> {
+    name: &'a str,
+    value: Option<&'a str>,
+    /// Whether it carries a password (its name percent-decoded, as the clients read it).
+    secret: bool,
+}
+
+/// What comes before `url`'s query, and each of its parameters.
+fn query_params(url: &str) -> Option<(&str, impl Iterator<Item = QueryParam<'_>>)> {
     let (base, query) = url.split_once('?')?;
     let params = query.split('&').map(|param| {
         let (name, value) = param
             .split_once('=')
             .map_or((param, None), |(n, v)| (n, Some(v)));
-        (
+        let secret = PASSWORD_PARAMS.contains(&decoded(name).as_str());
+        QueryParam {
             name,
             value,
-            PASSWORD_PARAMS.contains(&decoded(name).as_str()),
-        )
+            secret,
+        }
     });
     Some((base, params))
 }
@@ -154,9 +162,8 @@ pub(crate) const REDACTED_REFUSED: &str =
 /// Whether a password of `url` (its userinfo's, or a query parameter's) is the [`REDACTED`]
 /// marker.
 pub(crate) fn has_redacted_password(url: &str) -> bool {
-    let in_query = query_params(url).is_some_and(|(_, mut params)| {
-        params.any(|(_, value, secret)| secret && value == Some(REDACTED))
-    });
+    let in_query = query_params(url)
+        .is_some_and(|(_, mut params)| params.any(|p| p.secret && p.value == Some(REDACTED)));
     in_query || userinfo(url).is_some_and(|(_, password, _)| password == REDACTED)
 }
 
