@@ -1172,5 +1172,23 @@ mod tests {
         assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
         assert_eq!(redact_url("redis://u:p@ss@h:1/0"), "redis://u:***@h:1/0");
         assert_eq!(redact_url("redis://user@h:1/0"), "redis://user@h:1/0");
+        // A password with '#', '/' or '?' left unencoded is still hidden (an '@' in a query is
+        // then taken for a userinfo's: more is hidden, never less).
+        assert_eq!(redact_url("redis://u:p#w/?@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact_url("redis://h:1/0?x=a@b"), "redis://h:***@b");
+        // A password in the query: PostgreSQL's `password`, a unix:// Redis URL's `pass`.
+        assert_eq!(
+            redact_url("postgres://u@h/db?sslmode=disable&password=pw&x"),
+            "postgres://u@h/db?sslmode=disable&password=***&x"
+        );
+        assert_eq!(
+            redact_url("unix:///r.sock?db=1&pass=pw"),
+            "unix:///r.sock?db=1&pass=***"
+        );
+        assert_eq!(
+            redact_url("unix:///r.sock?pa%73s=pw&pass"),
+            "unix:///r.sock?pa%73s=***&pass"
+        );
+        assert_eq!(redact_url("unix:///r.sock?db=1"), "unix:///r.sock?db=1");
     }
 }

@@ -128,6 +128,10 @@ fn traces_url(s: &str) -> Result<Uri, String> {
     if uri.query().is_some() {
         return Err("must not carry a query string".into());
     }
+    // The URL parser drops a fragment, which would end up where the traces path is added.
+    if s.contains('#') {
+        return Err("must not carry a fragment (#...)".into());
+    }
     let path = uri.path().trim_end_matches('/');
     if path.ends_with(TRACES_PATH) {
         return Ok(uri);
@@ -197,6 +201,10 @@ mod tests {
             (
                 "[telemetry]\notlp_endpoint = \"https://c:4318\"\nclient_cert_file = \"c.pem\"",
                 "telemetry.client_key_file",
+            ),
+            (
+                "[telemetry]\notlp_endpoint = \"http://c:4318/x#y\"",
+                "telemetry.otlp_endpoint",
             ),
             (
                 "[telemetry]\notlp_endpoint = \"c:4318\"",

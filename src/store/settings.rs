@@ -87,21 +87,84 @@ pub fn redact_url(url: &str) -> String {
 /// read, so that the printout read back cannot run with it as a password.
 pub const REDACTED: &str = "<redacted>";
 
-/// `url` with the password of its userinfo, if any, as `marker`.
+/// `url` with its passwords as `marker`: its userinfo's, and the value of a query parameter that
+/// carries one ([`PASSWORD_PARAMS`]).
 pub(crate) fn redact_url_as(url: &str, marker: &str) -> String {
-    match userinfo(url) {
+    let url = match userinfo(url) {
         Some((head, _password, host)) => format!("{head}:{marker}@{host}"),
         None => url.to_string(),
+    };
+    let Some((base, params)) = query_params(&url) else {
+        return url;
+    };
+    let params: Vec<String> = params
+        .map(|p| match (p.secret, p.value) {
+            (true, Some(_)) => format!("{}={marker}", p.name),
+            (_, Some(value)) => format!("{}={value}", p.name),
+            (_, None) => p.name.to_string(),
+        })
+        .collect();
+    format!("{base}?{}", params.join("&"))
+}
+
+/// The query parameters that carry a password: PostgreSQL's `password`, and `pass` (Redis's, in
+/// a `unix://` URL).
+const PASSWORD_PARAMS: [&str; 2] = ["password", "pass"];
+
+/// One `name=value` (or bare `name`) of a URL's query.
+struct QueryParam<'a> {
+    name: &'a str,
+    value: Option<&'a str>,
+    /// Whether it carries a password (its name percent-decoded, as the clients read it).
+    secret: bool,
+}
+
+/// What comes before `url`'s query, and each of its parameters.
+fn query_params(url: &str) -> Option<(&str, impl Iterator<Item = QueryParam<'_>>)> {
+    let (base, query) = url.split_once('?')?;
+    let params = query.split('&').map(|param| {
+        let (name, value) = param
+            .split_once('=')
+            .map_or((param, None), |(n, v)| (n, Some(v)));
+        let secret = PASSWORD_PARAMS.contains(&decoded(name).as_str());
+        QueryParam {
+            name,
+            value,
+            secret,
+        }
+    });
+    Some((base, params))
+}
+
+/// `name` with its `%XX` escapes decoded.
+fn decoded(name: &str) -> String {
+    let mut parts = name.split('%');
+    let mut out = parts.next().unwrap_or_default().as_bytes().to_vec();
+    for part in parts {
+        match part.get(..2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            Some(byte) => {
+                out.push(byte);
+                out.extend_from_slice(part.get(2..).unwrap_or_default().as_bytes());
+            }
+            None => {
+                out.push(b'%');
+                out.extend_from_slice(part.as_bytes());
+            }
+        }
     }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Why a secret that is the [`REDACTED`] marker is refused.
 pub(crate) const REDACTED_REFUSED: &str =
     "is \"<redacted>\", as check-config prints a secret: give the secret itself";
 
-/// Whether `url`'s password is the [`REDACTED`] marker.
+/// Whether a password of `url` (its userinfo's, or a query parameter's) is the [`REDACTED`]
+/// marker.
 pub(crate) fn has_redacted_password(url: &str) -> bool {
-    userinfo(url).is_some_and(|(_, password, _)| password == REDACTED)
+    let in_query = query_params(url)
+        .is_some_and(|(_, mut params)| params.any(|p| p.secret && p.value == Some(REDACTED)));
+    in_query || userinfo(url).is_some_and(|(_, password, _)| password == REDACTED)
 }
 
 /// `scheme://user`, the password and what follows the userinfo, for a URL with a password.
