@@ -223,7 +223,9 @@ pub fn config(data: &[u8]) {
         use figment::providers::{Format, Toml};
         let figment = figment::Figment::from(Toml::string(text));
         let loaded = Config::from_figment(figment, Default::default());
-        if let Ok((config, sources)) = &loaded {
+        // (A document that writes the marker itself is refused where it is a secret, and
+        // would not read back where it is not.)
+        if let (Ok((config, sources)), false) = (&loaded, text.contains(crate::store::REDACTED)) {
             round_trips(config, sources);
         }
         let loaded = loaded.map(|(config, _)| config);
@@ -250,23 +252,22 @@ pub fn config(data: &[u8]) {
 /// What `check-config` prints for `config` reads back as the same configuration, which prints
 /// the same (a printed secret is refused, naming its field, as it cannot be read back).
 fn round_trips(config: &Config, sources: &crate::config::Sources) {
+    use crate::store::REDACTED;
+    use figment::providers::{Format, Toml};
     let printed = config.effective_toml(sources, "fuzz");
-    match Config::from_toml(&printed) {
-        Ok(again) => {
-            use figment::providers::{Format, Toml};
-            let figment = figment::Figment::from(Toml::string(&printed));
-            let (again_loaded, sources) = Config::from_figment(figment, Default::default())
-                .unwrap_or_else(|e| panic!("{e}\n{printed}"));
-            assert_eq!(format!("{config:?}"), format!("{again:?}"), "{printed}");
-            let reprinted = again_loaded.effective_toml(&sources, "fuzz");
-            let values = crate::config::effective_values;
-            assert_eq!(values(&printed), values(&reprinted));
-        }
-        Err(e) => assert!(
-            printed.contains(crate::store::REDACTED) && e.to_string().contains("redacted"),
-            "{e}\n{printed}"
-        ),
+    if let Err(e) = Config::from_toml(&printed) {
+        let refused = printed.contains(REDACTED) && e.to_string().contains("redacted");
+        assert!(refused, "{e}\n{printed}");
     }
+    // Every secret given again: the same configuration (whose Debug shows no secret).
+    let given = printed.replace(REDACTED, "a-secret-given-again-0123456789");
+    let figment = figment::Figment::from(Toml::string(&given));
+    let (again, sources) = Config::from_figment(figment, Default::default())
+        .unwrap_or_else(|e| panic!("{e}\n{given}"));
+    assert_eq!(format!("{config:?}"), format!("{again:?}"), "{given}");
+    let reprinted = again.effective_toml(&sources, "fuzz");
+    let values = crate::config::effective_values;
+    assert_eq!(values(&printed), values(&reprinted));
 }
 
 /// Whether a `*_file` field anywhere in `table` names an absolute path or climbs with `..`.
