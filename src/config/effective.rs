@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use super::policy::PolicyTable;
-use super::written::{text, Written};
+use super::written::Written;
 use super::{Config, Policy, StoreConfig};
 use crate::store::{redact_url_as, LocalCacheSettings, TlsFiles, REDACTED};
 
@@ -289,11 +289,7 @@ fn admin(out: &mut Out<'_>, config: &Config) {
     let listen = config.admin.listen.map(|a| a.to_string());
     out.optional("listen", listen, "no admin listener");
     match &config.admin.admin_token {
-        Some(_) => {
-            // `IDEMGATE_ADMIN_TOKEN` is short for `IDEMGATE_ADMIN__ADMIN_TOKEN`.
-            let source = out.given("admin_token").unwrap_or(Source::Default);
-            out.line("admin_token", text(REDACTED), source);
-        }
+        Some(_) => out.field("admin_token", REDACTED.to_string()),
         None => out.note("admin_token: none (the key API is off)"),
     }
 }
@@ -316,25 +312,25 @@ fn telemetry(out: &mut Out<'_>, config: &Config) {
 /// `[defaults]` and each route, every field written, each route's merged over `[defaults]`.
 fn policies(out: &mut Out<'_>, config: &Config) {
     let builtin = PolicyTable::written(&Policy::default());
+    let defaults = PolicyTable::written(&config.defaults);
     out.table("[defaults]", &["defaults"]);
-    for ((field, value), (_, default)) in PolicyTable::written(&config.defaults)
-        .into_iter()
-        .zip(&builtin)
-    {
-        let source = out.given(field).unwrap_or(match value == *default {
+    for ((field, value), (_, default)) in defaults.iter().zip(&builtin) {
+        let source = out.given(field).unwrap_or(match value == default {
             true => Source::Default,
             false => Source::Derived,
         });
-        out.line(field, value, source);
+        out.line(field, value.clone(), source);
     }
-    let defaults = PolicyTable::written(&config.defaults);
     for (i, route) in config.routes.iter().enumerate() {
         let index = i.to_string();
         out.table("[[routes]]", &["routes", &index]);
         out.field("path", route.path.clone());
         let fields = PolicyTable::written(&route.policy);
         for ((field, value), (_, inherited)) in fields.into_iter().zip(&defaults) {
-            if not_for_the_route(&route.policy, field, &value) && value == *inherited {
+            if field == "keyed_methods"
+                && route.policy.keyed_methods_unread()
+                && value == *inherited
+            {
                 // The value is [defaults]' (a string in it may print over several lines).
                 let why = "not read where protocol = \"http\"";
                 out.note(&format!("{field}: as in [defaults] ({why})"));
@@ -360,14 +356,6 @@ pub(crate) fn values(printed: &str) -> Vec<&str> {
         .filter(|l| !l.starts_with('#'))
         .map(|l| l.rsplit_once("  # ").map_or(l, |(line, _)| line))
         .collect()
-}
-
-/// Whether a route of `policy` may not name `field` with `value`, which it then holds from
-/// `[defaults]`: a non-empty `keyed_methods` where the protocol is not JSON-RPC (the reader
-/// refuses it there, as it would do nothing).
-fn not_for_the_route(policy: &Policy, field: &str, value: &toml::Value) -> bool {
-    let empty = value.as_array().is_some_and(Vec::is_empty);
-    field == "keyed_methods" && !empty && !policy.protocol.is_jsonrpc()
 }
 
 #[cfg(test)]

@@ -485,10 +485,7 @@ fn policies(
         let policy = table
             .merged_over(over.clone())
             .with_protocol_defaults(given);
-        if table.sets("keyed_methods")
-            && !policy.keyed_methods.is_empty()
-            && !policy.protocol.is_jsonrpc()
-        {
+        if table.sets("keyed_methods") && policy.keyed_methods_unread() {
             let reason = "applies only where protocol = \"jsonrpc\" or \"mcp\"";
             return Err(invalid(format!("{at}.keyed_methods"), reason));
         }

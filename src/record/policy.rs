@@ -388,6 +388,12 @@ impl Policy {
         .map(|(field, _)| field)
     }
 
+    /// Whether the policy holds `keyed_methods` that its protocol never reads (it is not
+    /// JSON-RPC): a route may not name them, as they would do nothing.
+    pub(crate) fn keyed_methods_unread(&self) -> bool {
+        !self.keyed_methods.is_empty() && !self.protocol.is_jsonrpc()
+    }
+
     /// Whether a request without a key header may carry its key in the body (a JSON-RPC
     /// route reads every POST body: whether it is keyed is in it).
     pub fn keys_from_body(&self) -> bool {
