@@ -126,7 +126,8 @@ fn query_params(url: &str) -> Option<(&str, impl Iterator<Item = QueryParam<'_>>
         let (name, value) = param
             .split_once('=')
             .map_or((param, None), |(n, v)| (n, Some(v)));
-        let secret = PASSWORD_PARAMS.contains(&decoded(name).as_str());
+        let decoded = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+        let secret = PASSWORD_PARAMS.contains(&decoded.as_ref());
         QueryParam {
             name,
             value,
@@ -134,25 +135,6 @@ fn query_params(url: &str) -> Option<(&str, impl Iterator<Item = QueryParam<'_>>
         }
     });
     Some((base, params))
-}
-
-/// `name` with its `%XX` escapes decoded.
-fn decoded(name: &str) -> String {
-    let mut parts = name.split('%');
-    let mut out = parts.next().unwrap_or_default().as_bytes().to_vec();
-    for part in parts {
-        match part.get(..2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
-            Some(byte) => {
-                out.push(byte);
-                out.extend_from_slice(part.get(2..).unwrap_or_default().as_bytes());
-            }
-            None => {
-                out.push(b'%');
-                out.extend_from_slice(part.as_bytes());
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Why a secret that is the [`REDACTED`] marker is refused.
